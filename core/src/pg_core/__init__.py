@@ -1,0 +1,52 @@
+"""pg-core: object-oriented, global-state-free process groups for PyTorch."""
+
+from __future__ import annotations
+
+from .backend import API_VERSION, Backend, BackendContext, BackendSpec, Capabilities
+from .errors import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    GroupClosedError,
+    NotSupportedError,
+    PeerFailureError,
+    PGError,
+    PluginConflictError,
+    PluginError,
+    PluginLoadError,
+    PluginVersionError,
+)
+from .ops import RedOpType, ReduceOp
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .work import Work
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "API_VERSION",
+    "Backend",
+    "BackendContext",
+    "BackendNotFoundError",
+    "BackendSpec",
+    "BackendUnavailableError",
+    "Capabilities",
+    "CollectiveMismatchError",
+    "CollectiveTimeout",
+    "FileStore",
+    "GroupClosedError",
+    "HashStore",
+    "NotSupportedError",
+    "PGError",
+    "PeerFailureError",
+    "PluginConflictError",
+    "PluginError",
+    "PluginLoadError",
+    "PluginVersionError",
+    "PrefixStore",
+    "RedOpType",
+    "ReduceOp",
+    "Store",
+    "TCPStore",
+    "Work",
+]

@@ -1,0 +1,437 @@
+"""The plugin contract: everything a backend author needs, in one file.
+
+A backend is a class derived from :class:`Backend`, described by a
+:class:`BackendSpec` that a plugin distribution returns from its
+``pg_core_backends()`` hook (entry-point group ``pg_core.backends``).
+
+**What the core guarantees before it calls a backend method**
+
+* Arguments are validated: ranks are in ``range(size)``, list lengths equal the
+  group size, shapes and dtypes agree where the operation needs them to, every
+  tensor of one call is on the same device (the backend's), user tags are
+  ``>= 0``.
+* The (op, dtype, reduce op) combination is one the backend declared in its
+  :class:`Capabilities`; anything else raised :class:`~pg_core.errors.NotSupportedError`
+  in the core, and the backend never sees it.
+* Tensors are contiguous (the core stages non-contiguous ones and copies results
+  back). Lists are Python lists. ``timeout`` is a positive number of seconds
+  already resolved from the call or the group default.
+* Calls come in the same order on every rank of the group (for collectives), one
+  at a time per backend instance for collectives, from one thread at a time;
+  ``isend``/``irecv`` and ``send``/``recv`` may come from any thread while a
+  collective runs on another.
+* ``ReduceOp.PREMUL_SUM`` and ``AVG`` reach the backend only if declared; the
+  default algorithms implement them.
+
+**What a backend guarantees back**
+
+* Blocking methods return only when the operation is complete *on this rank*:
+  for ``send``, the tensor may be reused; for everything else, outputs hold their
+  final values.
+* ``send`` must not wait for the receiver to post its ``recv`` (buffer eagerly,
+  or let a progress thread drain incoming data); otherwise override ``isend`` and
+  ``irecv`` with truly asynchronous versions, because the default collectives
+  send and receive at once (``sendrecv``).
+* ``send``/``recv`` match on (peer, tag), in order per (peer, tag). Negative
+  tags are used by the core's own algorithms; they follow the same rule.
+* Errors are pg-core's: :class:`~pg_core.errors.CollectiveTimeout` when
+  ``timeout`` passes, :class:`~pg_core.errors.PeerFailureError` when a peer is
+  gone (promptly, not at the timeout),
+  :class:`~pg_core.errors.CollectiveMismatchError` when the backend can see that
+  ranks disagree, :class:`~pg_core.errors.GroupClosedError` after ``abort``.
+* All reduce results are bitwise identical on every rank.
+* ``shutdown`` releases every thread, socket and process the backend started;
+  ``abort`` does so at once and makes operations blocked in other threads raise.
+
+Only ``send`` and ``recv`` are required: every collective has a default in
+:mod:`pg_core.algorithms` written on them, so two methods make a complete,
+correct backend. Override what your hardware does better.
+"""
+
+from __future__ import annotations
+
+import importlib
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from . import algorithms
+from .errors import NotSupportedError
+from .ops import OPS, RedOpType, ReduceOp
+from .work import Work
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+__all__ = [
+    "API_VERSION",
+    "Backend",
+    "BackendContext",
+    "BackendSpec",
+    "Capabilities",
+    "DTYPES",
+    "default_reduce_ops",
+]
+
+#: The version of this contract, ``"MAJOR.MINOR"``. A plugin declaring another
+#: major version is refused with :class:`~pg_core.errors.PluginVersionError`.
+API_VERSION: Final[str] = "1.0"
+
+#: Every dtype a backend may declare.
+DTYPES: Final[tuple[torch.dtype, ...]] = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+)
+
+_FLOAT_OPS = frozenset(
+    {RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.AVG, RedOpType.PREMUL_SUM}
+)
+_COMPLEX_OPS = frozenset({RedOpType.SUM, RedOpType.PRODUCT, RedOpType.AVG, RedOpType.PREMUL_SUM})
+_INT_OPS = frozenset(
+    {RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}
+)
+_BOOL_OPS = frozenset({RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR})
+
+
+def default_reduce_ops(dtype: torch.dtype) -> frozenset[RedOpType]:
+    """The reduce ops that make sense for ``dtype``, as the default algorithms implement them.
+
+    Floating point: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM. Complex: SUM,
+    PRODUCT, AVG, PREMUL_SUM (no ordering). Integers: SUM, PRODUCT, MIN, MAX and
+    the bitwise ops (no AVG: it would not be an integer). Bool: MIN, MAX and the
+    bitwise ops (use BOR for "any", BAND for "all").
+    """
+    if dtype == torch.bool:
+        return _BOOL_OPS
+    if dtype.is_complex:
+        return _COMPLEX_OPS
+    if dtype.is_floating_point:
+        return _FLOAT_OPS
+    return _INT_OPS
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports on one device type: data that the dispatcher
+    enforces and the conformance suite reads.
+
+    ``reduce_ops`` maps a dtype to the reduce ops allowed for it; dtypes missing
+    from it get :func:`default_reduce_ops`.
+    """
+
+    ops: frozenset[str] = frozenset(OPS)
+    dtypes: frozenset[torch.dtype] = frozenset(DTYPES)
+    reduce_ops: Mapping[torch.dtype, frozenset[RedOpType]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.ops) - set(OPS)
+        if unknown:
+            raise ValueError(f"Capabilities name unknown ops {sorted(unknown)}; known ops: {', '.join(OPS)}")
+        object.__setattr__(self, "ops", frozenset(self.ops))
+        object.__setattr__(self, "dtypes", frozenset(self.dtypes))
+        object.__setattr__(self, "reduce_ops", {d: frozenset(r) for d, r in self.reduce_ops.items()})
+
+    def reduce_ops_for(self, dtype: torch.dtype) -> frozenset[RedOpType]:
+        """The reduce ops declared for ``dtype`` (empty if the dtype is not declared)."""
+        if dtype not in self.dtypes:
+            return frozenset()
+        return self.reduce_ops.get(dtype, default_reduce_ops(dtype))
+
+    def why_not(
+        self, op: str, dtype: torch.dtype | None = None, reduce_op: ReduceOp | RedOpType | None = None
+    ) -> str | None:
+        """``None`` if the combination is declared, else the reason it is not."""
+        if op not in self.ops:
+            return f"op {op!r} is not supported"
+        if dtype is not None and dtype not in self.dtypes:
+            return f"dtype {dtype} is not supported (declared: {', '.join(sorted(map(str, self.dtypes)))})"
+        if reduce_op is not None:
+            kind = reduce_op.type if isinstance(reduce_op, ReduceOp) else reduce_op
+            if dtype is not None and kind not in self.reduce_ops_for(dtype):
+                allowed = ", ".join(sorted(t.name for t in self.reduce_ops_for(dtype)))
+                return f"reduce op {kind.name} is not supported for {dtype} (supported: {allowed or 'none'})"
+        return None
+
+    def supports(
+        self, op: str, dtype: torch.dtype | None = None, reduce_op: ReduceOp | RedOpType | None = None
+    ) -> bool:
+        return self.why_not(op, dtype, reduce_op) is None
+
+
+Factory = Callable[["BackendContext"], "Backend"]
+
+
+def _always_available() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """How the registry knows a backend without importing it.
+
+    ``factory`` is a ``Backend`` subclass, any callable taking a
+    :class:`BackendContext`, or a ``"module:attr"`` string imported on first use
+    (so listing backends never imports CUDA or MPI). ``capabilities`` is one
+    :class:`Capabilities` for every device or a mapping from device type to one.
+    ``is_available()`` returns ``None`` or the reason the backend cannot run
+    here. Higher ``priority`` wins when the user does not name a backend.
+    ``distribution`` and ``version`` are filled in by the registry.
+    """
+
+    name: str
+    factory: str | Factory
+    devices: tuple[str, ...]
+    capabilities: Capabilities | Mapping[str, Capabilities] = field(default_factory=Capabilities)
+    priority: int = 0
+    api_version: str = API_VERSION
+    is_available: Callable[[], str | None] = _always_available
+    description: str = ""
+    distribution: str | None = None
+    version: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str) or any(c in self.name for c in ",:@ \t"):
+            raise ValueError(f"backend name must be a non-empty string without ',:@' or spaces, got {self.name!r}")
+        devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
+        if not devices:
+            raise ValueError(f"backend {self.name!r} declares no devices")
+        object.__setattr__(self, "devices", devices)
+        caps = self.capabilities
+        if isinstance(caps, Capabilities):
+            caps = {d: caps for d in devices}
+        missing = [d for d in devices if d not in caps]
+        if missing:
+            raise ValueError(f"backend {self.name!r} declares no capabilities for devices {missing}")
+        object.__setattr__(self, "capabilities", dict(caps))
+
+    def capabilities_for(self, device: str) -> Capabilities:
+        caps = self.capabilities
+        assert not isinstance(caps, Capabilities)  # normalised in __post_init__
+        try:
+            return caps[device]
+        except KeyError:
+            raise NotSupportedError(
+                f"backend {self.name!r} does not support device {device!r} (it declares {', '.join(self.devices)})"
+            ) from None
+
+    def load_factory(self) -> Factory:
+        """The factory, importing a ``"module:attr"`` string now."""
+        if not isinstance(self.factory, str):
+            return self.factory
+        module_name, _, attr = self.factory.partition(":")
+        if not attr:
+            raise ValueError(f"backend {self.name!r}: factory {self.factory!r} is not 'module:attr'")
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        return obj  # type: ignore[no-any-return]
+
+    def why_unavailable(self) -> str | None:
+        """``is_available()``, with an exception turned into its reason."""
+        try:
+            return self.is_available()
+        except Exception as exc:  # a plugin's probe must not take the caller down
+            return f"is_available() raised {type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """Everything a backend instance gets from the core.
+
+    ``store`` is already prefixed for this group formation, device and backend:
+    keys a backend writes never collide with another group's or backend's.
+    ``rank``/``size`` are group ranks. ``device`` is the first tensor's device.
+    ``timeout`` is the group's default per-operation timeout in seconds.
+    ``group_uid`` is unique per formation of the group (a re-formed group with the
+    same name gets a new one). ``options`` are the user's ``options=`` for this
+    backend.
+    """
+
+    store: Store
+    rank: int
+    size: int
+    device: torch.device
+    timeout: float
+    group_name: str
+    group_uid: str
+    backend_name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def store_timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout)
+
+
+class Backend:
+    """Base class of every backend. See the module docstring for the contract.
+
+    Subclasses implement ``send`` and ``recv`` (required) and may override any
+    collective, ``isend``/``irecv``, ``send_bytes``/``recv_bytes``, ``shutdown``
+    and ``abort``. Every method receives ``timeout`` in seconds.
+    """
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.size = ctx.size
+        self._helpers: dict[str, _Helper] = {}
+        self._helpers_lock = threading.Lock()
+
+    # -- required --------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        """Send ``tensor`` to group rank ``dst``; return once ``tensor`` may be reused."""
+        raise NotImplementedError(f"{type(self).__name__} must implement send()")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        """Receive the next message from ``src`` with ``tag`` into ``tensor``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement recv()")
+
+    # -- optional: asynchronous point to point ---------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        """Start a send. Default: ``send`` on a helper thread (one per backend, FIFO)."""
+        return self._helper("send").submit("send", lambda: self.send(tensor, dst, tag, timeout=timeout))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        """Start a receive. Default: ``recv`` on a helper thread (one per backend, FIFO)."""
+        return self._helper("recv").submit("recv", lambda: self.recv(tensor, src, tag, timeout=timeout))
+
+    # -- optional: variable-size messages --------------------------------------
+    def send_bytes(self, data: bytes | bytearray | memoryview, dst: int, tag: int, *, timeout: float) -> None:
+        """Send a message whose size the receiver does not know. Optional."""
+        raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        """Receive a message sent with ``send_bytes``. Optional."""
+        raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
+
+    @property
+    def supports_bytes(self) -> bool:
+        """Whether this backend overrides ``send_bytes``/``recv_bytes``."""
+        return type(self).send_bytes is not Backend.send_bytes and type(self).recv_bytes is not Backend.recv_bytes
+
+    # -- collectives: defaults from pg_core.algorithms --------------------------
+    def channel(self, timeout: float) -> algorithms.Channel:
+        """The point-to-point channel the default collectives run on.
+
+        Override to stamp messages with your own framing (pg-tcp does, to detect
+        mismatched collectives). The default uses ``send``/``recv``/``isend`` with
+        the reserved tag :data:`pg_core.algorithms.COLLECTIVE_TAG`.
+        """
+        return algorithms.BackendChannel(self, timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        algorithms.all_reduce(self.channel(timeout), tensor, op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        algorithms.broadcast(self.channel(timeout), tensor, src)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+        algorithms.reduce(self.channel(timeout), tensor, dst, op)
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+        algorithms.all_gather(self.channel(timeout), output_list, tensor)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+        algorithms.all_gather_into_tensor(self.channel(timeout), output, input)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
+    ) -> None:
+        algorithms.reduce_scatter(self.channel(timeout), output, input_list, op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        algorithms.reduce_scatter_tensor(self.channel(timeout), output, input, op)
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+        algorithms.all_to_all(self.channel(timeout), output_list, input_list)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        *,
+        timeout: float,
+    ) -> None:
+        """``*_split_sizes`` are always explicit lists of dim-0 sizes (the core fills them in)."""
+        algorithms.all_to_all_single(self.channel(timeout), output, input, output_split_sizes, input_split_sizes)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
+        """``gather_list`` is a list on ``dst`` and ``None`` elsewhere."""
+        algorithms.gather(self.channel(timeout), tensor, gather_list, dst)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float) -> None:
+        """``scatter_list`` is a list on ``src`` and ``None`` elsewhere."""
+        algorithms.scatter(self.channel(timeout), tensor, scatter_list, src)
+
+    def barrier(self, *, timeout: float) -> None:
+        algorithms.barrier(self.channel(timeout))
+
+    # -- life --------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release everything this backend holds, after pending work drained."""
+        self._stop_helpers()
+
+    def abort(self) -> None:
+        """Release everything now; operations blocked in other threads must raise."""
+        self._stop_helpers()
+
+    # -- helpers for the default isend/irecv ----------------------------------
+    def _helper(self, kind: str) -> _Helper:
+        with self._helpers_lock:
+            helper = self._helpers.get(kind)
+            if helper is None:
+                helper = self._helpers[kind] = _Helper(f"pg-core-{self.ctx.group_name}-{kind}")
+            return helper
+
+    def _stop_helpers(self) -> None:
+        with self._helpers_lock:
+            helpers, self._helpers = list(self._helpers.values()), {}
+        for helper in helpers:
+            helper.stop()
+
+
+class _Helper:
+    """One daemon thread running submitted calls in order, each completing a Work."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Work, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, op: str, fn: Callable[[], None]) -> Work:
+        work = Work(op)
+        self._queue.put((work, fn))
+        return work
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, fn = item
+            try:
+                fn()
+            except BaseException as exc:
+                work.set_exception(exc)
+            else:
+                work.set_result(None)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+

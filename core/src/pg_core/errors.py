@@ -1,0 +1,110 @@
+"""Every error pg-core raises on purpose derives from :class:`PGError`.
+
+Local validation failures (a rank out of range, a list of the wrong length, a
+wrong type) are plain :class:`ValueError` / :class:`TypeError`, raised before any
+byte is sent, because that is what a Python user catches for bad arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+__all__ = [
+    "BackendNotFoundError",
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CollectiveTimeout",
+    "GroupClosedError",
+    "NotSupportedError",
+    "PGError",
+    "PeerFailureError",
+    "PluginConflictError",
+    "PluginError",
+    "PluginLoadError",
+    "PluginVersionError",
+]
+
+
+class PGError(Exception):
+    """Base class of every pg-core error."""
+
+
+class BackendNotFoundError(PGError, LookupError):
+    """No installed plugin provides the requested backend name."""
+
+
+class BackendUnavailableError(PGError):
+    """The backend is installed but cannot run here (no CUDA, no MPI launch, ...)."""
+
+
+class PluginError(PGError):
+    """A plugin distribution is broken; the message names the distribution."""
+
+    def __init__(self, message: str, *, distribution: str | None = None) -> None:
+        super().__init__(message)
+        self.distribution = distribution
+
+
+class PluginLoadError(PluginError):
+    """Importing a plugin's entry point, or calling its hook, failed."""
+
+
+class PluginConflictError(PluginError):
+    """Two distributions provide a backend of the same name and none is pinned."""
+
+    def __init__(self, message: str, *, name: str, distributions: Sequence[str]) -> None:
+        super().__init__(message, distribution=", ".join(distributions))
+        self.name = name
+        self.distributions = tuple(distributions)
+
+
+class PluginVersionError(PluginError):
+    """A plugin was written for another major version of the backend API."""
+
+
+class NotSupportedError(PGError):
+    """The op / device / dtype / reduce op is outside the backend's declared capabilities.
+
+    Raised locally, before anything is sent.
+    """
+
+
+class GroupClosedError(PGError, RuntimeError):
+    """The group (or backend) was shut down or aborted."""
+
+
+class PeerFailureError(PGError, ConnectionError):
+    """A peer died or closed its connection while this rank depended on it."""
+
+    def __init__(self, message: str, *, peers: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.peers = tuple(sorted(set(peers)))
+
+
+class CollectiveMismatchError(PGError):
+    """Ranks called different ops, shapes, dtypes or roots at the same sequence number."""
+
+    def __init__(self, message: str, *, peers: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.peers = tuple(sorted(set(peers)))
+
+
+class CollectiveTimeout(PGError, TimeoutError):
+    """An operation exceeded its timeout.
+
+    ``op`` is the operation's name, ``seq`` its sequence number in its group (or
+    ``None`` where unknown) and ``peers`` the group ranks not heard from.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        op: str | None = None,
+        seq: int | None = None,
+        peers: Iterable[int] = (),
+    ) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.peers = tuple(sorted(set(peers)))

@@ -1,0 +1,136 @@
+"""``Work``: the handle of an operation started with ``async_op=True``.
+
+A ``Work`` is completed exactly once, by whoever runs the operation (the group's
+progress thread, or a backend's transport), with a result or an exception.
+``wait`` re-raises that exception in the caller's thread. Backends return
+``Work`` objects from their asynchronous methods too, so this one class is the
+whole vocabulary of asynchrony between core, plugins and users.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CollectiveTimeout
+
+__all__ = ["Work"]
+
+#: ``driver(work, timeout)`` makes progress on ``work`` for at most ``timeout``
+#: seconds (``0``: only what is ready now) and returns; it never raises for the
+#: operation's own failure, which it records on the work instead.
+Driver = Callable[["Work", float], None]
+
+
+class Work:
+    """Completion handle of one asynchronous operation.
+
+    ``op`` names the operation for error messages. A transport that completes
+    operations only while someone drives it passes ``driver``; ``wait`` and
+    ``is_completed`` then call it, so polling ``is_completed()`` makes progress
+    the way ``MPI_Test`` does.
+    """
+
+    __slots__ = ("_callbacks", "_cond", "_done", "_driver", "_exc", "_result", "op")
+
+    def __init__(self, op: str = "operation", *, driver: Driver | None = None) -> None:
+        self.op = op
+        self._driver = driver
+        self._cond = threading.Condition(threading.Lock())
+        self._done = False
+        self._result: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[[Work], None]] = []
+
+    # -- producer side -------------------------------------------------------
+    @classmethod
+    def completed(cls, op: str = "operation", result: Any = None) -> Work:
+        """A work that is already done (for operations that finished inline)."""
+        work = cls(op)
+        work.set_result(result)
+        return work
+
+    def set_result(self, result: Any = None) -> None:
+        """Complete successfully with ``result``; a second completion is ignored."""
+        self._finish(result, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Complete with ``exc``, which ``wait`` re-raises; a second completion is ignored."""
+        self._finish(None, exc)
+
+    def add_done_callback(self, fn: Callable[[Work], None]) -> None:
+        """Call ``fn(work)`` once the work completes (at once if it already has)."""
+        with self._cond:
+            if not self._done:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, result: Any, exc: BaseException | None) -> None:
+        with self._cond:
+            if self._done:
+                return
+            self._result, self._exc, self._done = result, exc, True
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for fn in callbacks:
+            fn(self)
+
+    # -- consumer side -------------------------------------------------------
+    def is_completed(self) -> bool:
+        """Whether the operation finished (successfully or not); never blocks."""
+        if not self._done and self._driver is not None:
+            self._driver(self, 0.0)
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation finishes; re-raise its error.
+
+        ``timeout`` (seconds) bounds this wait only; the operation keeps its own
+        timeout. Exceeding it raises :class:`~pg_core.errors.CollectiveTimeout`.
+        Returns ``True``, as ``torch.distributed.Work.wait`` does.
+        """
+        if not self._wait_done(timeout):
+            raise CollectiveTimeout(
+                f"{self.op}: Work.wait(timeout={timeout}) expired before the operation finished",
+                op=self.op,
+            )
+        if self._exc is not None:
+            raise self._exc
+        return True
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the operation, then return its error (``None`` if it succeeded)."""
+        if not self._wait_done(timeout):
+            raise CollectiveTimeout(f"{self.op}: not finished after {timeout} s", op=self.op)
+        return self._exc
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the operation and return its value (``None`` for in-place ops)."""
+        self.wait(timeout)
+        return self._result
+
+    def _wait_done(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            if self._driver is not None:
+                self._driver(self, 1.0 if remaining is None else min(remaining, 1.0))
+                continue
+            with self._cond:
+                if not self._done:
+                    self._cond.wait(None if remaining is None else remaining)
+        return True
+
+    def __repr__(self) -> str:
+        if not self._done:
+            state = "pending"
+        elif self._exc is not None:
+            state = f"failed: {type(self._exc).__name__}"
+        else:
+            state = "completed"
+        return f"<Work {self.op} {state}>"
