@@ -1,0 +1,368 @@
+"""A persistent pool of rank processes that runs test functions on every rank.
+
+Tests of a process-group library must run in real processes talking over real
+sockets, and starting a Python process that imports torch costs seconds. A
+``RankPool`` starts ``world_size`` worker processes once, hosts a ``TCPStore``
+for them, and then runs one function on every rank per call::
+
+    pool = RankPool(4)
+    results = pool.run(body, 8, timeout=60)   # body(ctx, 8) on ranks 0..3
+
+Every call gets a fresh store namespace (``ctx.store``), so calls never see each
+other's keys. Guarantees:
+
+* a call never outlives its ``timeout``: past it, every rank's Python stacks are
+  dumped (faulthandler), the workers are killed, :class:`RanksFailed` carries the
+  dumps, and the next call starts fresh workers;
+* a rank that raises fails the call with its traceback; a rank that dies fails
+  it too, unless it is listed in ``may_exit``;
+* a rank that leaves threads or sockets behind after the function returned
+  fails the call (``check_leaks``), because ``shutdown()`` must release
+  everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import os
+import pickle
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any
+
+__all__ = ["RankContext", "RankPool", "RanksFailed"]
+
+_LEAK_GRACE_S = 5.0
+
+
+@dataclasses.dataclass
+class RankContext:
+    """What a rank function receives: its rank, the world size, a store namespace
+    private to this call, and a suggested per-operation timeout in seconds."""
+
+    rank: int
+    size: int
+    store: Any
+    timeout: float
+    job: int
+
+
+class RanksFailed(AssertionError):
+    """A pool call failed on at least one rank; the message has every rank's story."""
+
+    def __init__(self, message: str, outcomes: dict[int, str]) -> None:
+        super().__init__(message)
+        self.outcomes = outcomes
+
+
+def _fn_ref(fn: Callable[..., Any]) -> tuple[str, str, str | None]:
+    try:
+        path: str | None = sys.modules[fn.__module__].__file__
+    except (KeyError, AttributeError):
+        path = None
+    return fn.__module__, fn.__qualname__, path
+
+
+def _resolve(ref: tuple[str, str, str | None]) -> Callable[..., Any]:
+    module_name, qualname, path = ref
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            if path is None:
+                raise
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            if spec is None or spec.loader is None:
+                raise
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+class RankPool:
+    """``world_size`` persistent worker processes; see the module docstring."""
+
+    def __init__(self, world_size: int, *, op_timeout: float = 30.0, env: dict[str, str] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.op_timeout = op_timeout
+        self._env = env or {}
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        self._logs: list[str] = []
+        self._store: Any = None
+        self._jobs = 0
+        self._lock = threading.Lock()
+        self._tmp = tempfile.mkdtemp(prefix="pg-core-pool-")
+
+    # -- lifecycle ---------------------------------------------------------------
+    def _start(self) -> None:
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        try:
+            env = dict(os.environ)
+            env.update(self._env)
+            env["PG_CORE_POOL_AUTHKEY"] = authkey.hex()
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+            host, port = listener.address
+            self._logs = [os.path.join(self._tmp, f"rank{r}.log") for r in range(self.world_size)]
+            for rank in range(self.world_size):
+                with open(self._logs[rank], "wb") as log:
+                    self._procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-m", "pg_core.testing.pool", host, str(port), str(rank),
+                             str(self.world_size), str(self._store.port)],
+                            env=env,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+            conns: dict[int, Connection] = {}
+            deadline = time.monotonic() + 120.0
+            listener._listener._socket.settimeout(1.0)  # type: ignore[attr-defined]
+            while len(conns) < self.world_size:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank processes did not start within 120 s:\n{self._tails()}")
+                for rank, proc in enumerate(self._procs):
+                    if proc.poll() is not None and rank not in conns:
+                        raise RuntimeError(f"rank {rank} exited with {proc.returncode} at start:\n{self._tails()}")
+                try:
+                    conn = listener.accept()
+                except (TimeoutError, OSError):
+                    continue
+                rank = conn.recv()
+                conns[rank] = conn
+            self._conns = [conns[r] for r in range(self.world_size)]
+        except BaseException:
+            listener.close()
+            self._kill()
+            raise
+        listener.close()
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and the store."""
+        with self._lock:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+            for proc in self._procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self._kill()
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _tails(self, ranks: Iterable[int] | None = None, limit: int = 4000) -> str:
+        out = []
+        for rank in ranks if ranks is not None else range(len(self._logs)):
+            try:
+                with open(self._logs[rank], "rb") as f:
+                    f.seek(0, os.SEEK_END)
+                    size = f.tell()
+                    f.seek(max(0, size - limit))
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                text = ""
+            if text.strip():
+                out.append(f"--- rank {rank} output (tail) ---\n{text}")
+        return "\n".join(out)
+
+    # -- running -----------------------------------------------------------------
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = 120.0,
+        may_exit: Iterable[int] = (),
+        check_leaks: bool = True,
+    ) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank; return the per-rank results."""
+        may_exit = set(may_exit)
+        with self._lock:
+            if not self._procs:
+                self._start()
+            self._jobs += 1
+            job = self._jobs
+            for log in self._logs:  # each job's output starts clean
+                with open(log, "wb"):
+                    pass
+            payload = pickle.dumps(("run", job, _fn_ref(fn), args, self.op_timeout, check_leaks))
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            results: dict[int, Any] = {}
+            outcomes: dict[int, str] = {}
+            pending = dict(enumerate(self._conns))
+            deadline = time.monotonic() + timeout
+            while pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                for conn in wait(list(pending.values()), timeout=remaining):
+                    rank = next(r for r, c in pending.items() if c is conn)
+                    del pending[rank]
+                    try:
+                        status, value = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        if rank in may_exit:
+                            results[rank] = None
+                        else:
+                            code = self._procs[rank].wait()
+                            outcomes[rank] = f"died (exit code {code})"
+                        continue
+                    if status == "ok":
+                        results[rank] = value
+                    else:
+                        outcomes[rank] = value
+            died = any(self._procs[r].poll() is not None for r in range(self.world_size))
+            if pending:
+                stacks = self._dump_stacks(list(pending))
+                for rank in pending:
+                    outcomes[rank] = f"did not finish within {timeout:g} s; its stacks:\n{stacks.get(rank, '')}"
+                self._kill()
+            elif died:
+                self._kill()  # a rank is gone: the next call starts a fresh pool
+            if outcomes:
+                lines = [f"{fn.__qualname__} failed on {len(outcomes)} of {self.world_size} ranks (job {job}):"]
+                for rank in sorted(outcomes):
+                    lines.append(f"=== rank {rank}: {outcomes[rank]}")
+                tails = self._tails(sorted(outcomes)) if self._logs else ""
+                raise RanksFailed("\n".join(lines) + ("\n" + tails if tails else ""), outcomes)
+            return [results.get(r) for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        sizes = {}
+        for rank in ranks:
+            proc = self._procs[rank]
+            sizes[rank] = os.path.getsize(self._logs[rank])
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGUSR1)
+        # faulthandler writes from its signal handler; wait (bounded) until each log stops growing.
+        deadline = time.monotonic() + 3.0
+        last = dict(sizes)
+        stable: dict[int, int] = {}
+        while time.monotonic() < deadline and len(stable) < len(ranks):
+            time.sleep(0.1)
+            for rank in ranks:
+                now = os.path.getsize(self._logs[rank])
+                if now > sizes[rank] and now == last[rank]:
+                    stable[rank] = now
+                last[rank] = now
+        dumps: dict[int, str] = {}
+        for rank in ranks:
+            with open(self._logs[rank], "rb") as f:
+                f.seek(sizes[rank])
+                dumps[rank] = f.read().decode(errors="replace")
+        return dumps
+
+
+# -- the worker side ---------------------------------------------------------------
+
+
+def _socket_fds() -> set[str]:
+    fds = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith("socket:"):
+                    fds.add(f"{fd}->{target}")
+    return fds
+
+
+def _leaks(threads_before: set[threading.Thread], fds_before: set[str]) -> str | None:
+    deadline = time.monotonic() + _LEAK_GRACE_S
+    while True:
+        extra = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        fds = _socket_fds() - fds_before
+        if not extra and not fds:
+            return None
+        if time.monotonic() > deadline:
+            return f"leaked threads {[t.name for t in extra]} and sockets {sorted(fds)}"
+        for t in extra:
+            t.join(timeout=0.1)
+        if not extra:
+            time.sleep(0.05)
+
+
+def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None:
+    import faulthandler
+
+    import torch
+    from torch.distributed import PrefixStore, TCPStore
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    torch.set_num_threads(1)
+    conn = Client((host, port), authkey=bytes.fromhex(os.environ["PG_CORE_POOL_AUTHKEY"]))
+    conn.send(rank)
+    base = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        message = pickle.loads(raw)
+        if message is None:
+            return
+        _, job, ref, args, op_timeout, check_leaks = message
+        threads_before = set(threading.enumerate())
+        fds_before = _socket_fds()
+        ctx = RankContext(rank, size, PrefixStore(f"pool/job{job}", base), op_timeout, job)
+        try:
+            fn = _resolve(ref)
+            reply: tuple[str, Any] = ("ok", fn(ctx, *args))
+        except BaseException as exc:
+            reply = ("error", f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        if reply[0] == "ok" and check_leaks:
+            leak = _leaks(threads_before, fds_before)
+            if leak is not None:
+                reply = ("error", f"returned, but {leak}")
+        try:
+            data = pickle.dumps(reply)
+        except Exception as exc:
+            data = pickle.dumps(("error", f"result is not picklable: {exc!r}"))
+        conn.send_bytes(data)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

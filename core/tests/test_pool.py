@@ -1,0 +1,73 @@
+"""The rank-process pool that every multi-rank test runs on must itself be trustworthy:
+results come back per rank, failures carry tracebacks, hangs end with stack dumps,
+deaths and leaks are reported."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from pg_core.testing.pool import RanksFailed
+
+
+def exchange(ctx, x):
+    ctx.store.set(f"k{ctx.rank}", str(ctx.rank * x))
+    peer = (ctx.rank + 1) % ctx.size
+    ctx.store.wait([f"k{peer}"])
+    return int(ctx.store.get(f"k{peer}"))
+
+
+def raise_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("planted failure")
+
+
+def hang_on_rank_0(ctx):
+    if ctx.rank == 0:
+        threading.Event().wait(100)
+
+
+def exit_on_rank_1(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+
+
+def leak_a_thread(ctx):
+    threading.Thread(target=time.sleep, args=(30,), daemon=True, name="leaky").start()
+
+
+def test_results_come_back_per_rank_and_store_namespaces_are_per_call(rank_pools):
+    pool = rank_pools(3)
+    assert pool.run(exchange, 10) == [10, 20, 0]
+    assert pool.run(exchange, 1) == [1, 2, 0]  # same keys, fresh namespace
+
+
+def test_an_exception_fails_the_call_with_its_traceback(rank_pools):
+    with pytest.raises(RanksFailed, match="rank 1: raised ValueError: planted failure") as info:
+        rank_pools(3).run(raise_on_rank_1)
+    assert set(info.value.outcomes) == {1}
+
+
+def test_a_hang_ends_at_the_timeout_with_stacks_and_the_pool_recovers(rank_pools):
+    pool = rank_pools(3)
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match=r"did not finish within 3 s(.|\n)*in hang_on_rank_0"):
+        pool.run(hang_on_rank_0, timeout=3)
+    assert time.monotonic() - start < 15
+    assert pool.run(exchange, 2) == [2, 4, 0]
+
+
+def test_deaths_are_reported_unless_expected(rank_pools):
+    pool = rank_pools(3)
+    assert pool.run(exit_on_rank_1, may_exit=[1]) == [None, None, None]
+    with pytest.raises(RanksFailed, match="rank 1: died"):
+        pool.run(exit_on_rank_1)
+    assert pool.run(exchange, 3) == [3, 6, 0]
+
+
+def test_leaked_threads_fail_the_call(rank_pools):
+    with pytest.raises(RanksFailed, match="leaked threads"):
+        rank_pools(2).run(leak_a_thread)
