@@ -17,6 +17,7 @@ from .errors import (
     PluginLoadError,
     PluginVersionError,
 )
+from .group import P2POp, ProcessGroup
 from .ops import RedOpType, ReduceOp
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .work import Work
@@ -37,6 +38,7 @@ __all__ = [
     "GroupClosedError",
     "HashStore",
     "NotSupportedError",
+    "P2POp",
     "PGError",
     "PeerFailureError",
     "PluginConflictError",
@@ -44,6 +46,7 @@ __all__ = [
     "PluginLoadError",
     "PluginVersionError",
     "PrefixStore",
+    "ProcessGroup",
     "RedOpType",
     "ReduceOp",
     "Store",

@@ -1,0 +1,314 @@
+"""The dispatcher and ProcessGroup's local behaviour, with in-process recording backends
+on two device types (cpu and meta): routing by device, lazy creation, validation and
+capability checks before the backend sees anything, staging, ordering, life cycle."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pg_core import (
+    Backend,
+    BackendContext,
+    Capabilities,
+    CollectiveTimeout,
+    GroupClosedError,
+    HashStore,
+    NotSupportedError,
+    ProcessGroup,
+    ReduceOp,
+)
+from pg_core.dispatch import parse_backends
+from pg_core.group import P2POp
+
+
+class Recorder(Backend):
+    """Records every call (op, device type, shapes); all_reduce adds 1 so results are visible."""
+
+    created: list[str] = []
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.log: list[tuple] = ctx.options["log"]
+        self.created.append(ctx.device.type)
+
+    def _rec(self, name, *tensors, **extra):
+        self.log.append((name, self.ctx.device.type, [tuple(t.shape) for t in tensors if t is not None], extra))
+        for t in tensors:
+            if t is not None:
+                assert t.is_contiguous(), f"{name} got a non-contiguous tensor"
+
+    def send(self, tensor, dst, tag, *, timeout):
+        self._rec("send", tensor, dst=dst, tag=tag)
+
+    def recv(self, tensor, src, tag, *, timeout):
+        self._rec("recv", tensor, src=src, tag=tag)
+        if tensor.device.type == "cpu":
+            tensor.fill_(7)
+
+    def all_reduce(self, tensor, op, *, timeout):
+        self._rec("all_reduce", tensor, op=op, timeout=timeout)
+        if tensor.device.type == "cpu":
+            tensor.add_(1)
+
+    def broadcast(self, tensor, src, *, timeout):
+        self._rec("broadcast", tensor, src=src)
+
+    def all_gather(self, output_list, tensor, *, timeout):
+        self._rec("all_gather", tensor, *output_list)
+        for o in output_list:
+            o.copy_(tensor)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, *, timeout):
+        self._rec("all_to_all_single", output, input, out=output_split_sizes, inp=input_split_sizes)
+
+    def gather(self, tensor, gather_list, dst, *, timeout):
+        self._rec("gather", tensor, *(gather_list or []), has_list=gather_list is not None)
+
+    def barrier(self, *, timeout):
+        self._rec("barrier")
+
+
+class CpuRecorder(Recorder):
+    name = "cpu-rec"
+    capabilities = Capabilities(dtypes=frozenset({torch.float32, torch.int64, torch.complex64}))
+
+
+class MetaRecorder(Recorder):
+    name = "meta-rec"
+    capabilities = Capabilities(ops=frozenset({"all_reduce", "send", "recv"}), dtypes=frozenset({torch.float32}))
+
+
+@pytest.fixture
+def log():
+    return []
+
+
+@pytest.fixture
+def group(log):
+    Recorder.created = []
+    g = ProcessGroup(
+        HashStore(),
+        rank=0,
+        size=2,
+        backends={"cpu": CpuRecorder, "meta": MetaRecorder},
+        options={"cpu-rec": {"log": log}, "meta-rec": {"log": log}},
+    )
+    yield g
+    g.abort()
+
+
+def test_each_device_type_goes_to_its_backend_created_on_first_use(group, log):
+    assert group.backends == {"cpu": "cpu-rec", "meta": "meta-rec"}
+    assert Recorder.created == []
+    group.all_reduce(torch.zeros(3, device="meta"))
+    assert Recorder.created == ["meta"]
+    t = torch.zeros(3)
+    group.all_reduce(t)
+    assert Recorder.created == ["meta", "cpu"]
+    assert [(op, dev) for op, dev, *_ in log] == [("all_reduce", "meta"), ("all_reduce", "cpu")]
+    assert t.tolist() == [1, 1, 1]
+    group.all_reduce(torch.zeros(2, device="meta"))
+    assert Recorder.created == ["meta", "cpu"]  # created once
+
+
+def test_capabilities_are_enforced_before_the_backend_is_called(group, log):
+    with pytest.raises(NotSupportedError, match="meta.*op 'broadcast' is not supported"):
+        group.broadcast(torch.zeros(2, device="meta"), src=0)
+    with pytest.raises(NotSupportedError, match="dtype torch.float64 is not supported"):
+        group.all_reduce(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(NotSupportedError, match="MAX is not supported for torch.complex64"):
+        group.all_reduce(torch.zeros(2, dtype=torch.complex64), ReduceOp.MAX)
+    with pytest.raises(NotSupportedError, match="AVG is not supported for torch.int64"):
+        group.all_reduce(torch.zeros(2, dtype=torch.int64), ReduceOp.AVG)
+    with pytest.raises(NotSupportedError, match="no backend for device type 'cuda'"):
+        group.supports("all_reduce", "cuda") or group._dispatch.check("all_reduce", "cuda", torch.float32)
+    assert log == []
+    assert group.supports("all_reduce", "cpu", torch.float32, ReduceOp.SUM)
+    assert not group.supports("all_reduce", "cpu", torch.complex64, ReduceOp.MAX)
+    assert group.supports("isend", "meta", torch.float32)
+    assert not group.supports("broadcast", "meta")
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda g: g.broadcast(torch.zeros(2), src=2), ValueError, "src=2 is out of range"),
+        (lambda g: g.broadcast(torch.zeros(2), src="0"), TypeError, "src must be an int"),
+        (lambda g: g.send(torch.zeros(2), dst=-1), ValueError, "dst=-1 is out of range"),
+        (lambda g: g.send(torch.zeros(2), dst=0), ValueError, "cannot send to itself"),
+        (lambda g: g.send(torch.zeros(2), dst=1, tag=-3), ValueError, "tag must be in"),
+        (lambda g: g.all_reduce([1, 2]), TypeError, "must be a torch.Tensor"),
+        (lambda g: g.all_gather([torch.zeros(2)], torch.zeros(2)), ValueError, "one tensor per rank"),
+        (lambda g: g.all_gather([torch.zeros(2), torch.zeros(3)], torch.zeros(2)), ValueError, "has 3 elements"),
+        (
+            lambda g: g.all_gather([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], torch.zeros(2)),
+            ValueError,
+            "one dtype",
+        ),
+        (
+            lambda g: g.all_gather([torch.zeros(2), torch.zeros(2, device="meta")], torch.zeros(2)),
+            ValueError,
+            "one device",
+        ),
+        (lambda g: g.all_to_all_single(torch.zeros(3), torch.zeros(3)), ValueError, "not divisible"),
+        (lambda g: g.all_to_all_single(torch.zeros(3), torch.zeros(3), [1, 1], [1, 2]), ValueError, "sum to 2"),
+        (lambda g: g.all_to_all_single(torch.zeros(4, 2), torch.zeros(4, 3)), ValueError, "must agree beyond dim 0"),
+        (lambda g: g.gather(torch.zeros(2), None, dst=0), ValueError, "must pass gather_list"),
+        (lambda g: g.gather(torch.zeros(2), [torch.zeros(2)] * 2, dst=1), ValueError, "only passed on the destination"),
+        (lambda g: g.all_reduce(torch.zeros(2), "median"), ValueError, "unknown reduce op"),
+        (lambda g: g.all_reduce(torch.zeros(2), timeout=-1), ValueError, "timeout must be positive"),
+    ],
+)
+def test_bad_input_raises_locally_before_anything_is_sent(group, log, call, error, match):
+    with pytest.raises(error, match=match):
+        call(group)
+    assert log == []
+
+
+def test_non_contiguous_tensors_are_staged_and_results_copied_back(group, log):
+    base = torch.zeros(4, 3)
+    view = base.t()  # non-contiguous
+    group.all_reduce(view)
+    assert torch.equal(base, torch.ones(4, 3))
+    out = torch.zeros(3, 4)
+    outs = [out.t(), torch.zeros(4, 3)]
+    group.all_gather(outs, torch.arange(12.0).reshape(4, 3))
+    assert torch.equal(out.t(), torch.arange(12.0).reshape(4, 3))
+    r = torch.zeros(2, 2).t()
+    group.recv(r, src=1)
+    assert torch.equal(r, torch.full((2, 2), 7.0))
+
+
+def test_split_sizes_are_filled_in_and_gather_list_only_reaches_the_root(group, log):
+    group.all_to_all_single(torch.zeros(4, 2), torch.zeros(4, 2))
+    assert log[-1][3] == {"out": [2, 2], "inp": [2, 2]}
+    group.all_to_all_single(torch.zeros(5), torch.zeros(3), [2, 3], [2, 1])
+    assert log[-1][3] == {"out": [2, 3], "inp": [2, 1]}
+    group.gather(torch.zeros(2), dst=1)
+    assert log[-1][3] == {"has_list": False}
+
+
+def test_async_collectives_run_in_order_and_blocking_ones_wait_their_turn(group, log):
+    works = [group.all_reduce(torch.zeros(1), async_op=True) for _ in range(5)]
+    group.barrier()
+    assert all(w.is_completed() for w in works)
+    assert [entry[0] for entry in log] == ["all_reduce"] * 5 + ["barrier"]
+    assert "completed" in repr(works[0])
+
+
+def test_per_call_timeout_reaches_the_backend(group, log):
+    group.all_reduce(torch.zeros(1), timeout=2.5)
+    assert log[-1][3]["timeout"] == 2.5
+    group.all_reduce(torch.zeros(1))
+    assert log[-1][3]["timeout"] == group.timeout
+
+
+class Stuck(Backend):
+    """all_reduce blocks until abort(); all_gather times out."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.released = threading.Event()
+        self.entered = ctx.options["entered"]
+
+    def send(self, tensor, dst, tag, *, timeout):
+        raise AssertionError("not used")
+
+    recv = send
+
+    def all_reduce(self, tensor, op, *, timeout):
+        self.entered.set()
+        if not self.released.wait(timeout):
+            raise AssertionError("abort() did not wake the blocked operation")
+        raise GroupClosedError("aborted while waiting")
+
+    def all_gather(self, output_list, tensor, *, timeout):
+        raise CollectiveTimeout("no answer from rank 1", peers=[1])
+
+    def abort(self):
+        self.released.set()
+        super().abort()
+
+
+def test_abort_from_another_thread_wakes_a_blocked_operation_and_closes_the_group():
+    entered = threading.Event()
+    g = ProcessGroup(HashStore(), rank=0, size=2, backends=Stuck, options={"Stuck": {"entered": entered}})
+    errors = []
+
+    def blocked():
+        try:
+            g.all_reduce(torch.zeros(1))
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert entered.wait(10)
+    g.abort()
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(errors[0], GroupClosedError)
+    with pytest.raises(GroupClosedError, match="aborted"):
+        g.barrier()
+    assert "aborted" in repr(g)
+
+
+def test_timeouts_name_the_op_and_sequence_number():
+    g = ProcessGroup(HashStore(), rank=0, size=2, backends=Stuck, options={"Stuck": {"entered": threading.Event()}})
+    with pytest.raises(CollectiveTimeout) as info:
+        g.all_gather([torch.zeros(1)] * 2, torch.zeros(1))
+    assert (info.value.op, info.value.seq, info.value.peers) == ("all_gather", 1, (1,))
+    g.abort()
+
+
+def test_use_after_shutdown_raises_group_closed(group):
+    group.all_reduce(torch.zeros(1))
+    group.shutdown()
+    group.shutdown()  # idempotent
+    with pytest.raises(GroupClosedError, match="shut down"):
+        group.all_reduce(torch.zeros(1))
+    with pytest.raises(GroupClosedError):
+        group.send(torch.zeros(1), dst=1)
+
+
+def test_batch_isend_irecv_validates_everything_first(group, log):
+    ops = [P2POp(group.isend, torch.zeros(2), 1), P2POp(group.irecv, torch.zeros(2), 1, tag=3)]
+    works = group.batch_isend_irecv(ops)
+    for w in works:
+        w.wait()
+    assert [(e[0], e[3]) for e in log] == [("send", {"dst": 1, "tag": 0}), ("recv", {"src": 1, "tag": 3})]
+    log.clear()
+    with pytest.raises(ValueError, match="out of range"):
+        group.batch_isend_irecv([P2POp("isend", torch.zeros(2), 1), P2POp("irecv", torch.zeros(2), 5)])
+    assert log == []
+
+
+def test_groups_with_one_name_form_new_generations_and_ranks_are_unique():
+    store = HashStore()
+    a = ProcessGroup(store, rank=0, size=2, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
+    b = ProcessGroup(store, rank=1, size=2, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
+    assert a._uid == b._uid == "world#0"
+    c = ProcessGroup(store, rank=0, size=1, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
+    assert c._uid == "world#1"  # re-formed with another size: a new generation
+    d = ProcessGroup(store, rank=0, size=2, name="other", backends=CpuRecorder, options={"cpu-rec": {"log": []}})
+    with pytest.raises(ValueError, match="already has a rank 0"):
+        ProcessGroup(store, rank=0, size=2, name="other", backends=CpuRecorder, options={"cpu-rec": {"log": []}})
+    for g in (a, b, c, d):
+        g.shutdown()
+
+
+def test_backends_string_forms_parse():
+    assert parse_backends("cpu:gloo, cuda : nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert parse_backends(" gloo ") == "gloo"
+    assert parse_backends(None) is None
+    with pytest.raises(ValueError, match="expected 'device:backend'"):
+        parse_backends("cpu:gloo,cuda:")
+    with pytest.raises(ValueError, match="appears twice"):
+        parse_backends("cpu:gloo,cpu:tcp")
+
+
+def test_repr_shows_name_rank_size_and_backends(group):
+    assert repr(group) == "<ProcessGroup 'world' rank 0/2 backends={cpu: cpu-rec, meta: meta-rec}>"
