@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import torch
-
 from pg_core import ProcessGroup, ReduceOp, TCPStore
 
 
@@ -65,7 +64,16 @@ def main() -> int:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: a free port
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--world-size", str(args.world_size), "--rank", str(r), "--port", str(store.port)],
+            [
+                sys.executable,
+                __file__,
+                "--world-size",
+                str(args.world_size),
+                "--rank",
+                str(r),
+                "--port",
+                str(store.port),
+            ],
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for r in range(args.world_size)

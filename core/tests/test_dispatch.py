@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-
 from pg_core import (
     Backend,
     BackendContext,

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 from pg_core.testing.pool import RanksFailed
 
 

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-
 from pg_core import (
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -96,7 +95,9 @@ def every_op(ctx, dtype_name: str):
         blocks = [_input(q * 10 + r, 3, dtype) for q in range(n)]  # block q goes to rank q
         rs = torch.empty(3, dtype=dtype)
         g.reduce_scatter(rs, blocks)
-        expected = sum(_input(r * 10 + q, 3, dtype).to(torch.complex128 if dtype.is_complex else torch.float64) for q in range(n))
+        expected = sum(
+            _input(r * 10 + q, 3, dtype).to(torch.complex128 if dtype.is_complex else torch.float64) for q in range(n)
+        )
         if dtype != torch.uint8:
             close(rs, expected)
         rst = torch.empty(3, dtype=dtype)
@@ -269,7 +270,7 @@ def dead_peer(ctx):
 def test_a_dead_peer_is_an_error_within_seconds_not_at_the_timeout(rank_pools):
     results = rank_pools(3).run(dead_peer, may_exit=[1])
     for rank in (0, 2):
-        kind, elapsed, message = results[rank]
+        kind, elapsed, _message = results[rank]
         assert kind == "PeerFailureError", results
         assert elapsed < 15, f"rank {rank} learned of the death after {elapsed:.1f} s"
 

@@ -70,11 +70,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_VERSION",
+    "DTYPES",
     "Backend",
     "BackendContext",
     "BackendSpec",
     "Capabilities",
-    "DTYPES",
     "default_reduce_ops",
 ]
 
@@ -376,7 +376,9 @@ class Backend:
         """``gather_list`` is a list on ``dst`` and ``None`` elsewhere."""
         algorithms.gather(self.channel(timeout), tensor, gather_list, dst)
 
-    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float) -> None:
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
+    ) -> None:
         """``scatter_list`` is a list on ``src`` and ``None`` elsewhere."""
         algorithms.scatter(self.channel(timeout), tensor, scatter_list, src)
 
@@ -434,4 +436,3 @@ class _Helper:
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
-

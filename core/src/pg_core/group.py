@@ -22,7 +22,7 @@ import queue
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -33,7 +33,7 @@ import torch
 from . import dispatch as _d
 from .dispatch import BackendsArg, Dispatcher
 from .errors import CollectiveTimeout, GroupClosedError
-from .ops import COLLECTIVE_OPS, RedOpType, ReduceOp, as_reduce_op
+from .ops import RedOpType, ReduceOp, as_reduce_op
 from .store import PrefixStore, Store
 from .work import Work
 
@@ -677,7 +677,7 @@ class ProcessGroup:
             # validate everything before starting anything
             self._p2p("send" if p.kind == "isend" else "recv", p.tensor, p.peer, p.tag, None)
         works = []
-        for p, kind in zip(p2p_op_list, kinds):
+        for p, kind in zip(p2p_op_list, kinds, strict=False):
             start = self.isend if kind == "isend" else self.irecv
             works.append(start(p.tensor, p.peer, p.tag))
         return works
@@ -740,7 +740,10 @@ class ProcessGroup:
 
 
 def _then(inner: Work, fn: Callable[[], None]) -> Work:
-    outer = Work(inner.op, driver=lambda w, t: inner._wait_done(t) and None)
+    def drive(_: Work, timeout: float) -> None:
+        inner._wait_done(timeout)
+
+    outer = Work(inner.op, driver=drive)
 
     def done(w: Work) -> None:
         exc = w._exc

@@ -131,8 +131,16 @@ class RankPool:
                 with open(self._logs[rank], "wb") as log:
                     self._procs.append(
                         subprocess.Popen(
-                            [sys.executable, "-m", "pg_core.testing.pool", host, str(port), str(rank),
-                             str(self.world_size), str(self._store.port)],
+                            [
+                                sys.executable,
+                                "-m",
+                                "pg_core.testing.pool",
+                                host,
+                                str(port),
+                                str(rank),
+                                str(self.world_size),
+                                str(self._store.port),
+                            ],
                             env=env,
                             stdin=subprocess.DEVNULL,
                             stdout=log,
@@ -235,8 +243,9 @@ class RankPool:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                for conn in wait(list(pending.values()), timeout=remaining):
-                    rank = next(r for r, c in pending.items() if c is conn)
+                for ready in wait(list(pending.values()), timeout=remaining):
+                    rank = next(r for r, c in pending.items() if c is ready)
+                    conn = pending[rank]
                     del pending[rank]
                     try:
                         status, value = pickle.loads(conn.recv_bytes())
