@@ -19,6 +19,7 @@ from .errors import (
 )
 from .group import P2POp, ProcessGroup
 from .ops import RedOpType, ReduceOp
+from .registry import PluginEntry, Registry, default_registry, register_backend
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .work import Work
 
@@ -41,6 +42,7 @@ __all__ = [
     "P2POp",
     "PGError",
     "PeerFailureError",
+    "PluginEntry",
     "PluginConflictError",
     "PluginError",
     "PluginLoadError",
@@ -49,7 +51,10 @@ __all__ = [
     "ProcessGroup",
     "RedOpType",
     "ReduceOp",
+    "Registry",
     "Store",
     "TCPStore",
     "Work",
+    "default_registry",
+    "register_backend",
 ]

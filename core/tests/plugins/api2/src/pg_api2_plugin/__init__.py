@@ -1,0 +1,1 @@
+"""A plugin written for a future major version of the backend API, for tests."""

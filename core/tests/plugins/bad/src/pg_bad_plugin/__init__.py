@@ -1,0 +1,1 @@
+"""A plugin distribution whose entry points fail in two ways, for tests."""

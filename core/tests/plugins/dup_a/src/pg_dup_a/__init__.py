@@ -1,0 +1,1 @@
+"""One of two distributions providing backend 'dup', for tests."""

@@ -1,0 +1,1 @@
+"""A working pg-core plugin, for tests."""
