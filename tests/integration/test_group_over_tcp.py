@@ -35,7 +35,8 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.com
 
 
 def _group(ctx, **kw) -> ProcessGroup:
-    return ProcessGroup(ctx.store, rank=ctx.rank, size=ctx.size, backends="tcp", timeout=ctx.timeout, **kw)
+    kw.setdefault("timeout", ctx.timeout)
+    return ProcessGroup(ctx.store, rank=ctx.rank, size=ctx.size, backends="tcp", **kw)
 
 
 def _input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -306,8 +307,8 @@ def timeout_names_the_silent_peer(ctx):
         except CollectiveTimeout as exc:
             result = (exc.op, exc.seq, exc.peers)
         ctx.store.set(f"timed-out/{ctx.rank}", "1")
-    else:  # stay alive (silent) until the others have timed out, so they see a timeout, not a death
-        ctx.store.wait(["timed-out/0", "timed-out/1"])
+    # nobody closes a connection until ranks 0 and 1 have both timed out, so they see a timeout, not a death
+    ctx.store.wait(["timed-out/0", "timed-out/1"])
     g.abort()
     return result
 
