@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import bench
 from .registry import PluginEntry, default_registry
 
 __all__ = ["main"]
@@ -109,4 +110,4 @@ def _table(entries: Sequence[PluginEntry]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-_SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [_add_backends]
+_SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [_add_backends, bench.add_parser]

@@ -1,0 +1,1296 @@
+"""``pg-core bench``: an nccl-tests-style sweep of collectives, correctness-checked,
+with torch's own Gloo measured side by side in the same run.
+
+    python -m pg_core.bench --world-size 2 --backends tcp --sizes 4,1K,64K,1M
+    pg-core bench --ops all_reduce,send_recv --min-bytes 8 --max-bytes 16M --factor 4 --json
+
+**What runs.** The program hosts a ``TCPStore`` and starts ``--world-size`` rank
+processes of its own (one thread of intra-op parallelism each). Every rank forms
+one :class:`~pg_core.ProcessGroup` per pg-core backend named in ``--backends``
+(a name that ``pg-core backends`` lists, or ``module:attr`` of a ``Backend``
+factory under development), plus, unless ``--no-baseline``, torch's
+``ProcessGroupGloo`` used directly through its own API: the baseline, labelled
+``torch-gloo``. Rows are measured in the order op, size, backend, so the
+baseline and the pg-core backends are measured one right after the other at
+each op and size.
+
+**Sizes.** A size is the bytes of the largest buffer on one rank, as nccl-tests
+counts it: the tensor of ``all_reduce``, ``broadcast``, ``reduce`` and the
+message of ``send_recv``; the *output* of ``all_gather_into_tensor`` (each rank
+contributes ``size / n``); the *input* of ``reduce_scatter_tensor``; input and
+output of ``all_to_all_single``. Element counts are rounded down to a multiple
+of the world size where the op splits the buffer (at least one element per
+rank); the ``size`` column shows the bytes actually moved, ``requested_size``
+the bytes asked for.
+
+**What is timed.** For each (op, size, backend) every rank runs one or two
+untimed iterations, then rank 0 plans how many more untimed warmup iterations
+(up to ``--warmup``) and how many timed ones to run: at least 5 and at most
+``--iters``, as many as fit in ``--time-budget`` seconds at the measured pace.
+After a barrier, timed iterations run back to back; each is timed on its own
+with ``time.perf_counter_ns`` around the blocking call. An iteration's time is
+the *maximum over ranks* (the collective is done when the slowest rank is);
+for ``send_recv`` rank 0 sends to rank 1 and rank 1 echoes the message back,
+and the time is rank 0's round trip divided by 2 (one-way latency). Buffers
+that an op reduces into (``all_reduce``, ``reduce``, the input of
+``reduce_scatter_tensor``) are refilled before every iteration, outside the
+timed region.
+
+**What is reported.** ``min``/``median``/``max`` of the per-iteration times,
+in microseconds; ``algbw = size / median time`` and ``busbw = algbw * factor``
+in GB/s (1e9 bytes/s), with nccl-tests' factors: ``2(n-1)/n`` for
+``all_reduce``, ``(n-1)/n`` for ``all_gather_into_tensor``,
+``reduce_scatter_tensor`` and ``all_to_all_single``, 1 for ``broadcast``,
+``reduce`` and ``send_recv``. For a pg-core backend, ``ratio`` is its median
+time divided by the baseline's median at the same op and size: ``0.85x
+torch-gloo`` means 15% less time than torch's Gloo, ``2.00x`` twice as long.
+
+**Correctness.** Rank ``r`` fills its input with ``(r + 1) * (1 + i % 3)`` at
+element ``i`` (exact in every supported dtype for small world sizes); outputs
+are poisoned before the last timed iteration, and after it every rank compares
+its output with the value :func:`expected_output` computes in float64. A
+mismatch marks the row ``WRONG`` (with the first bad element) and makes the
+exit status 1.
+
+**Noise.** Absolute times depend on the machine, its load, CPU frequency and
+where the scheduler puts the ranks; the median resists outliers, not a busy
+machine. Compare the ratios, measured side by side in one run, rather than
+absolute times across runs or machines.
+
+**Bounds.** ``--timeout`` bounds every operation, store access and group
+formation in the ranks; the parent additionally kills ranks that make no
+progress (after dumping their Python stacks), shows the traceback of a rank that
+fails, exits non-zero, and never leaves a rank process behind.
+
+Exit status: 0 when every row is correct, 1 when a row is ``WRONG`` or a rank
+failed, 2 for bad arguments or a backend that cannot run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import importlib
+import importlib.util
+import io
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final, Protocol, TextIO
+
+import torch
+
+__all__ = [
+    "BASELINE",
+    "DTYPES",
+    "OPS",
+    "BenchError",
+    "Row",
+    "add_parser",
+    "busbw_factor",
+    "check_output",
+    "element_count",
+    "expected_output",
+    "format_csv",
+    "format_json",
+    "format_table",
+    "input_values",
+    "main",
+    "output_length",
+    "parse_size",
+    "plan_iterations",
+    "sweep_sizes",
+]
+
+#: Every op the benchmark knows, in report order.
+OPS: Final[tuple[str, ...]] = (
+    "all_reduce",
+    "broadcast",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "reduce",
+    "send_recv",
+)
+
+#: The label of torch's Gloo, measured as the baseline.
+BASELINE: Final[str] = "torch-gloo"
+
+#: ``--dtype`` choices.
+DTYPES: Final[dict[str, torch.dtype]] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+DEFAULT_SIZES: Final[str] = "4,1K,64K,1M,64M"
+MIN_ITERS: Final[int] = 5
+
+_ROOT: Final[int] = 0  # root of broadcast and reduce
+_POISON: Final[int] = -1  # never an expected value: every expected value is positive
+_SPLIT_OPS: Final[frozenset[str]] = frozenset({"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"})
+_REDUCING_OPS: Final[frozenset[str]] = frozenset({"all_reduce", "reduce", "reduce_scatter_tensor"})
+_RTOL: Final[dict[torch.dtype, float]] = {
+    torch.float16: 1e-3,
+    torch.bfloat16: 1e-2,
+    torch.float32: 1e-6,
+    torch.float64: 1e-12,
+}
+_WORKER_FLAG: Final[str] = "__worker__"
+_UNITS: Final[dict[str, int]] = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+class BenchError(Exception):
+    """A usage problem reported as one line and exit status 2."""
+
+
+# -- sizes, counts and bandwidth ---------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"4"``, ``"64K"``, ``"1M"``, ``"2G"`` (binary units; ``KB``/``KiB`` alike)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text, flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"cannot read {text!r} as a size: expected bytes such as 4, 64K, 1M or 2G")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
+    """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes`` (nccl-tests' ``-b -e -f``)."""
+    if min_bytes < 1 or max_bytes < min_bytes:
+        raise ValueError(f"need 1 <= --min-bytes <= --max-bytes, got {min_bytes} and {max_bytes}")
+    if not factor > 1:
+        raise ValueError(f"--factor must be greater than 1, got {factor}")
+    sizes: list[int] = []
+    size = float(min_bytes)
+    while round(size) <= max_bytes:
+        if not sizes or round(size) != sizes[-1]:
+            sizes.append(round(size))
+        size *= factor
+    return sizes
+
+
+def element_count(op: str, nbytes: int, world_size: int, itemsize: int) -> int:
+    """Elements of the largest per-rank buffer for ``nbytes`` (see the module docstring)."""
+    count = max(1, nbytes // itemsize)
+    if op in _SPLIT_OPS:
+        count = max(world_size, count // world_size * world_size)
+    return count
+
+
+def busbw_factor(op: str, world_size: int) -> float:
+    """nccl-tests' bus bandwidth factor: ``busbw = algbw * factor``."""
+    n = world_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in _SPLIT_OPS:
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send_recv"):
+        return 1.0
+    raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+
+
+def plan_iterations(probe_ns: int, warmup: int, warmup_done: int, max_iters: int, budget_s: float) -> tuple[int, int]:
+    """``(more_warmup, iters)`` for an op that took ``probe_ns`` once warm.
+
+    Timed iterations: as many as fit in ``budget_s`` after the remaining warmup,
+    but at least :data:`MIN_ITERS` (or ``max_iters`` if smaller) and at most
+    ``max_iters``. Remaining warmup: up to ``warmup - warmup_done``, spending at
+    most a fifth of the budget.
+    """
+    per_iter = max(probe_ns, 1) / 1e9
+    more = max(0, min(warmup - warmup_done, math.floor(0.2 * budget_s / per_iter)))
+    fit = math.floor((budget_s - more * per_iter) / per_iter)
+    iters = min(max_iters, max(min(MIN_ITERS, max_iters), fit))
+    return more, iters
+
+
+# -- inputs and expected outputs ---------------------------------------------------------------
+
+
+def _pattern(index: torch.Tensor) -> torch.Tensor:
+    return (index % 3 + 1).to(torch.float64)
+
+
+def input_values(rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s input: ``(rank + 1) * (1 + i % 3)`` at element ``i``."""
+    period = (_pattern(torch.arange(3)) * (rank + 1)).to(dtype)
+    return period.repeat(-(-count // 3))[:count].clone()
+
+
+def output_length(op: str, world_size: int, count: int) -> int:
+    """Elements of ``op``'s output on one rank (``count`` from :func:`element_count`)."""
+    return count // world_size if op == "reduce_scatter_tensor" else count
+
+
+def expected_output(
+    op: str, rank: int, world_size: int, count: int, *, start: int = 0, stop: int | None = None
+) -> torch.Tensor | None:
+    """What ``rank``'s output must hold (float64) after ``op`` on inputs from :func:`input_values`,
+    elements ``start:stop`` of it (default: all), or ``None`` where the op defines
+    no output on that rank.
+
+    ``count`` is :func:`element_count`'s: the elements of the largest per-rank
+    buffer. Roots (``broadcast`` source, ``reduce`` destination) are rank 0; for
+    ``send_recv`` both rank 0 (after the echo) and rank 1 hold rank 0's input.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    if (op == "reduce" and rank != _ROOT) or (op == "send_recv" and rank > 1):
+        return None
+    n = world_size
+    total = n * (n + 1) / 2  # sum of (r + 1) over ranks
+    length = output_length(op, n, count)
+    j = torch.arange(start, length if stop is None else min(stop, length))
+    if op in ("all_reduce", "reduce"):
+        return _pattern(j) * total
+    if op in ("broadcast", "send_recv"):  # the input of rank 0
+        return _pattern(j)
+    block = count // n
+    if op == "reduce_scatter_tensor":  # block `rank` of everyone's input, summed
+        return _pattern(rank * block + j) * total
+    source, k = j // block, j % block  # output block `source` came from rank `source`
+    if op == "all_gather_into_tensor":
+        return _pattern(k) * (source + 1)
+    return _pattern(rank * block + k) * (source + 1)  # all_to_all_single: block `rank` of its input
+
+
+_CHECK_CHUNK: Final[int] = 1 << 22  # elements compared at a time, so checking 1 GiB needs no 8 GiB
+
+
+def check_output(op: str, rank: int, world_size: int, count: int, output: torch.Tensor | None) -> str | None:
+    """``None`` if ``output`` is what ``op`` must leave on ``rank``, else what is wrong."""
+    if expected_output(op, rank, world_size, count, stop=0) is None:
+        return None
+    if output is None:
+        return f"{op}: rank {rank} has no output to check"
+    length = output_length(op, world_size, count)
+    if tuple(output.shape) != (length,):
+        return f"{op}: rank {rank} output has shape {tuple(output.shape)}, expected {(length,)}"
+    rtol = _RTOL.get(output.dtype, 0.0)
+    wrong, first, detail = 0, -1, ""
+    for start in range(0, length, _CHECK_CHUNK):
+        expected = expected_output(op, rank, world_size, count, start=start, stop=start + _CHECK_CHUNK)
+        assert expected is not None
+        got = output[start : start + _CHECK_CHUNK].detach().to("cpu", torch.float64)
+        bad = ~torch.isclose(got, expected, rtol=rtol, atol=0.0)
+        here = int(bad.sum())
+        if here and first < 0:
+            at = int(bad.nonzero()[0, 0])
+            first = start + at
+            detail = f"got {got[at].item():g}, expected {expected[at].item():g}"
+        wrong += here
+    if wrong == 0:
+        return None
+    return f"{op}: rank {rank}: {wrong} of {length} elements wrong; first at index {first}: {detail}"
+
+
+# -- rows and reports --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    """One measured (op, size, backend). Times in microseconds, bandwidths in GB/s.
+
+    ``status``: ``"ok"``, ``"WRONG"`` (``detail`` says what) or ``"skipped"``
+    (``detail`` says why). ``ratio`` is this row's median over the baseline's
+    median at the same op and size (pg-core backends only, when the baseline ran).
+    """
+
+    op: str
+    backend: str
+    baseline: bool
+    size: int
+    requested_size: int
+    count: int
+    dtype: str
+    world_size: int
+    warmup: int
+    iters: int
+    min_us: float | None
+    median_us: float | None
+    max_us: float | None
+    algbw_gbps: float | None
+    busbw_gbps: float | None
+    status: str
+    detail: str | None = None
+    ratio: float | None = None
+    ratio_to: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Row:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _add_ratios(rows: list[Row]) -> None:
+    base = {(r.op, r.size): r for r in rows if r.baseline and r.median_us}
+    for row in rows:
+        ref = base.get((row.op, row.size))
+        if not row.baseline and ref is not None and row.median_us is not None and ref.median_us:
+            row.ratio = row.median_us / ref.median_us
+            row.ratio_to = ref.backend
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """One nccl-tests-style table per op, then a legend."""
+    out: list[str] = []
+    header = ("size", "count", "backend", "iters", "min", "median", "max", "algbw", "busbw", "ratio", "check")
+    right = {0, 1, 3, 4, 5, 6, 7, 8, 9}
+    for op in dict.fromkeys(r.op for r in rows):
+        mine = [r for r in rows if r.op == op]
+        first = mine[0]
+        what = f"world size {first.world_size}, {first.dtype}"
+        if op in _REDUCING_OPS:
+            what += ", sum"
+        if op in ("broadcast", "reduce"):
+            what += f", root {_ROOT}"
+        if op == "send_recv":
+            what += ", ranks 0<->1, one-way time = round trip / 2"
+        lines = [header]
+        for r in mine:
+            check = r.status if r.status != "skipped" else f"skipped: {r.detail}"
+            ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x {r.ratio_to}"
+            lines.append(
+                (
+                    str(r.size),
+                    str(r.count),
+                    r.backend,
+                    str(r.iters) if r.median_us is not None else "-",
+                    _fmt(r.min_us, ".1f"),
+                    _fmt(r.median_us, ".1f"),
+                    _fmt(r.max_us, ".1f"),
+                    _fmt(r.algbw_gbps, ".3f"),
+                    _fmt(r.busbw_gbps, ".3f"),
+                    ratio,
+                    check,
+                )
+            )
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        out.append(f"# {op} ({what})")
+        for line in lines:
+            cells = [
+                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            ]
+            out.append(("  ".join(cells[:-1]) + "  " + line[-1]).rstrip())
+        out.append("")
+    out.append(
+        "# size: bytes of the largest buffer per rank; count: its elements. min/median/max: microseconds per\n"
+        "# iteration (slowest rank). algbw = size / median, busbw = algbw * nccl-tests factor, in GB/s.\n"
+        "# ratio: median time / the baseline's median at the same op and size (below 1x is faster).\n"
+        "# Compare ratios measured side by side in one run, not absolute times across runs or machines."
+    )
+    return "\n".join(out)
+
+
+def format_json(rows: Sequence[Row]) -> str:
+    """The rows as a JSON list of objects (every field)."""
+    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
+
+
+def format_csv(rows: Sequence[Row]) -> str:
+    """The rows as CSV with a header line (every field)."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=[f.name for f in dataclasses.fields(Row)], lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(dataclasses.asdict(r))
+    return buf.getvalue()
+
+
+def _require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BenchError("--plot needs matplotlib, which is not installed: pip install matplotlib")
+
+
+def write_plot(rows: Sequence[Row], path: str) -> None:
+    """A log-log plot of median time against size, one panel per op, one line per backend."""
+    _require_matplotlib()
+    matplotlib: Any = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+    ops = [op for op in dict.fromkeys(r.op for r in rows) if any(r.median_us for r in rows if r.op == op)]
+    if not ops:
+        raise BenchError("--plot: no row has a time to plot")
+    cols = min(3, len(ops))
+    nrows = math.ceil(len(ops) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 4 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, ops, strict=False):
+        for backend in dict.fromkeys(r.backend for r in rows):
+            pts = [(r.size, r.median_us) for r in rows if r.op == op and r.backend == backend and r.median_us]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(op)
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("median time (us)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(ops) :]:
+        ax.set_visible(False)
+    first = rows[0]
+    fig.suptitle(f"pg-core bench: world size {first.world_size}, {first.dtype}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- the configuration that travels to the ranks ------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Config:
+    world_size: int
+    backends: list[str]  # registry names or module:attr
+    labels: list[str]
+    baseline: bool
+    ops: list[str]
+    sizes: list[int]
+    dtype: str
+    iters: int
+    warmup: int
+    time_budget: float
+    timeout: float
+    port: int = 0
+    results: str = ""
+    parent_pid: int = 0
+
+    def runners(self) -> int:
+        return len(self.backends) + int(self.baseline)
+
+
+def _load_factory(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise BenchError(f"--backends: {spec!r} is neither a backend name nor 'module:attr'")
+    try:
+        obj: Any = importlib.import_module(module.strip())
+        for part in attr.strip().split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise BenchError(f"--backends: cannot load {spec!r}: {type(exc).__name__}: {exc}") from exc
+    if not callable(obj):
+        raise BenchError(f"--backends: {spec!r} is not a Backend class or factory")
+    return obj
+
+
+def _label(spec: str) -> str:
+    return spec.rpartition(":")[2].strip().rpartition(".")[2] if ":" in spec else spec
+
+
+# -- the ranks -------------------------------------------------------------------------------------
+
+
+class _Runner(Protocol):
+    label: str
+    is_baseline: bool
+
+    def why_not(self, op: str, dtype: torch.dtype) -> str | None: ...
+    def barrier(self) -> bool: ...
+    def all_reduce(self, t: torch.Tensor) -> None: ...
+    def broadcast(self, t: torch.Tensor, src: int) -> None: ...
+    def reduce(self, t: torch.Tensor, dst: int) -> None: ...
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+    def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+    def send(self, t: torch.Tensor, dst: int) -> None: ...
+    def recv(self, t: torch.Tensor, src: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class _PgCoreRunner:
+    """A pg-core ProcessGroup, through its public API."""
+
+    is_baseline = False
+
+    def __init__(self, store: Any, rank: int, size: int, *, spec: str, label: str, timeout: float) -> None:
+        from .group import ProcessGroup
+
+        value: Any = _load_factory(spec) if ":" in spec else spec
+        self.label = label
+        self.group = ProcessGroup(
+            store, rank=rank, size=size, backends={"cpu": value}, name=f"bench-{label}", timeout=timeout
+        )
+
+    def why_not(self, op: str, dtype: torch.dtype) -> str | None:
+        from .ops import ReduceOp
+
+        reduce_op = ReduceOp.SUM if op in _REDUCING_OPS else None
+        for name in ("send", "recv") if op == "send_recv" else (op,):
+            if not self.group.supports(name, "cpu", dtype, reduce_op):
+                return f"{self.label} does not declare {name} for {str(dtype).removeprefix('torch.')}"
+        return None
+
+    def barrier(self) -> bool:
+        if not self.group.supports("barrier"):
+            return False
+        self.group.barrier()
+        return True
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.group.all_reduce(t)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self.group.broadcast(t, src)
+
+    def reduce(self, t: torch.Tensor, dst: int) -> None:
+        self.group.reduce(t, dst)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.group.all_gather_into_tensor(out, inp)
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.group.reduce_scatter_tensor(out, inp)
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.group.all_to_all_single(out, inp)
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.group.send(t, dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.group.recv(t, src)
+
+    def close(self) -> None:
+        self.group.shutdown()
+
+
+class _TorchGlooRunner:
+    """torch's ``ProcessGroupGloo``, created directly (no ``init_process_group``) and used through its own API."""
+
+    is_baseline = True
+    label = BASELINE
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: float) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.pg: Any = dist.ProcessGroupGloo(
+            dist.PrefixStore("bench-torch-gloo", store), rank, size, timedelta(seconds=timeout)
+        )
+        sum_op: Any = dist.ReduceOp.SUM  # torch's stubs type it as RedOpType; the options want a ReduceOp
+        self._bcast = dist.BroadcastOptions()
+        self._bcast.rootRank = _ROOT
+        self._bcast.rootTensor = 0
+        self._reduce = dist.ReduceOptions()
+        self._reduce.rootRank = _ROOT
+        self._reduce.rootTensor = 0
+        self._reduce.reduceOp = sum_op
+        self._rs = dist.ReduceScatterOptions()
+        self._rs.reduceOp = sum_op
+
+    def why_not(self, op: str, dtype: torch.dtype) -> str | None:
+        return None
+
+    def barrier(self) -> bool:
+        self.pg.barrier().wait()
+        return True
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.pg.allreduce([t]).wait()
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        assert src == _ROOT
+        self.pg.broadcast([t], self._bcast).wait()
+
+    def reduce(self, t: torch.Tensor, dst: int) -> None:
+        assert dst == _ROOT
+        self.pg.reduce([t], self._reduce).wait()
+
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.pg._allgather_base(out, inp).wait()
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.pg._reduce_scatter_base(out, inp, self._rs).wait()
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.pg.alltoall_base(out, inp, [], [], self._dist.AllToAllOptions()).wait()
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.pg.send([t], dst, 0).wait()
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.pg.recv([t], src, 0).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.pg = None
+
+
+@dataclasses.dataclass
+class _Case:
+    """One op on one runner with its buffers: ``run`` is what is timed."""
+
+    run: Callable[[], None]
+    refill: Callable[[], None]  # before every iteration (outside the timing)
+    poison: Callable[[], None]  # before the last one, so a stale output cannot pass
+    output: Callable[[], torch.Tensor | None]
+
+
+def _noop() -> None:
+    return None
+
+
+def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: torch.dtype) -> _Case | None:
+    """The buffers and the call for ``op``; ``None`` on ranks that take no part (``send_recv`` beyond rank 1)."""
+    if op in ("all_reduce", "reduce", "broadcast"):
+        pristine = input_values(rank, count, dtype)
+        buf = pristine.clone()
+
+        def restore() -> None:
+            buf.copy_(pristine)
+
+        if op == "all_reduce":
+            return _Case(lambda: r.all_reduce(buf), restore, _noop, lambda: buf)
+        if op == "reduce":
+            return _Case(lambda: r.reduce(buf, _ROOT), restore, _noop, lambda: buf)
+        # broadcast: the root's buffer is unchanged; other ranks' own inputs differ from the root's
+        return _Case(lambda: r.broadcast(buf, _ROOT), _noop, restore, lambda: buf)
+    if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        pristine = input_values(rank, count // n if op == "all_gather_into_tensor" else count, dtype)
+        inp = pristine.clone()
+        out = torch.empty(count // n if op == "reduce_scatter_tensor" else count, dtype=dtype)
+
+        def refill_input() -> None:
+            inp.copy_(pristine)
+
+        def poison() -> None:
+            out.fill_(_POISON)
+
+        if op == "all_gather_into_tensor":
+            return _Case(lambda: r.all_gather_into_tensor(out, inp), _noop, poison, lambda: out)
+        if op == "reduce_scatter_tensor":
+            return _Case(lambda: r.reduce_scatter_tensor(out, inp), refill_input, poison, lambda: out)
+        return _Case(lambda: r.all_to_all_single(out, inp), _noop, poison, lambda: out)
+    if op == "send_recv":
+        if rank > 1:
+            return None
+        msg = input_values(0, count, dtype)
+        got = torch.empty(count, dtype=dtype)
+
+        def poison_got() -> None:
+            got.fill_(_POISON)
+
+        if rank == 0:
+
+            def ping() -> None:
+                r.send(msg, 1)
+                r.recv(got, 1)
+
+            return _Case(ping, _noop, poison_got, lambda: got)
+
+        def pong() -> None:
+            r.recv(got, 0)
+            r.send(got, 0)
+
+        return _Case(pong, _noop, poison_got, lambda: got)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _timed(run: Callable[[], None]) -> int:
+    start = time.perf_counter_ns()
+    run()
+    return time.perf_counter_ns() - start
+
+
+class _Rank:
+    """What one rank process does: form the groups, run every row, report to rank 0 via the store."""
+
+    def __init__(self, cfg: _Config, rank: int) -> None:
+        from .store import PrefixStore, TCPStore
+
+        self.cfg, self.rank = cfg, rank
+        self.dtype = DTYPES[cfg.dtype]
+        store = TCPStore("127.0.0.1", cfg.port, is_master=False, timeout=timedelta(seconds=cfg.timeout))
+        self.store = store
+        self.ctl = PrefixStore("pg-core-bench", store)
+        self.runners: list[_Runner] = []
+        if cfg.baseline:
+            self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout))
+        for spec, label in zip(cfg.backends, cfg.labels, strict=True):
+            self.runners.append(_PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout))
+        self.results: TextIO | None = open(cfg.results, "a", buffering=1) if rank == 0 else None  # noqa: SIM115
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.results is not None:
+            self.results.write(json.dumps({"event": event, **fields}) + "\n")
+
+    def run(self) -> None:
+        cfg = self.cfg
+        self.emit("start")
+        index = 0
+        for op in cfg.ops:
+            for requested in cfg.sizes:
+                count = element_count(op, requested, cfg.world_size, self.dtype.itemsize)
+                for runner in self.runners:
+                    index += 1
+                    row = self._row(index, op, requested, count, runner)
+                    if row is not None:
+                        self.emit("row", **dataclasses.asdict(row))
+        # every rank done before any group goes away, so no peer sees a closed connection mid-op
+        self.ctl.set(f"finished/{self.rank}", "1")
+        self.ctl.wait([f"finished/{q}" for q in range(cfg.world_size)], timedelta(seconds=cfg.timeout))
+        for runner in self.runners:
+            runner.close()
+        self.emit("done")
+
+    def _sync(self, runner: _Runner, key: str) -> None:
+        """Line the ranks up: the runner's own barrier, or one on the store if it declares none."""
+        if runner.barrier():
+            return
+        if int(self.ctl.add(f"sync/{key}", 1)) == self.cfg.world_size:
+            self.ctl.set(f"sync/{key}/go", "1")
+        self.ctl.wait([f"sync/{key}/go"], timedelta(seconds=self.cfg.timeout))
+
+    def _base_row(self, op: str, requested: int, count: int, runner: _Runner) -> Row:
+        return Row(
+            op=op,
+            backend=runner.label,
+            baseline=runner.is_baseline,
+            size=count * self.dtype.itemsize,
+            requested_size=requested,
+            count=count,
+            dtype=self.cfg.dtype,
+            world_size=self.cfg.world_size,
+            warmup=0,
+            iters=0,
+            min_us=None,
+            median_us=None,
+            max_us=None,
+            algbw_gbps=None,
+            busbw_gbps=None,
+            status="skipped",
+        )
+
+    def _row(self, index: int, op: str, requested: int, count: int, runner: _Runner) -> Row | None:
+        cfg, rank, n = self.cfg, self.rank, self.cfg.world_size
+        row = self._base_row(op, requested, count, runner)
+        reason = "needs world size >= 2" if op == "send_recv" and n < 2 else runner.why_not(op, self.dtype)
+        if reason is not None:  # the same on every rank: nobody runs it
+            row.detail = reason
+            return row if rank == 0 else None
+        case = _make_case(op, runner, rank=rank, n=n, count=count, dtype=self.dtype)
+        self._sync(runner, f"{index}/start")
+        first = max(1, min(cfg.warmup, 2))
+        probe = 0
+        for _ in range(first):
+            if case is not None:
+                case.refill()
+                probe = _timed(case.run)
+        if rank == 0:
+            more, iters = plan_iterations(probe, cfg.warmup, first, cfg.iters, cfg.time_budget)
+            self.ctl.set(f"plan/{index}", f"{more} {iters}")
+            self.emit(
+                "plan", index=index, op=op, backend=runner.label, size=row.size, probe_ns=probe, runs=more + iters
+            )
+        else:
+            more, iters = (int(x) for x in self.ctl.get(f"plan/{index}").decode().split())
+        times: list[int] = []
+        error: str | None = None
+        if case is not None:
+            for _ in range(more):
+                case.refill()
+                case.run()
+        self._sync(runner, f"{index}/timed")
+        if case is not None:
+            for i in range(iters):
+                case.refill()
+                if i == iters - 1:
+                    case.poison()
+                times.append(_timed(case.run))
+            error = check_output(op, rank, n, count, case.output())
+            self.ctl.set(f"result/{index}/{rank}", json.dumps({"ns": times, "error": error}))
+        if rank != 0:
+            return None
+        row.warmup, row.iters = first + more, iters
+        per_rank: list[list[int]] = []
+        errors: list[str] = []
+        for q in range(2 if op == "send_recv" else n):
+            key = f"result/{index}/{q}"
+            got = json.loads(self.ctl.get(key))
+            self.ctl.delete_key(key)
+            per_rank.append(got["ns"])
+            if got["error"]:
+                errors.append(got["error"])
+        if op == "send_recv":  # rank 0's round trips, halved
+            per_iter = [t / 2 for t in per_rank[0]]
+        else:  # the slowest rank, iteration by iteration
+            per_iter = [float(max(ts)) for ts in zip(*per_rank, strict=True)]
+        us = [t / 1e3 for t in per_iter]
+        row.min_us, row.median_us, row.max_us = min(us), statistics.median(us), max(us)
+        row.algbw_gbps = row.size / row.median_us / 1e3 if row.median_us > 0 else None
+        row.busbw_gbps = None if row.algbw_gbps is None else row.algbw_gbps * busbw_factor(op, n)
+        row.status = "WRONG" if errors else "ok"
+        row.detail = "; ".join(errors) or None
+        return row
+
+    def close(self) -> None:
+        if self.results is not None:
+            self.results.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this rank when the parent dies: a killed parent must not leave ranks behind.
+
+    On Linux the kernel delivers SIGKILL (``PR_SET_PDEATHSIG``), which also ends a rank
+    blocked inside C++ with the GIL held (a store connecting, a socket waiting); elsewhere
+    a thread checks the parent every second.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # died before we could ask
+        os._exit(3)
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="pg-core-bench-parent-watch", daemon=True).start()
+
+
+def _worker_main(argv: Sequence[str]) -> int:
+    import faulthandler
+
+    rank, config_path = int(argv[0]), argv[1]
+    cfg = _Config(**json.loads(Path(config_path).read_text()))
+    torch.set_num_threads(1)
+    _die_with_parent(cfg.parent_pid)
+    faulthandler.enable()
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    worker = _Rank(cfg, rank)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    return 0
+
+
+# -- the parent ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Outcome:
+    rows: list[Row]
+    failure: str | None
+
+
+class _Results:
+    """Rank 0's event file, read as it grows."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = ""
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        try:
+            with self.path.open() as f:
+                f.seek(self._offset)
+                data = f.read()
+                self._offset = f.tell()
+        except FileNotFoundError:
+            return
+        data = self._partial + data
+        *lines, self._partial = data.split("\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(kept) if kept else "(no output)"
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in alive:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for p in alive:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(5.0)
+
+
+def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
+    from .store import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
+    rows: list[Row] = []
+    total = len(cfg.ops) * len(cfg.sizes) * cfg.runners()
+    with tempfile.TemporaryDirectory(prefix="pg-core-bench-") as tmp:
+        tmpdir = Path(tmp)
+        cfg = dataclasses.replace(cfg, port=store.port, results=str(tmpdir / "results.jsonl"), parent_pid=os.getpid())
+        config_path = tmpdir / "config.json"
+        config_path.write_text(json.dumps(dataclasses.asdict(cfg)))
+        env = dict(os.environ)
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # this very module in worker mode; its folder goes last on sys.path, so it shadows nothing
+        src = str(Path(__file__).resolve().parent.parent)
+        boot = f"import sys; sys.path.append({src!r}); from pg_core.bench import _cli; sys.exit(_cli())"
+        logs = [tmpdir / f"rank{r}.log" for r in range(cfg.world_size)]
+        procs: list[subprocess.Popen[bytes]] = []
+        results = _Results(Path(cfg.results))
+        try:
+            for r in range(cfg.world_size):
+                with logs[r].open("wb") as log:
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, "-c", boot, _WORKER_FLAG, str(r), str(config_path)],
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=env,
+                        )
+                    )
+            failure = _supervise(
+                cfg, procs=procs, logs=logs, results=results, rows=rows, total=total, progress=progress
+            )
+        finally:
+            _stop(procs)
+            del store
+    return _Outcome(rows, failure)
+
+
+def _supervise(
+    cfg: _Config,
+    *,
+    procs: list[subprocess.Popen[bytes]],
+    logs: list[Path],
+    results: _Results,
+    rows: list[Row],
+    total: int,
+    progress: TextIO | None,
+) -> str | None:
+    """Follow rank 0's events until every rank exits; return why the run failed, if it did."""
+    t = cfg.timeout
+    deadline = time.monotonic() + t + 120.0  # import torch, form every group
+    waiting_for = "the ranks to start and form their groups"
+    done = False
+    while True:
+        for event in results.read():
+            kind = event.pop("event")
+            now = time.monotonic()
+            if kind == "start":
+                deadline, waiting_for = now + 3 * t + 30.0, "the first measurement"
+            elif kind == "plan":
+                expected = event["runs"] * event["probe_ns"] / 1e9
+                deadline = now + 3 * expected + 2 * t + 30.0
+                waiting_for = f"{event['op']} {event['size']} B on {event['backend']}"
+            elif kind == "row":
+                row = Row.from_dict(event)
+                rows.append(row)
+                deadline, waiting_for = now + 3 * t + 30.0, "the next measurement"
+                if progress is not None:
+                    took = "" if row.median_us is None else f"median {row.median_us:.1f} us over {row.iters} iters, "
+                    check = row.status if row.status != "skipped" else f"skipped ({row.detail})"
+                    progress.write(f"bench: [{len(rows)}/{total}] {row.op} {row.size} B {row.backend}: {took}{check}\n")
+                    progress.flush()
+            elif kind == "done":
+                done, waiting_for = True, "the ranks to exit"
+                deadline = now + t + 30.0
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            running = [r for r, c in enumerate(codes) if c is None]
+            _dump_stacks([procs[r] for r in running])
+            _stop(procs)
+            parts = [
+                f"rank {r} exited with status {procs[r].returncode}; its output ends with:\n{_tail(logs[r])}"
+                for r in failed
+            ]
+            parts += [f"rank {r} was still running (stopped); its stacks:\n{_tail(logs[r], 30)}" for r in running]
+            return "\n\n".join(parts)
+        if all(c == 0 for c in codes):
+            for event in results.read():  # anything written just before exit
+                if event.get("event") == "row":
+                    event.pop("event")
+                    rows.append(Row.from_dict(event))
+                elif event.get("event") == "done":
+                    done = True
+            return None if done else "the ranks exited before finishing the sweep:\n" + _tail(logs[0])
+        if time.monotonic() > deadline:
+            return _hung(procs, logs, waiting_for)
+        time.sleep(0.05)
+
+
+def _dump_stacks(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Have running ranks write their Python stacks (faulthandler on SIGUSR1) into their logs."""
+    usr1 = getattr(signal, "SIGUSR1", None)
+    alive = [p for p in procs if p.poll() is None]
+    if usr1 is None or not alive:
+        return
+    for p in alive:
+        with contextlib.suppress(OSError):
+            p.send_signal(usr1)
+    time.sleep(0.5)
+
+
+def _hung(procs: list[subprocess.Popen[bytes]], logs: list[Path], waiting_for: str) -> str:
+    _dump_stacks(procs)
+    _stop(procs)
+    dumps = "\n\n".join(f"rank {r}:\n{_tail(log, 40)}" for r, log in enumerate(logs))
+    return f"no progress while waiting for {waiting_for}; stopped every rank. Their stacks:\n{dumps}"
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand to ``pg-core``'s subparsers (``argparse``'s
+    ``add_subparsers()`` result); it sets ``handler=main``."""
+    parser = subparsers.add_parser(
+        "bench",
+        help="nccl-tests-style sweep of collectives, side by side with torch's Gloo",
+        description=_description(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(parser)
+    parser.set_defaults(handler=main)
+
+
+def _description() -> str:
+    paragraphs = (
+        "Time collectives over a range of sizes on every pg-core backend named, side by side with torch's "
+        "ProcessGroupGloo, check every result, and print min/median/max time, algbw and busbw per op and size, "
+        "and each backend's median time relative to torch's.",
+        "Times are per iteration, the slowest rank's. Compare the ratios measured side by side in one run, "
+        "not absolute times across runs or machines. Exit status: 0 all correct, 1 a WRONG result or a failed "
+        "rank, 2 bad arguments. The method in full: `python -m pydoc pg_core.bench`.",
+    )
+    return "\n\n".join(textwrap.fill(p, 88) for p in paragraphs)
+
+
+def _csv_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-size", "-n", type=int, default=2, metavar="N", help="rank processes to start (default 2)"
+    )
+    parser.add_argument(
+        "--backends",
+        default=None,
+        metavar="LIST",
+        help="comma-separated pg-core backends: names from `pg-core backends`, or module:attr of a Backend "
+        "factory; '' for the baseline alone (default: every backend available for cpu)",
+    )
+    parser.add_argument("--no-baseline", action="store_true", help=f"do not measure {BASELINE}")
+    parser.add_argument(
+        "--ops", default="all", metavar="LIST", help=f"comma-separated, or 'all' (default): {', '.join(OPS)}"
+    )
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        metavar="LIST",
+        help=f"comma-separated bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--min-bytes", type=parse_size, default=None, metavar="SIZE", help="sweep from this size (instead of --sizes)"
+    )
+    parser.add_argument(
+        "--max-bytes", type=parse_size, default=None, metavar="SIZE", help="sweep up to this size (default 64M)"
+    )
+    parser.add_argument("--factor", type=float, default=None, metavar="F", help="sweep step factor (default 2)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="element type (default float32)")
+    parser.add_argument(
+        "--iters", type=int, default=200, metavar="N", help="most timed iterations per row (default 200)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, metavar="W", help="untimed iterations per row, at least 1 (default 5)"
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds per (backend, op, size); at least 5 timed iterations run regardless (default 2)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S", help="seconds any one operation may take (default 60)"
+    )
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
+    fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
+    parser.add_argument("--plot", metavar="PNG", default=None, help="also write a log-log plot (needs matplotlib)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+
+
+def _config(args: argparse.Namespace) -> _Config:
+    n = args.world_size
+    if n < 1:
+        raise BenchError(f"--world-size must be >= 1, got {n}")
+    if args.iters < 1:
+        raise BenchError(f"--iters must be >= 1, got {args.iters}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.time_budget > 0 or not args.timeout > 0:
+        raise BenchError("--time-budget and --timeout must be positive")
+    ops = list(OPS) if args.ops.strip() == "all" else list(dict.fromkeys(_csv_list(args.ops)))
+    unknown = [op for op in ops if op not in OPS]
+    if unknown or not ops:
+        raise BenchError(f"--ops: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(OPS)}")
+    sweep = (args.min_bytes, args.max_bytes, args.factor)
+    try:
+        if any(v is not None for v in sweep):
+            if args.sizes is not None:
+                raise BenchError("give either --sizes or --min-bytes/--max-bytes/--factor, not both")
+            lo, hi, f = (args.min_bytes or 4), (args.max_bytes or 64 << 20), (args.factor or 2.0)
+            sizes = sweep_sizes(lo, hi, f)
+        else:
+            sizes = [parse_size(s) for s in _csv_list(args.sizes or DEFAULT_SIZES)]
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    if not sizes or min(sizes) < 1:
+        raise BenchError("sizes must be at least 1 byte")
+    backends = _backends(args.backends)
+    baseline = not args.no_baseline
+    if baseline:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_gloo_available()):
+            raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
+    if not backends and not baseline:
+        raise BenchError("nothing to measure: no pg-core backend named and --no-baseline")
+    labels = [_label(b) for b in backends]
+    if len(set(labels)) != len(labels) or BASELINE in labels or any("/" in label for label in labels):
+        raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and not {BASELINE!r}")
+    return _Config(
+        world_size=n,
+        backends=backends,
+        labels=labels,
+        baseline=baseline,
+        ops=ops,
+        sizes=list(dict.fromkeys(sizes)),
+        dtype=args.dtype,
+        iters=args.iters,
+        warmup=args.warmup,
+        time_budget=args.time_budget,
+        timeout=args.timeout,
+    )
+
+
+def _backends(text: str | None) -> list[str]:
+    """Resolve ``--backends`` here, so a wrong name fails before any rank starts."""
+    from .errors import PGError
+    from .registry import default_registry
+
+    registry = default_registry()
+    if text is None:
+        names = [spec.name for spec in registry.available_for("cpu")]
+        if not names:
+            try:
+                registry.default_for("cpu")
+            except PGError as exc:
+                raise BenchError(f"{exc} Pass --backends '' to measure the {BASELINE} baseline alone.") from None
+        return names
+    names = list(dict.fromkeys(_csv_list(text)))
+    for name in names:
+        if ":" in name:
+            _load_factory(name)
+            continue
+        try:
+            registry.require(name, "cpu")
+        except PGError as exc:
+            raise BenchError(str(exc)) from None
+    return names
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark as ``args`` (from :func:`add_parser`'s parser) say; return the exit status."""
+    try:
+        cfg = _config(args)
+        if args.plot:
+            _require_matplotlib()
+    except BenchError as exc:
+        print(f"pg-core bench: {exc}", file=sys.stderr)
+        return 2
+    progress = None if args.quiet else sys.stderr
+    try:
+        outcome = _run_ranks(cfg, progress)
+    except KeyboardInterrupt:  # the ranks are stopped already
+        print("pg-core bench: interrupted", file=sys.stderr)
+        return 130
+    rows = outcome.rows
+    _add_ratios(rows)
+    if args.json:
+        print(format_json(rows))
+    elif args.csv:
+        print(format_csv(rows), end="")
+    elif rows:
+        print(format_table(rows))
+    status = 0
+    if args.plot and rows:
+        try:
+            write_plot(rows, args.plot)
+        except BenchError as exc:
+            print(f"pg-core bench: {exc}", file=sys.stderr)
+            status = 2
+    wrong = [r for r in rows if r.status == "WRONG"]
+    if wrong:
+        print(f"pg-core bench: {len(wrong)} row(s) gave WRONG results:", file=sys.stderr)
+        for r in wrong:
+            print(f"  {r.backend} {r.op} {r.size} B: {r.detail}", file=sys.stderr)
+        status = 1
+    if outcome.failure is not None:
+        print(f"pg-core bench: the run failed: {outcome.failure}", file=sys.stderr)
+        status = 1
+    return status
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [_WORKER_FLAG]:
+        return _worker_main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m pg_core.bench",
+        description=_description(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

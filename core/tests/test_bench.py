@@ -1,0 +1,506 @@
+"""`pg-core bench`: the checker that decides ok / WRONG, the arithmetic of the report, and
+the program itself, run for real (rank processes, torch's Gloo, pg-core groups).
+
+The pg-core side runs on backends defined in this file (``--backends test_bench:NAME``,
+with this folder on the ranks' PYTHONPATH): one correct, one that corrupts a result,
+one that crashes on rank 1. pg-tcp is benchmarked too once it is installed and available.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pg_core import bench
+from pg_core.backend import Backend, BackendContext, Capabilities
+from pg_core.ops import OPS, ReduceOp
+
+HERE = Path(__file__).resolve().parent
+SIZES = [4, 4096]
+TINY = ["--sizes", ",".join(map(str, SIZES)), "--iters", "5", "--warmup", "1", "--time-budget", "0.2"]
+
+
+# -- backends the ranks load by "test_bench:NAME" ---------------------------------------------------
+
+
+class StoreBackend(Backend):
+    """send/recv as keys in the group's store: slow and simple, and correct; every collective
+    comes from pg_core.algorithms. Enough to drive the whole pg-core path of the benchmark."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._lock = threading.Lock()
+        self._next: dict[tuple[str, int, int], int] = {}
+
+    def _key(self, way: str, src: int, dst: int, tag: int) -> str:
+        peer = dst if way == "send" else src
+        with self._lock:
+            seq = self._next.get((way, peer, tag), 0)
+            self._next[(way, peer, tag)] = seq + 1
+        return f"msg/{src}/{dst}/{tag}/{seq}"
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        self.ctx.store.set(self._key("send", self.rank, dst, tag), data)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        key = self._key("recv", src, self.rank, tag)
+        # poll: a blocking store.wait would hold the store client while isend's thread needs it
+        deadline = time.monotonic() + timeout
+        while not self.ctx.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: nothing from rank {src} (tag {tag}) within {timeout} s")
+            time.sleep(0.0002)
+        data = self.ctx.store.get(key)
+        self.ctx.store.delete_key(key)
+        if data:
+            tensor.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+class WrongSumBackend(StoreBackend):
+    """Correct, except that rank 0's all_reduce result is off by one in its last element.
+    It declares no barrier, so the benchmark lines the ranks up on the store instead."""
+
+    capabilities = Capabilities(ops=frozenset(OPS) - {"barrier"})
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        super().all_reduce(tensor, op, timeout=timeout)
+        if self.rank == 0:
+            tensor.view(-1)[-1] += 1
+
+
+class CrashOnRank1Backend(StoreBackend):
+    """Rank 1 raises in all_reduce; rank 0 is left waiting for it."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if self.rank == 1:
+            raise RuntimeError("planted failure in all_reduce on rank 1")
+        super().all_reduce(tensor, op, timeout=timeout)
+
+
+# -- the checker --------------------------------------------------------------------------------------
+
+
+def simulate(op: str, n: int, count: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """Each rank's output, computed from the inputs with plain tensor ops (independently of bench)."""
+    big = [bench.input_values(r, count, dtype).double() for r in range(n)]
+    block = count // n
+    if op == "all_reduce":
+        return [sum(big)] * n  # type: ignore[list-item]
+    if op == "broadcast":
+        return [big[0]] * n
+    if op == "reduce":
+        return [sum(big)] + [None] * (n - 1)  # type: ignore[list-item]
+    if op == "all_gather_into_tensor":
+        small = [bench.input_values(r, block, dtype).double() for r in range(n)]
+        return [torch.cat(small)] * n
+    if op == "reduce_scatter_tensor":
+        return [sum(big)[r * block : (r + 1) * block] for r in range(n)]  # type: ignore[index]
+    if op == "all_to_all_single":
+        return [torch.cat([big[q].chunk(n)[r] for q in range(n)]) for r in range(n)]
+    if op == "send_recv":
+        return [big[0], big[0]] + [None] * (n - 2)
+    raise AssertionError(op)
+
+
+@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_expected_output_agrees_with_a_simulation_of_the_op(op: str, n: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        count = bench.element_count(op, 60, n, dtype.itemsize)
+        for rank, out in enumerate(simulate(op, n, count, dtype)):
+            expected = bench.expected_output(op, rank, n, count)
+            assert (expected is None) == (out is None)
+            if out is not None:
+                assert expected is not None
+                assert torch.equal(expected, out), (op, n, rank, dtype)
+                assert bench.check_output(op, rank, n, count, out.to(dtype)) is None
+
+
+def test_expected_output_by_hand_for_two_ranks() -> None:
+    assert bench.input_values(0, 4, torch.float32).tolist() == [1, 2, 3, 1]
+    assert bench.input_values(1, 4, torch.int32).tolist() == [2, 4, 6, 2]
+    assert bench.expected_output("all_reduce", 1, 2, 4).tolist() == [3, 6, 9, 3]  # type: ignore[union-attr]
+    assert bench.expected_output("all_gather_into_tensor", 0, 2, 4).tolist() == [1, 2, 2, 4]  # type: ignore[union-attr]
+    assert bench.expected_output("reduce_scatter_tensor", 1, 2, 4).tolist() == [9, 3]  # type: ignore[union-attr]
+    assert bench.expected_output("all_to_all_single", 1, 2, 4).tolist() == [3, 1, 6, 2]  # type: ignore[union-attr]
+    assert bench.expected_output("reduce", 1, 2, 4) is None
+
+
+@pytest.mark.parametrize(
+    ("op", "rank", "corrupt", "message"),
+    [
+        (
+            "all_reduce",
+            0,
+            lambda t: t.view(-1)[5].add_(1),
+            "1 of 8 elements wrong; first at index 5: got 10, expected 9",
+        ),
+        ("broadcast", 1, lambda t: t.copy_(bench.input_values(1, 8, t.dtype)), "8 of 8 elements wrong"),
+        ("all_gather_into_tensor", 0, lambda t: t.copy_(t.roll(4)), "wrong; first at index 0: got 2, expected 1"),
+        ("reduce_scatter_tensor", 1, lambda t: t.fill_(-1), "4 of 4 elements wrong"),  # the poison left in place
+        ("all_to_all_single", 1, lambda t: t.view(-1)[7].fill_(float("nan")), "at index 7: got nan"),
+        ("send_recv", 1, lambda t: t.view(-1)[0].sub_(1e-3), "1 of 8 elements wrong; first at index 0"),
+    ],
+)
+def test_check_output_reports_a_wrong_result(op: str, rank: int, corrupt: Any, message: str) -> None:
+    out = simulate(op, 2, 8, torch.float32)[rank]
+    assert out is not None
+    out = out.float()
+    assert bench.check_output(op, rank, 2, 8, out) is None
+    corrupt(out)
+    problem = bench.check_output(op, rank, 2, 8, out)
+    assert problem is not None and problem.startswith(f"{op}: rank {rank}") and message in problem, problem
+
+
+def test_checking_in_chunks_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    full = bench.expected_output("all_to_all_single", 1, 3, 12)
+    assert full is not None
+    assert torch.equal(bench.expected_output("all_to_all_single", 1, 3, 12, start=5, stop=9), full[5:9])  # type: ignore[arg-type]
+    out = full.float()
+    out[7] = 0
+    out[10] = 0
+    whole = bench.check_output("all_to_all_single", 1, 3, 12, out)
+    assert whole is not None and "2 of 12 elements wrong; first at index 7: got 0, expected" in whole
+    monkeypatch.setattr(bench, "_CHECK_CHUNK", 4)
+    assert bench.check_output("all_to_all_single", 1, 3, 12, out) == whole
+
+
+def test_check_output_reports_a_wrong_shape_and_a_missing_output() -> None:
+    assert "shape (3,), expected (4,)" in str(bench.check_output("all_reduce", 0, 2, 4, torch.ones(3)))
+    assert "no output" in str(bench.check_output("reduce", 0, 2, 4, None))
+    assert bench.check_output("reduce", 1, 2, 4, None) is None  # nothing is defined on a non-root
+
+
+# -- sizes, counts, bandwidth, planning -----------------------------------------------------------------
+
+
+def test_parse_size() -> None:
+    assert [bench.parse_size(s) for s in ("4", "1K", "64k", "1M", "2G", "1KiB", "3MB")] == [
+        4,
+        1024,
+        65536,
+        1 << 20,
+        2 << 30,
+        1024,
+        3 << 20,
+    ]
+    for bad in ("", "1T", "-4", "1.5K", "K"):
+        with pytest.raises(ValueError, match="cannot read"):
+            bench.parse_size(bad)
+
+
+def test_sweep_sizes() -> None:
+    assert bench.sweep_sizes(4, 64, 2) == [4, 8, 16, 32, 64]
+    assert bench.sweep_sizes(1024, 1 << 20, 32) == [1024, 32768, 1 << 20]
+    assert bench.sweep_sizes(5, 5, 2) == [5]
+    with pytest.raises(ValueError, match="factor"):
+        bench.sweep_sizes(4, 64, 1)
+    with pytest.raises(ValueError, match="min-bytes"):
+        bench.sweep_sizes(64, 4, 2)
+
+
+def test_element_count_rounds_to_whole_blocks_per_rank() -> None:
+    assert bench.element_count("all_reduce", 4, 3, 4) == 1
+    assert bench.element_count("all_reduce", 2, 3, 4) == 1  # never zero
+    assert bench.element_count("all_gather_into_tensor", 4, 3, 4) == 3  # one element per rank at least
+    assert bench.element_count("all_to_all_single", 1024, 3, 4) == 255
+    assert bench.element_count("send_recv", 1024, 2, 2) == 512
+
+
+def test_busbw_factors_are_nccl_tests() -> None:
+    assert bench.busbw_factor("all_reduce", 4) == 1.5
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
+        assert bench.busbw_factor(op, 4) == 0.75
+    for op in ("broadcast", "reduce", "send_recv"):
+        assert bench.busbw_factor(op, 4) == 1.0
+
+
+def test_plan_iterations_respects_the_budget_and_the_bounds() -> None:
+    # 10 us per iteration, 2 s budget: all the warmup and the most iterations
+    assert bench.plan_iterations(10_000, warmup=5, warmup_done=2, max_iters=200, budget_s=2.0) == (3, 200)
+    # 0.1 s per iteration, 1 s budget: two more warmups (a fifth of the budget), then the 8 that fit
+    assert bench.plan_iterations(100_000_000, 5, 2, 200, 1.0) == (2, 8)
+    # 3 s per iteration: no more warmup, and still the minimum of 5 timed iterations
+    assert bench.plan_iterations(3_000_000_000, 5, 2, 200, 1.0) == (0, bench.MIN_ITERS)
+    # fewer than the minimum if the user asks for fewer
+    assert bench.plan_iterations(3_000_000_000, 5, 2, 3, 1.0) == (0, 3)
+
+
+def _row(backend: str, median: float, *, baseline: bool = False) -> bench.Row:
+    return bench.Row(
+        op="all_reduce",
+        backend=backend,
+        baseline=baseline,
+        size=1024,
+        requested_size=1024,
+        count=256,
+        dtype="float32",
+        world_size=2,
+        warmup=2,
+        iters=5,
+        min_us=median / 2,
+        median_us=median,
+        max_us=median * 2,
+        algbw_gbps=1024 / median / 1e3,
+        busbw_gbps=1024 / median / 1e3,
+        status="ok",
+    )
+
+
+def test_reports() -> None:
+    rows = [_row(bench.BASELINE, 100.0, baseline=True), _row("tcp", 85.0)]
+    bench._add_ratios(rows)
+    assert rows[0].ratio is None and rows[1].ratio == pytest.approx(0.85) and rows[1].ratio_to == bench.BASELINE
+    table = bench.format_table(rows)
+    assert "# all_reduce (world size 2, float32, sum)" in table
+    assert "0.85x torch-gloo" in table and "85.0" in table
+    assert json.loads(bench.format_json(rows))[1]["ratio"] == pytest.approx(0.85)
+    lines = bench.format_csv(rows).splitlines()
+    assert lines[0].startswith("op,backend,baseline,size,") and len(lines) == 3
+
+
+def _args(*argv: str) -> Any:
+    parser = __import__("argparse").ArgumentParser()
+    bench._add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ops", "all_reduce,allreduce"], "--ops: unknown allreduce"),
+        (["--backends", "no-such-backend"], "no-such-backend"),
+        (["--backends", "pg_core.bench:Nope"], "cannot load 'pg_core.bench:Nope'"),
+        (["--backends", "", "--no-baseline"], "nothing to measure"),
+        (["--sizes", "4,1T"], "cannot read '1T'"),
+        (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or"),
+        (["--world-size", "0"], "--world-size must be >= 1"),
+    ],
+)
+def test_bad_arguments_fail_before_any_rank_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.main(_args(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_what_to_install(capsys: pytest.CaptureFixture[str]) -> None:
+    if bench.importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed; test_plot_is_written covers the plot")
+    assert bench.main(_args("--backends", "", "--plot", "x.png")) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+# -- the program, for real ---------------------------------------------------------------------------------
+
+
+def _tcp_reason() -> str | None:
+    from pg_core.registry import default_registry
+
+    for entry in default_registry().entries():
+        if entry.name == "tcp":
+            return None if entry.status == "available" else f"pg-tcp's backend 'tcp' is {entry.status}: {entry.reason}"
+    return "pg-tcp (backend 'tcp') is not installed"
+
+
+_MARKER = f"pg-core-bench-test-{uuid.uuid4().hex}"
+_HAVE_MPL = bench.importlib.util.find_spec("matplotlib") is not None
+
+
+def _commands(tmp: Path) -> dict[str, list[str]]:
+    commands = {
+        "baseline": ["--backends", "", "--csv", *TINY],
+        # one good and one bad pg-core backend beside the baseline; the bad one declares no barrier
+        "mixed": [
+            "--backends",
+            "test_bench:StoreBackend,test_bench:WrongSumBackend",
+            "--ops",
+            "all_reduce,broadcast,send_recv",
+            "--json",
+            *TINY,
+            *(["--plot", str(tmp / "bench.png")] if _HAVE_MPL else []),
+        ],
+        "crash": [
+            "--backends",
+            "test_bench:CrashOnRank1Backend",
+            "--no-baseline",
+            "--ops",
+            "broadcast,all_reduce",
+            "--timeout",
+            "20",
+            *TINY,
+        ],
+    }
+    if _tcp_reason() is None:
+        commands["tcp"] = ["--backends", "tcp", "--json", *TINY]
+    return commands
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.CompletedProcess[str]]]:
+    """Every bench run of this module, started at once (each pays torch's import time).
+
+    Timing numbers mean nothing here (the runs share the CPUs); the tests check the
+    shape of the output, the checks and the exit statuses, never speed.
+    """
+    tmp = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PG_CORE_BENCH_TEST_MARKER=_MARKER)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "pg_core.bench", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp,
+        )
+        for name, argv in _commands(tmp).items()
+    }
+    results: dict[str, subprocess.CompletedProcess[str]] = {}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        yield results
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def _rows(run: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert isinstance(rows, list)
+    return rows
+
+
+def _well_formed(rows: list[dict[str, Any]], ops: tuple[str, ...], backends: list[str]) -> None:
+    fields = {f.name for f in bench.dataclasses.fields(bench.Row)}
+    wanted = {(op, size, b) for op, size, b in itertools.product(ops, SIZES, backends)}
+    assert {(r["op"], r["requested_size"], r["backend"]) for r in rows} == wanted
+    assert len(rows) == len(wanted)
+    for r in rows:
+        assert set(r) == fields
+        assert r["status"] == "ok", r
+        assert r["world_size"] == 2 and r["dtype"] == "float32"
+        assert r["iters"] == 5 and r["warmup"] >= 1
+        assert 0 < r["min_us"] <= r["median_us"] <= r["max_us"], r
+        assert r["size"] == r["count"] * 4 and r["size"] >= 4
+        assert r["algbw_gbps"] == pytest.approx(r["size"] / r["median_us"] / 1e3)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.busbw_factor(r["op"], 2))
+        if r["baseline"]:
+            assert r["backend"] == bench.BASELINE and r["ratio"] is None
+        else:
+            base = next(b for b in rows if b["baseline"] and (b["op"], b["size"]) == (r["op"], r["size"]))
+            assert r["ratio"] == pytest.approx(r["median_us"] / base["median_us"])
+            assert r["ratio_to"] == bench.BASELINE
+
+
+@pytest.mark.slow
+def test_baseline_alone(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    run = runs["baseline"]
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    fields = lines[0].split(",")
+    rows: list[dict[str, Any]] = []
+    for line in lines[1:]:
+        r: dict[str, Any] = dict(zip(fields, line.split(","), strict=True))
+        r.update({k: int(r[k]) for k in ("size", "requested_size", "count", "world_size", "warmup", "iters")})
+        r.update({k: float(r[k]) for k in ("min_us", "median_us", "max_us", "algbw_gbps", "busbw_gbps")})
+        r.update(
+            baseline=r["baseline"] == "True", ratio=None, ratio_to=r["ratio_to"] or None, detail=r["detail"] or None
+        )
+        rows.append(r)
+    _well_formed(rows, bench.OPS, [bench.BASELINE])
+    assert "bench: [14/14] send_recv 4096 B torch-gloo" in run.stderr  # progress lines
+
+
+@pytest.mark.slow
+def test_tcp_beside_the_baseline(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    reason = _tcp_reason()
+    if reason is not None:
+        pytest.skip(f"{reason}; pg-tcp is the reference backend and will be benchmarked once it is available")
+    _well_formed(_rows(runs["tcp"]), bench.OPS, [bench.BASELINE, "tcp"])
+
+
+@pytest.mark.slow
+def test_a_wrong_result_is_reported_and_fails_the_run(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    run = runs["mixed"]
+    assert run.returncode == 1, run.stderr
+    rows = json.loads(run.stdout)
+    wrong = [r for r in rows if r["backend"] == "WrongSumBackend" and r["op"] == "all_reduce"]
+    assert [r["requested_size"] for r in wrong] == SIZES
+    for r in wrong:
+        count = r["count"]
+        assert r["status"] == "WRONG"
+        assert r["detail"].startswith(f"all_reduce: rank 0: 1 of {count} elements wrong; first at index {count - 1}")
+        assert r["median_us"] > 0 and r["ratio"] > 0  # still timed and compared
+    assert "2 row(s) gave WRONG results" in run.stderr
+    # everything else is right, and well-formed, WrongSumBackend's other ops included
+    good = [r for r in rows if r not in wrong]
+    _well_formed(
+        [r for r in good if r["backend"] != "WrongSumBackend"],
+        ("all_reduce", "broadcast", "send_recv"),
+        [bench.BASELINE, "StoreBackend"],
+    )
+    assert sorted((r["op"], r["status"]) for r in good if r["backend"] == "WrongSumBackend") == [
+        ("broadcast", "ok"),
+        ("broadcast", "ok"),
+        ("send_recv", "ok"),
+        ("send_recv", "ok"),
+    ]
+
+
+def _leftovers() -> list[int]:
+    """Processes still alive that inherited this module's marker."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if _MARKER.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_failing_rank_shows_its_traceback_and_no_rank_is_left(
+    runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = runs["crash"]
+    assert run.returncode == 1
+    assert "# broadcast (world size 2" in run.stdout  # the rows measured before the failure are shown
+    assert "rank 1 exited with status 1" in run.stderr
+    assert "Traceback" in run.stderr and "planted failure in all_reduce on rank 1" in run.stderr
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("no /proc to look for leftover rank processes")
+    deadline = time.monotonic() + 5
+    while _leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _leftovers() == []
+
+
+@pytest.mark.slow
+def test_plot_is_written(
+    runs: dict[str, subprocess.CompletedProcess[str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    if not _HAVE_MPL:
+        pytest.skip("matplotlib is not installed (test_plot_without_matplotlib_says_what_to_install covers that)")
+    assert runs["mixed"].returncode == 1  # the WRONG rows; the plot is written all the same
+    pngs = list(tmp_path_factory.getbasetemp().glob("bench*/bench.png"))
+    assert pngs and pngs[0].read_bytes().startswith(b"\x89PNG")
