@@ -6,18 +6,34 @@ implements only ``send`` and ``recv`` gets all of them. They run on a
 
 Guarantees every algorithm here keeps:
 
-* all ranks end with bitwise-identical ``all_reduce`` / ``reduce_scatter``
-  results (every element is reduced once, in an order fixed by the algorithm,
-  then copied);
+* all ranks end with bitwise-identical ``all_reduce`` results, and
+  ``reduce_scatter`` results are reproducible: every element is reduced exactly
+  once, in an order fixed by the algorithm (which depends only on the group size,
+  the element count and the dtype), then copied to whoever needs it;
 * inputs that the operation does not define as outputs are left unchanged;
-* zero-element tensors work (they still exchange empty messages, so ranks stay in
-  step);
-* every wait is bounded by the channel's deadline.
+* zero-element and 0-d tensors work; zero-element pieces still travel as empty
+  messages, so every rank agrees on which messages exist;
+* temporary memory is bounded: one receive buffer per peer at most on the small
+  (latency-optimal) paths, and a few :attr:`Tuning.segment_bytes` segments on the
+  large (bandwidth-optimal) ones, never a multiple of the tensor per peer;
+* every wait is bounded by the channel's deadline;
+* the only communication is the channel's ``send``/``recv``/``isend``/``irecv``/
+  ``sendrecv``/``wait``; ``send`` may be eager or rendezvous, as long as ``isend``
+  and ``irecv`` are asynchronous (the :class:`pg_core.backend.Backend` contract).
+
+Which algorithm runs is decided from values every rank knows (group size, element
+count, dtype and :class:`Tuning`), never from timing, so all ranks always run the
+same one. All tensors arrive contiguous and validated by the core; reductions
+accept every :class:`~pg_core.ops.ReduceOp` that
+:func:`pg_core.backend.default_reduce_ops` allows for the dtype.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 import torch
@@ -31,8 +47,23 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLLECTIVE_TAG",
+    "DEFAULT_TUNING",
     "BackendChannel",
     "Channel",
+    "Tuning",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "combine_",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
 ]
 
 #: The tag the default channel uses for collective traffic. User tags are ``>= 0``;
@@ -43,13 +74,15 @@ COLLECTIVE_TAG: Final[int] = -1
 class Channel(Protocol):
     """Point-to-point messaging between the ranks of one group, for one operation.
 
-    ``send`` returns when the tensor may be reused and never waits for the
-    receiver to post its receive; ``recv`` fills the tensor with the next message
-    from ``peer`` on this channel (messages between two ranks arrive in order).
-    ``isend``/``irecv`` start the same and return a :class:`Work`;
+    ``send`` returns when the tensor may be reused; ``recv`` fills the tensor
+    with the next message from ``peer`` on this channel (messages between two
+    ranks arrive in the order sent, and receives match in the order posted).
+    ``isend``/``irecv`` start the same and return a :class:`Work`; a buffer given
+    to them must not be touched until :meth:`wait` returned for its work.
     ``sendrecv`` does both at once and is how ring steps exchange data without
-    deadlock. A channel's deadline bounds every call: past it they raise
-    :class:`~pg_core.errors.CollectiveTimeout`.
+    deadlock. A receive whose tensor does not match the message's size and dtype
+    is an error, never a silent truncation. A channel's deadline bounds every
+    call: past it they raise :class:`~pg_core.errors.CollectiveTimeout`.
     """
 
     rank: int
@@ -81,6 +114,7 @@ class BackendChannel:
         self.deadline = time.monotonic() + timeout
 
     def remaining(self) -> float:
+        """Seconds left before the deadline; raises once it has passed."""
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise CollectiveTimeout(f"collective exceeded its timeout of {self.timeout:g} s")
@@ -107,24 +141,676 @@ class BackendChannel:
         work.wait(self.remaining())
 
 
+@dataclass(frozen=True)
+class Tuning:
+    """Where the algorithms switch from latency-optimal to bandwidth-optimal.
+
+    ``small_bytes``: tensors of at most this many bytes (per rank's piece for
+    ``all_gather`` and ``reduce_scatter``) use direct exchanges: one message per
+    peer, finished in one round. Larger ones use rings (``all_reduce``,
+    ``reduce_scatter``, ``all_gather``) whose per-rank traffic does not grow with
+    the group size.
+
+    ``segment_bytes``: large transfers move in segments of at most this many
+    bytes, which bounds temporary memory to a few segments, lets communication
+    overlap reduction, and pipelines ``broadcast``/``reduce`` along a chain when
+    that beats a binomial tree.
+
+    Every rank of a group must use the same values.
+    """
+
+    small_bytes: int = 64 * 1024
+    segment_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.small_bytes < 0:
+            raise ValueError(f"Tuning.small_bytes must be >= 0, got {self.small_bytes}")
+        if self.segment_bytes < 1:
+            raise ValueError(f"Tuning.segment_bytes must be >= 1, got {self.segment_bytes}")
+
+    def segment_elems(self, dtype_size: int) -> int:
+        """Elements per segment for elements of ``dtype_size`` bytes (at least one)."""
+        return max(1, self.segment_bytes // dtype_size)
+
+
+#: The tuning used when a function is not given one.
+DEFAULT_TUNING: Final[Tuning] = Tuning()
+
+
 # -- reductions ------------------------------------------------------------------
 
-_PAIRWISE = {
-    RedOpType.SUM: torch.Tensor.add_,
-    RedOpType.PRODUCT: torch.Tensor.mul_,
-    RedOpType.BAND: torch.Tensor.bitwise_and_,
-    RedOpType.BOR: torch.Tensor.bitwise_or_,
-    RedOpType.BXOR: torch.Tensor.bitwise_xor_,
+_Binary = Callable[..., torch.Tensor]
+
+#: ``fn(a, b, out=c)`` computes ``a (op) b`` elementwise; ``c`` may be ``a`` or ``b``.
+#: AVG and PREMUL_SUM sum (the division and the factor are applied around it).
+_BINARY: Final[dict[RedOpType, _Binary]] = {
+    RedOpType.SUM: torch.add,
+    RedOpType.AVG: torch.add,
+    RedOpType.PREMUL_SUM: torch.add,
+    RedOpType.PRODUCT: torch.mul,
+    RedOpType.MIN: torch.minimum,
+    RedOpType.MAX: torch.maximum,
+    RedOpType.BAND: torch.bitwise_and,
+    RedOpType.BOR: torch.bitwise_or,
+    RedOpType.BXOR: torch.bitwise_xor,
 }
 
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: RedOpType) -> None:
     """``acc = acc (op) other`` in place, for the pairwise ops (SUM for AVG/PREMUL_SUM)."""
-    if op is RedOpType.MIN:
-        torch.minimum(acc, other, out=acc)
-    elif op is RedOpType.MAX:
-        torch.maximum(acc, other, out=acc)
-    elif op in (RedOpType.AVG, RedOpType.PREMUL_SUM):
-        acc.add_(other)
+    _BINARY[op](acc, other, out=acc)
+
+
+def _premul_factor(op: ReduceOp) -> float | complex | None:
+    return op.factor_value() if op.type is RedOpType.PREMUL_SUM else None
+
+
+def _divide_(tensor: torch.Tensor, size: int) -> None:
+    """The AVG finish: floating point divides; integers (never sent by the core) truncate."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(size)
     else:
-        _PAIRWISE[op](acc, other)
+        tensor.div_(size, rounding_mode="trunc")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
+
+
+def _blocks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``flat`` split into ``size`` contiguous pieces whose lengths differ by at most one."""
+    base, rem = divmod(flat.numel(), size)
+    bounds = [c * base + min(c, rem) for c in range(size + 1)]
+    return [flat[bounds[c] : bounds[c + 1]] for c in range(size)]
+
+
+def _log2_ceil(n: int) -> int:
+    return (n - 1).bit_length()
+
+
+def _prefer_chain(size: int, segments: int) -> bool:
+    """Whether a pipelined chain beats a binomial tree for ``segments`` segments.
+
+    A chain takes ``segments + size - 2`` segment times; a binomial tree's root
+    moves every segment ``ceil(log2 size)`` times.
+    """
+    return size > 2 and segments + size - 2 < _log2_ceil(size) * segments
+
+
+# -- all_reduce ------------------------------------------------------------------
+
+
+def all_reduce(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tuning | None = None) -> None:
+    """Reduce ``tensor`` over every rank, in place; all ranks end with the same bits.
+
+    Up to :attr:`Tuning.small_bytes` every rank sends its tensor to every peer
+    and folds the contributions in rank order ``0 .. size-1`` (one round of
+    messages). Larger tensors use a segmented ring (reduce-scatter, then
+    all-gather): each element is reduced once, by one rank, and copied to the
+    others; temporary memory is a few segments.
+    """
+    with torch.no_grad():
+        flat = tensor.reshape(-1)
+        size = ch.size
+        factor = _premul_factor(op)
+        if factor is not None:
+            flat.mul_(factor)  # each rank's contribution is scaled once, at its source
+        if size == 1:
+            return
+        kind = op.type
+        if _nbytes(flat) <= (tuning or DEFAULT_TUNING).small_bytes:
+            _direct_all_reduce(ch, flat, kind)
+        else:
+            blocks = _blocks(flat, size)
+            _ring_reduce_scatter(ch, blocks, blocks, kind, tuning=tuning or DEFAULT_TUNING)
+            _ring_all_gather(ch, blocks)
+
+
+def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType) -> None:
+    """Everyone sends to everyone; each rank folds ``x0 (op) x1 (op) ...`` in rank order."""
+    size, rank = ch.size, ch.rank
+    fn = _BINARY[kind]
+    if size == 2:
+        other = torch.empty_like(flat)
+        ch.sendrecv(flat, 1 - rank, other, 1 - rank)
+        if rank == 0:
+            fn(flat, other, out=flat)
+        else:
+            fn(other, flat, out=flat)
+    else:
+        sends = [ch.isend(flat, (rank + k) % size) for k in range(1, size)]
+        # rank 0 folds straight into its tensor; the others fold x0 .. x(rank-1) into
+        # a scratch row first, because their own tensor is still being sent and is
+        # their contribution at position ``rank``.
+        bufs = flat.new_empty((1 if rank == 0 else 2, flat.numel()))
+        incoming = bufs[-1]
+        acc = flat
+        for i in range(size):
+            if i == rank:
+                if i == 0:
+                    continue
+                _wait_all(ch, sends)
+                fn(acc, flat, out=flat)
+                acc = flat
+            elif i == 0:
+                acc = bufs[0]
+                ch.recv(acc, 0)
+            else:
+                ch.recv(incoming, i)
+                if acc is flat and sends:
+                    _wait_all(ch, sends)
+                fn(acc, incoming, out=acc)
+    if kind is RedOpType.AVG:
+        _divide_(flat, size)
+
+
+def _wait_all(ch: Channel, works: list[Work]) -> None:
+    for work in works:
+        ch.wait(work)
+    works.clear()
+
+
+def _ring_reduce_scatter(
+    ch: Channel,
+    own: Sequence[torch.Tensor],
+    acc: Sequence[torch.Tensor],
+    kind: RedOpType,
+    *,
+    tuning: Tuning,
+    factor: float | complex | None = None,
+) -> None:
+    """Segmented ring reduce-scatter: on return ``acc[rank]`` holds block ``rank`` reduced.
+
+    ``own[c]`` is this rank's contribution to block ``c`` (read only); ``acc[c]``
+    is where this rank keeps the running partial of block ``c`` while it passes
+    through (it may be ``own[c]`` itself, or one buffer shared by every block).
+    Block ``c`` is folded in ring order ``c+1, c+2, ..., c`` (partial on the
+    left), each contribution multiplied by ``factor`` when one is given, and the
+    AVG division happens once, on the owner. Segment ``j`` of step ``s+1`` is
+    posted before segment ``j+1`` of step ``s`` is reduced, so the reduction
+    overlaps the transfers; two segment buffers receive (two more hold scaled
+    sends when ``factor`` is given).
+    """
+    size, rank = ch.size, ch.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    seg = tuning.segment_elems(own[0].element_size())
+    longest = max(block.numel() for block in own)
+    nseg = max(1, -(-longest // seg))
+    seg_len = min(seg, longest)
+    total = (size - 1) * nseg
+    rbufs = own[0].new_empty((min(2, total), seg_len))
+    sbufs = own[0].new_empty((min(2, nseg), seg_len)) if factor is not None else None
+    fn = _BINARY[kind]
+    last_step = size - 2
+
+    def start(i: int) -> tuple[Work, Work, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        step, j = divmod(i, nseg)
+        lo, hi = j * seg, (j + 1) * seg
+        sent, received = (rank - step - 1) % size, (rank - step - 2) % size
+        if step > 0:
+            src = acc[sent][lo:hi]
+        elif factor is not None:
+            assert sbufs is not None
+            piece = own[sent][lo:hi]
+            src = torch.mul(piece, factor, out=sbufs[i & 1][: piece.numel()])
+        else:
+            src = own[sent][lo:hi]
+        mine = own[received][lo:hi]
+        rbuf = rbufs[i & 1][: mine.numel()]
+        rwork = ch.irecv(rbuf, left)
+        swork = ch.isend(src, right)
+        return swork, rwork, rbuf, mine, acc[received][lo:hi], step == last_step
+
+    pending: tuple[Work, Work, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = start(0)
+    for i in range(total):
+        if pending is None:
+            pending = start(i)
+        swork, rwork, rbuf, mine, dest, final = pending
+        ch.wait(rwork)
+        nxt = i + 1
+        # Prefetch the next segment unless it is segment 0 of the next step, which
+        # sends what this iteration is about to write (possible only when nseg == 1).
+        pending = start(nxt) if nxt < total and (nxt % nseg or i % nseg) else None
+        ch.wait(swork)  # ``dest`` may be the buffer that was just sent
+        if factor is not None:
+            torch.add(rbuf, mine, alpha=factor, out=dest)
+        else:
+            fn(rbuf, mine, out=dest)
+        if final and kind is RedOpType.AVG:
+            _divide_(dest, size)
+
+
+def _ring_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> None:
+    """Ring all-gather in place: ``blocks[rank]`` is this rank's; on return every block is filled."""
+    size, rank = ch.size, ch.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        ch.sendrecv(blocks[(rank - step) % size], right, blocks[(rank - step - 1) % size], left)
+
+
+def _direct_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> None:
+    """One message from every rank to every peer: ``blocks[rank]`` is this rank's."""
+    size, rank = ch.size, ch.rank
+    if size == 2:
+        ch.sendrecv(blocks[rank], 1 - rank, blocks[1 - rank], 1 - rank)
+        return
+    sends = [ch.isend(blocks[rank], (rank + k) % size) for k in range(1, size)]
+    for k in range(1, size):
+        peer = (rank - k) % size
+        ch.recv(blocks[peer], peer)
+    _wait_all(ch, sends)
+
+
+# -- broadcast and reduce --------------------------------------------------------
+
+
+def broadcast(ch: Channel, tensor: torch.Tensor, src: int, *, tuning: Tuning | None = None) -> None:
+    """Copy ``src``'s ``tensor`` into ``tensor`` on every rank.
+
+    A binomial tree rooted at ``src``; when a pipelined chain is faster (large
+    tensors on three or more ranks) the tensor flows down the chain
+    ``src, src+1, ...`` in segments. No temporary memory.
+    """
+    size = ch.size
+    if size == 1:
+        return
+    with torch.no_grad():
+        flat = tensor.reshape(-1)
+        seg = (tuning or DEFAULT_TUNING).segment_elems(flat.element_size())
+        nseg = max(1, -(-flat.numel() // seg))
+        vrank = (ch.rank - src) % size
+        if _prefer_chain(size, nseg):
+            _chain_broadcast(ch, flat, vrank, seg, nseg)
+        else:
+            _tree_broadcast(ch, flat, vrank, src)
+
+
+def _tree_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, root: int) -> None:
+    size = ch.size
+    mask = 1
+    while mask < size:
+        if vrank & mask:
+            ch.recv(flat, (vrank - mask + root) % size)
+            break
+        mask <<= 1
+    mask >>= 1
+    while mask > 0:  # children, largest subtree first
+        if vrank + mask < size:
+            ch.send(flat, (vrank + mask + root) % size)
+        mask >>= 1
+
+
+def _chain_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, seg: int, nseg: int) -> None:
+    size, rank = ch.size, ch.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    previous: Work | None = None
+    for j in range(nseg):
+        piece = flat[j * seg : (j + 1) * seg]
+        if vrank > 0:
+            ch.recv(piece, left)
+        if vrank < size - 1:
+            work = ch.isend(piece, right)
+            if previous is not None:
+                ch.wait(previous)
+            previous = work
+    if previous is not None:
+        ch.wait(previous)
+
+
+def reduce(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning: Tuning | None = None) -> None:
+    """Reduce ``tensor`` over every rank into ``tensor`` on ``dst``.
+
+    Other ranks' tensors are left unchanged. A binomial tree rooted at ``dst``
+    folding in ascending ``(rank - dst) % size`` order, or, when it is faster
+    (large tensors on three or more ranks), a pipelined chain
+    ``dst+size-1 -> ... -> dst``; both move the tensor in segments, so temporary
+    memory is a few segments.
+    """
+    with torch.no_grad():
+        flat = tensor.reshape(-1)
+        size = ch.size
+        factor = _premul_factor(op)
+        if size == 1:
+            if factor is not None:
+                flat.mul_(factor)
+            return
+        seg = (tuning or DEFAULT_TUNING).segment_elems(flat.element_size())
+        nseg = max(1, -(-flat.numel() // seg))
+        vrank = (ch.rank - dst) % size
+        if _prefer_chain(size, nseg):
+            _chain_reduce(ch, flat, vrank, kind=op.type, factor=factor, seg=seg, nseg=nseg)
+        else:
+            _tree_reduce(ch, flat, vrank, dst, kind=op.type, factor=factor, seg=seg, nseg=nseg)
+
+
+def _tree_reduce(
+    ch: Channel,
+    flat: torch.Tensor,
+    vrank: int,
+    root: int,
+    *,
+    kind: RedOpType,
+    factor: float | complex | None,
+    seg: int,
+    nseg: int,
+) -> None:
+    size = ch.size
+    children: list[int] = []
+    parent: int | None = None
+    mask = 1
+    while mask < size:
+        if vrank & mask:
+            parent = (vrank - mask + root) % size
+            break
+        if vrank + mask < size:
+            children.append((vrank + mask + root) % size)
+        mask <<= 1
+    seg_len = min(seg, flat.numel())
+    rbuf = flat.new_empty(seg_len) if children else None
+    # a non-root rank never writes its tensor: it reduces (or scales) into ``abuf``
+    abuf = flat.new_empty(seg_len) if parent is not None and (children or factor is not None) else None
+    fn = _BINARY[kind]
+    if parent is None and factor is not None:
+        flat.mul_(factor)
+    for j in range(nseg):
+        mine = flat[j * seg : (j + 1) * seg]
+        n = mine.numel()
+        acc = mine
+        if parent is not None and factor is not None:
+            assert abuf is not None
+            acc = torch.mul(mine, factor, out=abuf[:n])
+        for child in children:
+            assert rbuf is not None
+            incoming = rbuf[:n]
+            ch.recv(incoming, child)
+            dest = abuf[:n] if acc is mine and abuf is not None else acc
+            fn(acc, incoming, out=dest)
+            acc = dest
+        if parent is not None:
+            ch.send(acc, parent)
+    if parent is None and kind is RedOpType.AVG:
+        _divide_(flat, size)
+
+
+def _chain_reduce(
+    ch: Channel,
+    flat: torch.Tensor,
+    vrank: int,
+    *,
+    kind: RedOpType,
+    factor: float | complex | None,
+    seg: int,
+    nseg: int,
+) -> None:
+    """Partials flow from ``vrank size-1`` down to ``vrank 0``: ``x0 (op) (x1 (op) (...))``."""
+    size, rank = ch.size, ch.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    seg_len = min(seg, flat.numel())
+    fn = _BINARY[kind]
+    if vrank == size - 1:  # the far end: sends its own segments
+        sbuf = flat.new_empty(seg_len) if factor is not None else None
+        for j in range(nseg):
+            mine = flat[j * seg : (j + 1) * seg]
+            if factor is not None:
+                assert sbuf is not None
+                mine = torch.mul(mine, factor, out=sbuf[: mine.numel()])
+            ch.send(mine, left)
+        return
+    bufs = flat.new_empty((2, seg_len))
+    sends: list[Work | None] = [None, None]
+    for j in range(nseg):
+        mine = flat[j * seg : (j + 1) * seg]
+        slot = j & 1
+        previous = sends[slot]
+        if previous is not None:
+            ch.wait(previous)
+        incoming = bufs[slot][: mine.numel()]
+        ch.recv(incoming, right)
+        dest = mine if vrank == 0 else incoming
+        if factor is not None:
+            torch.add(incoming, mine, alpha=factor, out=dest)
+        else:
+            fn(mine, incoming, out=dest)
+        if vrank == 0:
+            if kind is RedOpType.AVG:
+                _divide_(dest, size)
+        else:
+            sends[slot] = ch.isend(dest, left)
+    for work in sends:
+        if work is not None:
+            ch.wait(work)
+
+
+# -- gathers ---------------------------------------------------------------------
+
+
+def all_gather(
+    ch: Channel, output_list: list[torch.Tensor], tensor: torch.Tensor, *, tuning: Tuning | None = None
+) -> None:
+    """``output_list[i]`` receives rank ``i``'s ``tensor`` on every rank.
+
+    Direct exchange up to :attr:`Tuning.small_bytes` per rank, a ring beyond.
+    ``tensor`` may be ``output_list[rank]`` itself.
+    """
+    with torch.no_grad():
+        blocks = [out.reshape(-1) for out in output_list]
+        _all_gather_blocks(ch, blocks, tensor.reshape(-1), tuning or DEFAULT_TUNING)
+
+
+def all_gather_into_tensor(
+    ch: Channel, output: torch.Tensor, input: torch.Tensor, *, tuning: Tuning | None = None
+) -> None:
+    """``output`` (``size * input.numel()`` elements, flat) becomes every rank's ``input`` in rank order.
+
+    ``input`` may be this rank's block of ``output``.
+    """
+    with torch.no_grad():
+        blocks = _blocks(output.reshape(-1), ch.size)
+        _all_gather_blocks(ch, blocks, input.reshape(-1), tuning or DEFAULT_TUNING)
+
+
+def _all_gather_blocks(ch: Channel, blocks: list[torch.Tensor], mine: torch.Tensor, tuning: Tuning) -> None:
+    # Sends always read this rank's output block, so an input that aliases another
+    # block is copied out before anything can overwrite it.
+    blocks[ch.rank].copy_(mine)
+    if ch.size == 1:
+        return
+    if _nbytes(mine) <= tuning.small_bytes:
+        _direct_all_gather(ch, blocks)
+    else:
+        _ring_all_gather(ch, blocks)
+
+
+def gather(ch: Channel, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> None:
+    """``gather_list[i]`` on ``dst`` receives rank ``i``'s ``tensor``; other ranks only send.
+
+    ``gather_list`` is a list on ``dst`` and ``None`` elsewhere.
+    """
+    with torch.no_grad():
+        if ch.rank != dst:
+            ch.send(tensor.reshape(-1), dst)
+            return
+        if gather_list is None:
+            raise ValueError(f"gather: rank {dst} is the destination and needs a gather_list")
+        gather_list[dst].copy_(tensor)
+        for peer in range(ch.size):
+            if peer != dst:
+                ch.recv(gather_list[peer].reshape(-1), peer)
+
+
+def scatter(ch: Channel, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> None:
+    """``tensor`` on rank ``i`` receives ``scatter_list[i]`` of ``src``.
+
+    ``scatter_list`` is a list on ``src`` and ``None`` elsewhere; it is not modified.
+    """
+    with torch.no_grad():
+        if ch.rank != src:
+            ch.recv(tensor.reshape(-1), src)
+            return
+        if scatter_list is None:
+            raise ValueError(f"scatter: rank {src} is the source and needs a scatter_list")
+        for k in range(1, ch.size):
+            peer = (src + k) % ch.size
+            ch.send(scatter_list[peer].reshape(-1), peer)
+        tensor.copy_(scatter_list[src])
+
+
+# -- reduce_scatter --------------------------------------------------------------
+
+
+def reduce_scatter(
+    ch: Channel,
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: ReduceOp,
+    *,
+    tuning: Tuning | None = None,
+) -> None:
+    """``output`` on rank ``i`` becomes ``input_list[i]`` reduced over every rank.
+
+    Every ``input_list`` entry has ``output``'s element count; inputs are left
+    unchanged. Direct exchange (fold in rank order ``0 .. size-1``) up to
+    :attr:`Tuning.small_bytes` of ``output``, a segmented ring beyond (fold in
+    ring order); either way every element is reduced exactly once.
+    """
+    with torch.no_grad():
+        pieces = [piece.reshape(-1) for piece in input_list]
+        _reduce_scatter_blocks(ch, output.reshape(-1), pieces, op, tuning or DEFAULT_TUNING)
+
+
+def reduce_scatter_tensor(
+    ch: Channel, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, tuning: Tuning | None = None
+) -> None:
+    """:func:`reduce_scatter` with ``input`` (flat) holding ``size`` blocks of ``output``'s element count."""
+    with torch.no_grad():
+        pieces = _blocks(input.reshape(-1), ch.size)
+        _reduce_scatter_blocks(ch, output.reshape(-1), pieces, op, tuning or DEFAULT_TUNING)
+
+
+def _reduce_scatter_blocks(
+    ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], op: ReduceOp, tuning: Tuning
+) -> None:
+    size = ch.size
+    factor = _premul_factor(op)
+    target = out
+    if any(_overlaps(out, piece) for piece in pieces):
+        target = torch.empty_like(out)  # the output doubles as scratch, so it must not be an input
+    if size == 1:
+        if factor is not None:
+            torch.mul(pieces[0], factor, out=target)
+        else:
+            target.copy_(pieces[0])
+    elif _nbytes(out) <= tuning.small_bytes:
+        if factor is not None:
+            pieces = [torch.mul(piece, factor) for piece in pieces]
+        _direct_reduce_scatter(ch, target, pieces, op.type)
+    else:
+        _ring_reduce_scatter(ch, pieces, [target] * size, op.type, tuning=tuning, factor=factor)
+    if target is not out:
+        out.copy_(target)
+
+
+def _direct_reduce_scatter(ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], kind: RedOpType) -> None:
+    """Everyone sends each peer its piece; each rank folds its block in rank order."""
+    size, rank = ch.size, ch.rank
+    fn = _BINARY[kind]
+    sends = [ch.isend(pieces[(rank + k) % size], (rank + k) % size) for k in range(1, size)]
+    incoming = torch.empty_like(out)
+    acc = pieces[0]
+    for i in range(size):
+        if i == rank:
+            x = pieces[rank]
+        elif i == 0:
+            ch.recv(out, 0)  # x0 lands in the output, which is the accumulator from now on
+            acc = out
+            continue
+        else:
+            ch.recv(incoming, i)
+            x = incoming
+        if i:
+            fn(acc, x, out=out)
+            acc = out
+    if kind is RedOpType.AVG:
+        _divide_(out, size)
+    _wait_all(ch, sends)
+
+
+# -- all_to_all ------------------------------------------------------------------
+
+
+def all_to_all(ch: Channel, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> None:
+    """``output_list[i]`` receives rank ``i``'s ``input_list[rank]``; pieces may differ in size.
+
+    Pairwise schedule: at step ``k`` a rank sends to ``rank+k`` and receives from
+    ``rank-k``; all sends are posted at once, so the steps overlap. Inputs are
+    left unchanged.
+    """
+    with torch.no_grad():
+        _all_to_all_pieces(ch, [out.reshape(-1) for out in output_list], [piece.reshape(-1) for piece in input_list])
+
+
+def all_to_all_single(
+    ch: Channel,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+) -> None:
+    """:func:`all_to_all` on dim-0 slices: ``input`` is split by ``input_split_sizes``
+    (one entry per rank), ``output`` is filled by ``output_split_sizes``."""
+    with torch.no_grad():
+        out_flat, in_flat = output.reshape(-1), input.reshape(-1)
+        if _overlaps(out_flat, in_flat):
+            in_flat = in_flat.clone()
+        _all_to_all_pieces(
+            ch,
+            _split(out_flat, output_split_sizes, math.prod(output.shape[1:])),
+            _split(in_flat, input_split_sizes, math.prod(input.shape[1:])),
+        )
+
+
+def _split(flat: torch.Tensor, rows: list[int], row_numel: int) -> list[torch.Tensor]:
+    pieces = []
+    offset = 0
+    for count in rows:
+        end = offset + count * row_numel
+        pieces.append(flat[offset:end])
+        offset = end
+    return pieces
+
+
+def _all_to_all_pieces(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    size, rank = ch.size, ch.rank
+    sends = [ch.isend(inputs[(rank + k) % size], (rank + k) % size) for k in range(1, size)]
+    outputs[rank].copy_(inputs[rank])
+    for k in range(1, size):
+        peer = (rank - k) % size
+        ch.recv(outputs[peer], peer)
+    _wait_all(ch, sends)
+
+
+# -- barrier ---------------------------------------------------------------------
+
+
+def barrier(ch: Channel) -> None:
+    """Return only after every rank of the group has entered the barrier.
+
+    Dissemination: ``ceil(log2 size)`` rounds of one-byte messages.
+    """
+    size, rank = ch.size, ch.rank
+    if size == 1:
+        return
+    token = torch.zeros(1, dtype=torch.uint8)
+    echo = torch.empty(1, dtype=torch.uint8)
+    distance = 1
+    while distance < size:
+        ch.sendrecv(token, (rank + distance) % size, echo, (rank - distance) % size)
+        distance <<= 1

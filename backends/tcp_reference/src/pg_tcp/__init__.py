@@ -1,0 +1,10 @@
+"""pg-tcp: pg-core's reference backend, pure Python over TCP sockets.
+
+Installing this distribution registers the ``tcp`` backend (entry point
+``pg_core.backends``); users never import it. ``pg_tcp.backend.TCPBackend`` is the
+class, ``pg_tcp.transport`` the wire and progress engine it runs on.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

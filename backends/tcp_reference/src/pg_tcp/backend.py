@@ -1,0 +1,439 @@
+"""``TCPBackend``: pg-core's reference backend, every operation over :mod:`pg_tcp.transport`.
+
+What this file shows a plugin author
+====================================
+
+* **Point to point is native.** ``send``/``recv`` post one request on the
+  transport and wait for it in the calling thread (no thread handoff);
+  ``isend``/``irecv`` return a :class:`~pg_core.work.Work` that the transport's
+  progress thread completes while the caller computes. ``send_bytes``/
+  ``recv_bytes`` carry messages whose size the receiver does not know (the core
+  builds object and unknown-shape operations on them).
+* **Collectives are pg-core's algorithms on our own channel.** Each collective
+  takes the next sequence number and runs :mod:`pg_core.algorithms` on a
+  :class:`TCPChannel`, whose frames carry (sequence number, op, argument, dtype,
+  size). The receiving side compares them with what it expects, so ranks that
+  call different collectives, or the same one with other shapes, dtypes, roots
+  or reduce ops, raise :class:`~pg_core.errors.CollectiveMismatchError` instead of
+  exchanging garbage. Because the transport's ``isend``/``irecv`` are truly
+  asynchronous and its sends never wait for the receiver, the generic
+  algorithms are already the right ones (direct exchanges for small tensors,
+  segmented rings and chains for large ones).
+* **Native where it pays.** Measured with ``bench_latency.py``: a two-rank
+  ``all_reduce`` of a small tensor is the latency everyone quotes, so it has a
+  native path that posts the receive and the send together and folds in rank
+  order, with no ``Work`` objects on the way; ``barrier`` likewise sends empty
+  frames instead of one-byte tensors. Everything else is generic (see the README
+  for the figures).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+import torch
+from pg_core import algorithms
+from pg_core.backend import Backend, BackendContext
+from pg_core.ops import RedOpType, ReduceOp
+from pg_core.work import Work
+
+from .transport import (
+    BYTES,
+    COLL,
+    DTYPE_CODE,
+    OPCODE,
+    RAW,
+    TENSOR,
+    Recv,
+    Send,
+    Transport,
+    encode_arg,
+    tensor_bytes,
+)
+
+__all__ = ["TCPBackend", "TCPChannel"]
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+#: Two-rank all_reduce up to this many bytes takes the native path.
+_NATIVE_ALL_REDUCE_BYTES: Final = 64 * 1024
+
+
+def _arg(*, root: int = -1, op: ReduceOp | None = None) -> int:
+    """The op's argument as it travels in a collective frame's tag: root and reduce op."""
+    return encode_arg(root=root, op=None if op is None else op.type)
+
+
+class TCPChannel:
+    """The :class:`pg_core.algorithms.Channel` of one collective call.
+
+    Every frame it sends is stamped with the call's sequence number, opcode and
+    argument plus the tensor's dtype and size; every receive expects exactly that.
+    One deadline (the call's timeout) bounds every wait.
+    """
+
+    __slots__ = ("_arg", "_deadline", "_op", "_opcode", "_seq", "_timeout", "_transport", "rank", "size")
+
+    def __init__(self, transport: Transport, op: str, seq: int, arg: int, timeout: float) -> None:
+        self.rank = transport.rank
+        self.size = transport.size
+        self._transport = transport
+        self._op = op
+        self._opcode = OPCODE[op]
+        self._seq = seq
+        self._arg = arg
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+
+    def post_send(self, tensor: torch.Tensor, peer: int) -> Send:
+        return self._transport.post_send(
+            Send(
+                self._op,
+                COLL,
+                peer,
+                tensor_bytes(tensor),
+                opcode=self._opcode,
+                dtype=DTYPE_CODE[tensor.dtype],
+                tag=self._arg,
+                seq=self._seq,
+                timeout=self._timeout,
+                deadline=self._deadline,
+                keep=tensor,
+            )
+        )
+
+    def post_recv(self, tensor: torch.Tensor, peer: int) -> Recv:
+        return self._transport.post_recv(
+            Recv(
+                self._op,
+                COLL,
+                peer,
+                tensor_bytes(tensor),
+                opcode=self._opcode,
+                dtype=DTYPE_CODE[tensor.dtype],
+                tag=self._arg,
+                seq=self._seq,
+                timeout=self._timeout,
+                deadline=self._deadline,
+                keep=tensor,
+            )
+        )
+
+    # -- the Channel protocol --------------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        self._transport.wait(self.post_send(tensor, peer))
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        self._transport.wait(self.post_recv(tensor, peer))
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Work:
+        return self._transport.work_for(self.post_send(tensor, peer))
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Work:
+        return self._transport.work_for(self.post_recv(tensor, peer))
+
+    def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int) -> None:
+        received = self.post_recv(recv_tensor, src)
+        sent = self.post_send(send_tensor, dst)
+        self._transport.wait(sent)
+        self._transport.wait(received)
+
+    def wait(self, work: Work) -> None:
+        work.wait()  # the request's own deadline (the channel's) bounds it
+
+
+class TCPBackend(Backend):
+    """pg-core's reference backend: pure Python over a mesh of TCP connections.
+
+    Options (``ProcessGroup(..., options={"tcp": {...}})``): ``addr``, the
+    address to listen on and advertise (default: the interface that reaches the
+    store; also ``PG_CORE_ADDR``); ``small_bytes`` and ``segment_bytes``, the
+    :class:`pg_core.algorithms.Tuning` of the collectives (every rank must pass
+    the same values).
+    """
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        defaults = algorithms.DEFAULT_TUNING
+        self._tuning = algorithms.Tuning(
+            small_bytes=int(ctx.options.get("small_bytes", defaults.small_bytes)),
+            segment_bytes=int(ctx.options.get("segment_bytes", defaults.segment_bytes)),
+        )
+        self._transport = Transport(ctx)
+        self._seq = 0
+        self._scratch_bufs: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"<TCPBackend group={self.ctx.group_name!r} rank={self.rank}/{self.size}>"
+
+    # -- point to point --------------------------------------------------------------
+    def _send_request(self, name: str, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> Send:
+        return self._transport.post_send(
+            Send(
+                name,
+                TENSOR,
+                dst,
+                tensor_bytes(tensor),
+                dtype=DTYPE_CODE[tensor.dtype],
+                tag=tag,
+                timeout=timeout,
+                keep=tensor,
+            )
+        )
+
+    def _recv_request(self, name: str, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> Recv:
+        return self._transport.post_recv(
+            Recv(
+                name,
+                TENSOR,
+                src,
+                tensor_bytes(tensor),
+                dtype=DTYPE_CODE[tensor.dtype],
+                tag=tag,
+                timeout=timeout,
+                keep=tensor,
+            )
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        self._transport.wait(self._send_request("send", tensor, dst, tag, timeout))
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        self._transport.wait(self._recv_request("recv", tensor, src, tag, timeout))
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        return self._transport.post_async(self._send_request("isend", tensor, dst, tag, timeout))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        return self._transport.post_async(self._recv_request("irecv", tensor, src, tag, timeout))
+
+    def send_bytes(self, data: bytes | bytearray | memoryview, dst: int, tag: int, *, timeout: float) -> None:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        self._transport.wait(
+            self._transport.post_send(
+                Send("send_bytes", BYTES, dst, view, dtype=RAW, tag=tag, timeout=timeout, keep=data)
+            )
+        )
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        req = self._transport.post_recv(Recv("recv_bytes", BYTES, src, None, dtype=RAW, tag=tag, timeout=timeout))
+        self._transport.wait(req)
+        assert req.result is not None
+        return req.result
+
+    # -- collectives ---------------------------------------------------------------------
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A reusable receive buffer shaped like ``like`` (collectives run one at a time)."""
+        key = (like.dtype, like.shape)
+        buf = self._scratch_bufs.get(key)
+        if buf is None:
+            if len(self._scratch_bufs) >= 16:
+                self._scratch_bufs.clear()
+            buf = self._scratch_bufs[key] = torch.empty_like(like)
+        return buf
+
+    def _channel(self, op: str, timeout: float, arg: int = 0) -> TCPChannel:
+        """The channel of the next collective; raises at once if it cannot succeed."""
+        self._seq += 1
+        self._transport.begin_collective(op, self._seq, arg)
+        return TCPChannel(self._transport, op, self._seq, arg, timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        ch = self._channel("all_reduce", timeout, _arg(op=op))
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.size == 2 and nbytes <= _NATIVE_ALL_REDUCE_BYTES:
+            _pair_all_reduce(ch, tensor, op, self._scratch(tensor))
+        elif self.size > 1 and nbytes > self._tuning.small_bytes:
+            _ring_all_reduce(ch, tensor.view(-1), op, self._tuning.segment_bytes)
+        else:
+            algorithms.all_reduce(ch, tensor, op, tuning=self._tuning)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        algorithms.broadcast(self._channel("broadcast", timeout, _arg(root=src)), tensor, src, tuning=self._tuning)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+        ch = self._channel("reduce", timeout, _arg(root=dst, op=op))
+        algorithms.reduce(ch, tensor, dst, op, tuning=self._tuning)
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+        algorithms.all_gather(self._channel("all_gather", timeout), output_list, tensor, tuning=self._tuning)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+        ch = self._channel("all_gather_into_tensor", timeout)
+        algorithms.all_gather_into_tensor(ch, output, input, tuning=self._tuning)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
+    ) -> None:
+        ch = self._channel("reduce_scatter", timeout, _arg(op=op))
+        algorithms.reduce_scatter(ch, output, input_list, op, tuning=self._tuning)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        ch = self._channel("reduce_scatter_tensor", timeout, _arg(op=op))
+        algorithms.reduce_scatter_tensor(ch, output, input, op, tuning=self._tuning)
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+        algorithms.all_to_all(self._channel("all_to_all", timeout), output_list, input_list)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        *,
+        timeout: float,
+    ) -> None:
+        ch = self._channel("all_to_all_single", timeout)
+        algorithms.all_to_all_single(ch, output, input, output_split_sizes, input_split_sizes)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
+        algorithms.gather(self._channel("gather", timeout, _arg(root=dst)), tensor, gather_list, dst)
+
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
+    ) -> None:
+        algorithms.scatter(self._channel("scatter", timeout, _arg(root=src)), tensor, scatter_list, src)
+
+    def barrier(self, *, timeout: float) -> None:
+        ch = self._channel("barrier", timeout)
+        size, rank = self.size, self.rank
+        distance = 1
+        while distance < size:  # dissemination: ceil(log2 size) rounds of empty frames
+            ch.sendrecv(_EMPTY, (rank + distance) % size, _EMPTY, (rank - distance) % size)
+            distance <<= 1
+
+    # -- life ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish queued sends (bounded by the group timeout), say goodbye, release everything."""
+        self._transport.shutdown(self.ctx.timeout)
+        super().shutdown()
+
+    def abort(self) -> None:
+        """Fail every pending and blocked operation with GroupClosedError and close now."""
+        self._transport.abort()
+        super().abort()
+
+    @property
+    def closed(self) -> bool:
+        return self._transport.closed
+
+
+def _pair_all_reduce(ch: TCPChannel, tensor: torch.Tensor, op: ReduceOp, scratch: torch.Tensor) -> None:
+    """Two ranks, small tensor: swap contributions in one round and fold ``x0 (op) x1``.
+
+    The same fold as :func:`pg_core.algorithms.all_reduce`'s direct path, without its
+    ``Work`` objects and temporary allocations: at this size the Python overhead is
+    the latency. ``scratch`` receives the peer's contribution.
+    """
+    kind = op.type
+    if kind is RedOpType.PREMUL_SUM:
+        tensor.mul_(op.factor_value())
+    peer = 1 - ch.rank
+    transport = ch._transport
+    received = ch.post_recv(scratch, peer)
+    transport.wait(ch.post_send(tensor, peer))
+    transport.wait(received)
+    first, second = (tensor, scratch) if ch.rank == 0 else (scratch, tensor)
+    _FOLD[kind](first, second, out=tensor)
+    if kind is RedOpType.AVG:
+        tensor.div_(2)  # AVG is declared for floating point and complex only
+
+
+#: ``fn(a, b, out=c)`` computes ``a (op) b``; AVG and PREMUL_SUM sum (their scaling is separate).
+_FOLD: Final[dict[RedOpType, Callable[..., torch.Tensor]]] = {
+    RedOpType.SUM: torch.add,
+    RedOpType.AVG: torch.add,
+    RedOpType.PREMUL_SUM: torch.add,
+    RedOpType.PRODUCT: torch.mul,
+    RedOpType.MIN: torch.minimum,
+    RedOpType.MAX: torch.maximum,
+    RedOpType.BAND: torch.bitwise_and,
+    RedOpType.BOR: torch.bitwise_or,
+    RedOpType.BXOR: torch.bitwise_xor,
+}
+
+
+#: Elementwise torch ops on fewer elements than this run on the calling thread
+#: (``at::internal::GRAIN_SIZE``); larger ones wake torch's intra-op OpenMP pool.
+_SERIAL_ELEMS: Final = 32768
+
+
+def _serially(fn: Callable[..., object], *tensors: torch.Tensor) -> None:
+    """Apply ``fn`` to matching slices of ``tensors`` small enough to run single-threaded.
+
+    A reduction inside a collective must not wake torch's OpenMP pool: its workers
+    spin after every parallel region and take the cores that the peer processes
+    and the kernel's socket copies need (on a 2-core machine, 2 ranks ran 2-3x
+    slower). Gloo reduces on one thread too.
+    """
+    n = tensors[0].numel()
+    for lo in range(0, n, _SERIAL_ELEMS):
+        fn(*(t[lo : lo + _SERIAL_ELEMS] for t in tensors))
+
+
+def _ring_all_reduce(ch: TCPChannel, flat: torch.Tensor, op: ReduceOp, segment_bytes: int) -> None:
+    """Large all_reduce: a pipelined ring (reduce-scatter, then all-gather).
+
+    ``flat`` is cut into ``size`` blocks and each block into segments of about
+    ``segment_bytes``. In reduce-scatter step ``s`` a rank receives segment ``j``
+    of block ``rank-s-1`` from its left neighbour, folds it into its own copy
+    and immediately sends the result on to the right, so segments stream around
+    the ring while earlier ones are still being reduced. After ``size-1`` steps
+    a rank holds block ``rank+1`` fully reduced (each element reduced once, by
+    one rank: every rank ends with the same bits); all-gather then forwards the
+    finished segments around the ring, received in place. Temporary memory:
+    ``_RING_BUFFERS`` segments. Every send reads memory that no later step of
+    this rank writes before the peer has received it.
+    """
+    size, rank = ch.size, ch.rank
+    right, left = (rank + 1) % size, (rank - 1) % size
+    kind = op.type
+    transport = ch._transport
+    if kind is RedOpType.PREMUL_SUM:
+        factor = op.factor_value()
+        _serially(lambda x: x.mul_(factor), flat)
+    base, extra = divmod(flat.numel(), size)
+    bounds = [b * base + min(b, extra) for b in range(size + 1)]
+    seg = max(1, segment_bytes // flat.element_size())
+    nseg = max(1, -(-(base + (extra > 0)) // seg))
+
+    def segments(block: int) -> list[torch.Tensor]:
+        lo, hi = bounds[block], bounds[block + 1]
+        return [flat[min(lo + j * seg, hi) : min(lo + (j + 1) * seg, hi)] for j in range(nseg)]
+
+    fold = algorithms.combine_
+    bufs = flat.new_empty((min(_RING_BUFFERS, nseg), min(seg, base + (extra > 0))))
+    sends = [ch.post_send(piece, right) for piece in segments(rank)]
+    for step in range(size - 1):  # reduce-scatter
+        pieces = segments((rank - step - 1) % size)
+        final = step == size - 2
+        recvs = deque(ch.post_recv(bufs[j][: pieces[j].numel()], left) for j in range(len(bufs)))
+        for j, piece in enumerate(pieces):
+            transport.wait(recvs.popleft())
+            incoming = bufs[j % len(bufs)][: piece.numel()]
+            _serially(lambda a, b: fold(a, b, kind), piece, incoming)
+            if final and kind is RedOpType.AVG:
+                _serially(lambda x: x.div_(size), piece)
+            sends.append(ch.post_send(piece, right))
+            if j + len(bufs) < nseg:
+                nxt = pieces[j + len(bufs)]
+                recvs.append(ch.post_recv(bufs[j % len(bufs)][: nxt.numel()], left))
+    for step in range(size - 1):  # all-gather, received in place
+        pieces = segments((rank - step) % size)
+        recvs = deque(ch.post_recv(piece, left) for piece in pieces)
+        for piece in pieces:
+            transport.wait(recvs.popleft())
+            if step < size - 2:
+                sends.append(ch.post_send(piece, right))
+    for req in sends:
+        transport.wait(req)
+
+
+#: Receive buffers (segments) the ring keeps posted ahead.
+_RING_BUFFERS: Final = 4

@@ -1,0 +1,744 @@
+"""pg-tcp across real processes and real sockets.
+
+Every test runs a module-level function on each rank of a persistent process
+pool (``rank_pools(n)``, from the workspace's ``conftest.py``), building the
+backend directly from a ``BackendContext`` the way the core does. Expected
+results are computed on each rank from the known inputs of every rank. The pool
+fails a call whose ranks leave threads or sockets behind, so every test also
+checks that ``shutdown``/``abort`` release everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from pg_core.backend import DTYPES, BackendContext, default_reduce_ops
+from pg_core.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    GroupClosedError,
+    PeerFailureError,
+)
+from pg_core.ops import OPS, RedOpType, ReduceOp
+from pg_core.store import PrefixStore
+from pg_core.testing.pool import RankContext, RankPool
+from pg_tcp.backend import TCPBackend
+from pg_tcp.transport import tensor_bytes
+
+Pools = Callable[[int], RankPool]
+
+# -- helpers (run on the ranks) ---------------------------------------------------------
+
+
+def make_backend(ctx: RankContext, name: str = "g", *, timeout: float | None = None, **options: Any) -> TCPBackend:
+    bctx = BackendContext(
+        store=PrefixStore(f"{name}/cpu/tcp", ctx.store),
+        rank=ctx.rank,
+        size=ctx.size,
+        device=torch.device("cpu"),
+        timeout=timeout or ctx.timeout,
+        group_name=name,
+        group_uid=f"{name}-{ctx.job}",
+        backend_name="tcp",
+        options=options,
+    )
+    return TCPBackend(bctx)
+
+
+@contextmanager
+def backend(ctx: RankContext, name: str = "g", **kwargs: Any) -> Iterator[TCPBackend]:
+    b = make_backend(ctx, name, **kwargs)
+    try:
+        yield b
+    finally:
+        b.shutdown()
+
+
+def value(rank: int, dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s deterministic input: small values, so sums and products stay exact."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        re = torch.randint(1, 4, shape, generator=g).double()
+        im = torch.randint(-2, 3, shape, generator=g).double()
+        return torch.complex(re, im).to(dtype)
+    if dtype.is_floating_point:
+        return torch.randint(1, 4, shape, generator=g).to(dtype)
+    low = 0 if dtype == torch.uint8 else -3
+    return torch.randint(low, 4, shape, generator=g).to(dtype)
+
+
+def fold(xs: list[torch.Tensor], op: ReduceOp, dtype: torch.dtype) -> torch.Tensor:
+    """The reference reduction, in float64 / complex128 / int64."""
+    wide = torch.complex128 if dtype.is_complex else torch.float64 if dtype.is_floating_point else torch.int64
+    ys = [x.to(wide) for x in xs]
+    kind = op.type
+    if kind is RedOpType.PREMUL_SUM:
+        ys = [y * op.factor_value() for y in ys]
+    acc = ys[0].clone()
+    for y in ys[1:]:
+        if kind in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM):
+            acc = acc + y
+        elif kind is RedOpType.PRODUCT:
+            acc = acc * y
+        elif kind is RedOpType.MIN:
+            acc = torch.minimum(acc, y)
+        elif kind is RedOpType.MAX:
+            acc = torch.maximum(acc, y)
+        elif kind is RedOpType.BAND:
+            acc = acc & y
+        elif kind is RedOpType.BOR:
+            acc = acc | y
+        else:
+            acc = acc ^ y
+    if kind is RedOpType.AVG:
+        acc = acc / len(xs)
+    return acc
+
+
+_RTOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 1e-5, torch.complex64: 1e-5}
+
+
+def check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    dtype = actual.dtype
+    if dtype.is_floating_point or dtype.is_complex:
+        wide = torch.complex128 if dtype.is_complex else torch.float64
+        tol = _RTOL.get(dtype, 1e-12)
+        torch.testing.assert_close(actual.to(wide), expected.to(wide), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(actual, expected.to(dtype)), f"{what}: got {actual}, expected {expected.to(dtype)}"
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(bytes(tensor_bytes(t.contiguous()))).hexdigest()
+
+
+REDUCE_OPS = [
+    ReduceOp.SUM,
+    ReduceOp.PRODUCT,
+    ReduceOp.MIN,
+    ReduceOp.MAX,
+    ReduceOp.AVG,
+    ReduceOp.BAND,
+    ReduceOp.BOR,
+    ReduceOp.BXOR,
+    ReduceOp.premul_sum(2.0),
+]
+
+
+def reduce_ops(dtype: torch.dtype) -> list[ReduceOp]:
+    return [op for op in REDUCE_OPS if op.type in default_reduce_ops(dtype)]
+
+
+# Tunings: the defaults, and one that sends 1 KiB tensors through the rings in 256-byte segments.
+TUNINGS: list[dict[str, int]] = [{}, {"small_bytes": 64, "segment_bytes": 256}]
+SOME_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex128, torch.uint8]
+
+
+# -- plugin ----------------------------------------------------------------------------
+
+
+def test_plugin_declares_every_op_dtype_and_sensible_reduce_op() -> None:
+    from pg_tcp import plugin
+
+    (spec,) = plugin.pg_core_backends()
+    assert spec.name == "tcp"
+    assert spec.factory == "pg_tcp.backend:TCPBackend"
+    assert spec.devices == ("cpu",)
+    caps = spec.capabilities_for("cpu")
+    assert set(caps.ops) == set(OPS)
+    assert set(caps.dtypes) == set(DTYPES)
+    for dtype in DTYPES:
+        assert caps.reduce_ops_for(dtype) == default_reduce_ops(dtype)
+    assert not caps.supports("all_reduce", torch.bool, ReduceOp.SUM)
+    assert not caps.supports("all_reduce", torch.complex64, ReduceOp.MAX)
+    assert spec.load_factory() is TCPBackend
+
+
+def test_plugin_module_imports_no_transport() -> None:
+    code = "import sys, pg_tcp.plugin as p; p.pg_core_backends(); print(sorted(m for m in sys.modules if m.startswith('pg_tcp')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "pg_tcp.transport" not in out.stdout and "pg_tcp.backend" not in out.stdout, out.stdout
+
+
+# -- every collective --------------------------------------------------------------------
+
+
+def run_collectives(ctx: RankContext, quick: bool) -> list[str]:
+    """Every collective against the reference; returns digests that must agree across ranks."""
+    size, rank = ctx.size, ctx.rank
+    digests: list[str] = []
+    shapes: list[tuple[int, ...]] = [(), (0,), (7,), (3, 5), (300,)]
+    for i, options in enumerate(TUNINGS):
+        with backend(ctx, f"tuning{i}", **options) as b:
+            # all_reduce: every dtype, every reduce op it declares
+            for dtype in DTYPES if not quick else [torch.float32, torch.bfloat16, torch.int64, torch.bool]:
+                for op in reduce_ops(dtype) if not quick else reduce_ops(dtype)[:3]:
+                    for shape in shapes if not quick else [(7,), (300,)]:
+                        t = value(rank, dtype, shape, seed=3)
+                        b.all_reduce(t, op, timeout=ctx.timeout)
+                        expected = fold([value(r, dtype, shape, seed=3) for r in range(size)], op, dtype)
+                        check(t, expected, f"all_reduce {dtype} {op} {shape}")
+                        digests.append(digest(t))
+            for dtype in SOME_DTYPES if not quick else [torch.float32]:
+                for shape in [(0,), (6,), (2, 150)] if not quick else [(2, 150)]:
+                    _check_data_movement(ctx, b, dtype, shape)
+                    for op in reduce_ops(dtype)[:3] if not quick else [ReduceOp.SUM]:
+                        _check_reductions(ctx, b, dtype, shape, op)
+            for _ in range(3):
+                b.barrier(timeout=ctx.timeout)
+    return digests
+
+
+def _check_data_movement(ctx: RankContext, b: TCPBackend, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    size, rank, timeout = ctx.size, ctx.rank, ctx.timeout
+    what = f"{dtype} {shape} on {size} ranks"
+    for root in range(size):
+        t = value(rank, dtype, shape, seed=5)
+        b.broadcast(t, root, timeout=timeout)
+        check(t, value(root, dtype, shape, seed=5), f"broadcast from {root} {what}")
+    mine = value(rank, dtype, shape)
+    outs = [torch.empty(shape, dtype=dtype) for _ in range(size)]
+    b.all_gather(outs, mine, timeout=timeout)
+    for r in range(size):
+        check(outs[r], value(r, dtype, shape), f"all_gather [{r}] {what}")
+    flat = mine.reshape(-1)
+    out = torch.empty(size * flat.numel(), dtype=dtype)
+    b.all_gather_into_tensor(out, flat, timeout=timeout)
+    check(out, torch.cat([value(r, dtype, shape).reshape(-1) for r in range(size)]), f"all_gather_into_tensor {what}")
+    # all_to_all: the piece from rank k to rank j has (k + j) % 3 + 1 rows
+    inputs = [value(rank, dtype, ((rank + j) % 3 + 1, 2), seed=j) for j in range(size)]
+    outputs = [torch.empty(((r + rank) % 3 + 1, 2), dtype=dtype) for r in range(size)]
+    b.all_to_all(outputs, inputs, timeout=timeout)
+    for r in range(size):
+        check(outputs[r], value(r, dtype, ((r + rank) % 3 + 1, 2), seed=rank), f"all_to_all from {r} {what}")
+    # all_to_all_single with uneven splits, zero rows included
+    in_splits = [(rank + j) % 3 for j in range(size)]
+    out_splits = [(r + rank) % 3 for r in range(size)]
+    single_in = torch.cat([value(rank, dtype, (n, 2), seed=10 + j) for j, n in enumerate(in_splits)])
+    single_out = torch.empty((sum(out_splits), 2), dtype=dtype)
+    b.all_to_all_single(single_out, single_in, out_splits, in_splits, timeout=timeout)
+    expected = torch.cat([value(r, dtype, (n, 2), seed=10 + rank) for r, n in enumerate(out_splits)])
+    check(single_out, expected, f"all_to_all_single {what}")
+    for root in range(size):
+        glist = [torch.empty(shape, dtype=dtype) for _ in range(size)] if rank == root else None
+        b.gather(value(rank, dtype, shape, seed=7), glist, root, timeout=timeout)
+        if glist is not None:
+            for r in range(size):
+                check(glist[r], value(r, dtype, shape, seed=7), f"gather to {root} [{r}] {what}")
+        slist = [value(root, dtype, shape, seed=20 + r) for r in range(size)] if rank == root else None
+        t = torch.empty(shape, dtype=dtype)
+        b.scatter(t, slist, root, timeout=timeout)
+        check(t, value(root, dtype, shape, seed=20 + rank), f"scatter from {root} {what}")
+
+
+def _check_reductions(
+    ctx: RankContext, b: TCPBackend, dtype: torch.dtype, shape: tuple[int, ...], op: ReduceOp
+) -> None:
+    size, rank, timeout = ctx.size, ctx.rank, ctx.timeout
+    what = f"{dtype} {op} {shape} on {size} ranks"
+    for root in range(size):
+        t = value(rank, dtype, shape, seed=8)
+        before = t.clone()
+        b.reduce(t, root, op, timeout=timeout)
+        if rank == root:
+            check(t, fold([value(r, dtype, shape, seed=8) for r in range(size)], op, dtype), f"reduce to {root} {what}")
+        else:
+            assert torch.equal(t, before), f"reduce changed a non-root input: {what}"
+    pieces = [value(rank, dtype, shape, seed=30 + j) for j in range(size)]
+    out = torch.empty(shape, dtype=dtype)
+    b.reduce_scatter(out, pieces, op, timeout=timeout)
+    check(out, fold([value(r, dtype, shape, seed=30 + rank) for r in range(size)], op, dtype), f"reduce_scatter {what}")
+    flat_in = torch.cat([p.reshape(-1) for p in pieces])
+    out_flat = torch.empty(pieces[0].numel(), dtype=dtype)
+    b.reduce_scatter_tensor(out_flat, flat_in, op, timeout=timeout)
+    expected = fold([value(r, dtype, shape, seed=30 + rank).reshape(-1) for r in range(size)], op, dtype)
+    check(out_flat, expected, f"reduce_scatter_tensor {what}")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_collective_every_dtype(rank_pools: Pools, world_size: int) -> None:
+    digests = rank_pools(world_size).run(run_collectives, False, timeout=240)
+    assert all(d == digests[0] for d in digests), "all_reduce results differ between ranks"
+
+
+def test_collectives_on_8_ranks(rank_pools: Pools) -> None:
+    digests = rank_pools(8).run(run_collectives, True, timeout=240)
+    assert all(d == digests[0] for d in digests), "all_reduce results differ between ranks"
+
+
+def large_all_reduce(ctx: RankContext) -> str:
+    with backend(ctx) as b:
+        t = value(ctx.rank, torch.float32, (3_000_001,), seed=1)
+        b.all_reduce(t, ReduceOp.SUM, timeout=ctx.timeout)
+        check(
+            t,
+            fold([value(r, torch.float32, (3_000_001,), seed=1) for r in range(ctx.size)], ReduceOp.SUM, torch.float32),
+            "large",
+        )
+        return digest(t)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_large_all_reduce_is_bitwise_identical(rank_pools: Pools, world_size: int) -> None:
+    digests = rank_pools(world_size).run(large_all_reduce, timeout=120)
+    assert len(set(digests)) == 1
+
+
+# -- point to point ------------------------------------------------------------------------
+
+
+def p2p_tags_out_of_order(ctx: RankContext) -> None:
+    with backend(ctx) as b:
+        if ctx.rank == 0:
+            for tag, v in ((5, 50.0), (1, 10.0), (3, 30.0), (1, 11.0), (0, 0.0), (1, 12.0)):
+                b.send(torch.full((4,), v), 1, tag, timeout=ctx.timeout)
+        elif ctx.rank == 1:
+            got: dict[int, list[float]] = {}
+            for tag in (0, 1, 3, 1, 5, 1):  # another order; tag 1 thrice: FIFO per (peer, tag)
+                t = torch.empty(4)
+                b.recv(t, 0, tag, timeout=ctx.timeout)
+                got.setdefault(tag, []).append(t[0].item())
+            assert got == {0: [0.0], 1: [10.0, 11.0, 12.0], 3: [30.0], 5: [50.0]}, got
+
+
+def test_p2p_matches_on_tag_in_order(rank_pools: Pools) -> None:
+    rank_pools(2).run(p2p_tags_out_of_order)
+
+
+def irecv_then_send(ctx: RankContext) -> None:
+    with backend(ctx) as b:
+        peer = 1 - ctx.rank
+        for n in (1, 100_000, 3_000_000):  # small and larger than any socket buffer
+            buf = torch.empty(n)
+            work = b.irecv(buf, peer, 0, timeout=ctx.timeout)
+            b.send(torch.full((n,), float(ctx.rank)), peer, 0, timeout=ctx.timeout)
+            work.wait()
+            assert bool((buf == peer).all())
+        # two big blocking sends against each other: neither may wait for the other's recv
+        big = torch.full((4_000_000,), float(ctx.rank))
+        b.send(big, peer, 1, timeout=ctx.timeout)
+        b.recv(big, peer, 1, timeout=ctx.timeout)
+        assert bool((big == peer).all())
+
+
+def test_irecv_then_send_on_both_ranks(rank_pools: Pools) -> None:
+    rank_pools(2).run(irecv_then_send)
+
+
+def isend_overlaps_compute(ctx: RankContext) -> tuple[float, float]:
+    with backend(ctx) as b:
+        n = 16 * 1024 * 1024  # 64 MiB of float32
+        if ctx.rank == 0:
+            work = b.isend(torch.ones(n), 1, 0, timeout=ctx.timeout)
+            a = torch.randn(256, 256)
+            start = time.time()
+            while time.time() - start < 1.5 and not work.is_completed():
+                a = torch.tanh(a @ a)  # compute while the progress thread sends
+            compute_end = time.time()
+            work.wait()
+            b.recv(torch.empty(1), 1, 1, timeout=ctx.timeout)
+            return compute_end, 0.0
+        t = torch.zeros(n)
+        b.recv(t, 0, 0, timeout=ctx.timeout)
+        received = time.time()
+        assert bool((t == 1).all())
+        b.send(torch.empty(1), 0, 1, timeout=ctx.timeout)
+        return 0.0, received
+
+
+def test_isend_of_64mib_overlaps_compute(rank_pools: Pools) -> None:
+    (compute_end, _), (_, received) = rank_pools(2).run(isend_overlaps_compute)
+    assert received <= compute_end, "the receiver got the data only after the sender stopped computing"
+
+
+def bytes_of_random_sizes(ctx: RankContext) -> None:
+    import random
+
+    rng = random.Random(42)
+    sizes = [0, 1, 31, 32, 33, 4096, 1 << 20, 3_000_017] + [rng.randrange(0, 200_000) for _ in range(10)]
+    with backend(ctx) as b:
+        peer = (ctx.rank + 1) % ctx.size
+        src = (ctx.rank - 1) % ctx.size
+        for i, n in enumerate(sizes):
+            payload = bytes((ctx.rank + i + k) % 251 for k in range(min(n, 997))) * (n // 997 + 1)
+            done = threading.Event()
+            received: list[bytearray] = []
+
+            def receive(i: int = i) -> None:
+                received.append(b.recv_bytes(src, i % 3, timeout=ctx.timeout))
+                done.set()
+
+            thread = threading.Thread(target=receive)
+            thread.start()
+            b.send_bytes(payload[:n], peer, i % 3, timeout=ctx.timeout)
+            thread.join(ctx.timeout)
+            assert done.is_set()
+            expected = bytes((src + i + k) % 251 for k in range(min(n, 997))) * (n // 997 + 1)
+            assert isinstance(received[0], bytearray)
+            assert received[0] == expected[:n], f"message {i} of {n} bytes differs"
+        # bytes and tensors on the same tag do not match each other
+        if ctx.rank == 0 and ctx.size > 1:
+            b.send(torch.ones(2), 1, 9, timeout=ctx.timeout)
+            b.send_bytes(b"xyz", 1, 9, timeout=ctx.timeout)
+        elif ctx.rank == 1:
+            assert b.recv_bytes(0, 9, timeout=ctx.timeout) == b"xyz"
+            t = torch.empty(2)
+            b.recv(t, 0, 9, timeout=ctx.timeout)
+            assert t.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_send_bytes_of_random_sizes(rank_pools: Pools, world_size: int) -> None:
+    rank_pools(world_size).run(bytes_of_random_sizes)
+
+
+def every_dtype_p2p(ctx: RankContext) -> None:
+    with backend(ctx) as b:
+        for dtype in DTYPES:
+            for shape in [(), (0,), (5, 3)]:
+                if ctx.rank == 0:
+                    b.send(value(0, dtype, shape), 1, 0, timeout=ctx.timeout)
+                else:
+                    t = torch.empty(shape, dtype=dtype)
+                    b.recv(t, 0, 0, timeout=ctx.timeout)
+                    check(t, value(0, dtype, shape), f"p2p {dtype} {shape}")
+
+
+def test_p2p_every_dtype(rank_pools: Pools) -> None:
+    rank_pools(2).run(every_dtype_p2p)
+
+
+def p2p_size_mismatch(ctx: RankContext) -> str:
+    with backend(ctx) as b:
+        if ctx.rank == 0:
+            b.send(torch.ones(4), 1, 0, timeout=ctx.timeout)
+            b.send(torch.ones(4, dtype=torch.int32), 1, 0, timeout=ctx.timeout)
+            b.send(torch.full((2,), 7.0), 1, 0, timeout=ctx.timeout)
+            return ""
+        messages = []
+        for wrong in (torch.empty(3), torch.empty(4)):  # wrong size, then wrong dtype
+            with pytest.raises(CollectiveMismatchError) as info:
+                b.recv(wrong, 0, 0, timeout=ctx.timeout)
+            messages.append(str(info.value))
+        t = torch.empty(2)
+        b.recv(t, 0, 0, timeout=ctx.timeout)  # the stream is intact afterwards
+        assert t.tolist() == [7.0, 7.0]
+        return " | ".join(messages)
+
+
+def test_p2p_size_or_dtype_mismatch_is_an_error(rank_pools: Pools) -> None:
+    _, message = rank_pools(2).run(p2p_size_mismatch)
+    assert "12 bytes of float32" in message and "16 bytes of float32" in message
+    assert "int32" in message
+
+
+def p2p_during_collectives(ctx: RankContext) -> None:
+    """A collective stream in one thread, point to point in another, on one backend."""
+    with backend(ctx) as b:
+        peer = 1 - ctx.rank
+        errors: list[BaseException] = []
+
+        def p2p() -> None:
+            try:
+                for i in range(200):
+                    t = torch.full((1000,), float(i))
+                    if ctx.rank == 0:
+                        b.send(t, peer, 3, timeout=ctx.timeout)
+                    else:
+                        b.recv(t, peer, 3, timeout=ctx.timeout)
+                        assert t[0].item() == i
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=p2p)
+        thread.start()
+        for i in range(200):
+            t = torch.full((100,), float(ctx.rank + i))
+            b.all_reduce(t, ReduceOp.SUM, timeout=ctx.timeout)
+            assert t[0].item() == 1 + 2 * i
+        thread.join(ctx.timeout)
+        assert not thread.is_alive() and not errors, errors
+
+
+def test_p2p_and_collectives_from_two_threads(rank_pools: Pools) -> None:
+    rank_pools(2).run(p2p_during_collectives)
+
+
+def two_groups_two_threads(ctx: RankContext) -> None:
+    errors: list[BaseException] = []
+    with backend(ctx, "a") as a, backend(ctx, "b") as b:
+
+        def loop(g: TCPBackend, scale: float) -> None:
+            try:
+                for _ in range(100):
+                    t = torch.full((10,), scale)
+                    g.all_reduce(t, ReduceOp.SUM, timeout=ctx.timeout)
+                    assert t[0].item() == scale * ctx.size
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(g, s)) for g, s in ((a, 1.0), (b, 2.0))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(ctx.timeout)
+    assert not errors, errors
+
+
+def test_two_groups_progress_independently(rank_pools: Pools) -> None:
+    rank_pools(3).run(two_groups_two_threads)
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def peer_shut_down(ctx: RankContext) -> str | None:
+    with backend(ctx) as b:
+        if ctx.rank == 1:
+            b.barrier(timeout=ctx.timeout)
+            return None
+        b.barrier(timeout=ctx.timeout)
+        with pytest.raises(PeerFailureError) as info:
+            b.recv(torch.empty(1), 1, 0, timeout=ctx.timeout)
+        return str(info.value)
+
+
+def test_clean_shutdown_of_a_peer_is_reported_as_such(rank_pools: Pools) -> None:
+    message = rank_pools(2).run(peer_shut_down)[0]
+    assert message is not None and "rank 1 shut down" in message
+
+
+def collective_mismatch(ctx: RankContext, variant: str) -> tuple[str, str, float]:
+    with backend(ctx, timeout=60.0) as b:
+        t = torch.ones(8)
+        start = time.monotonic()
+        try:
+            if variant == "op":
+                if ctx.rank == 0:
+                    b.all_reduce(t, ReduceOp.SUM, timeout=60.0)
+                else:
+                    b.broadcast(t, 0, timeout=60.0)
+            elif variant == "dtype":  # same number of bytes, different dtype
+                b.all_reduce(t if ctx.rank == 0 else t.to(torch.int32), ReduceOp.SUM, timeout=60.0)
+            elif variant == "root":
+                b.reduce(t, ctx.rank, ReduceOp.SUM, timeout=60.0)
+            else:
+                b.all_reduce(torch.ones(8 + 1000 * ctx.rank), ReduceOp.SUM, timeout=60.0)
+            first = "ok"
+        except CollectiveMismatchError as exc:
+            first = f"mismatch: {exc}"
+        elapsed = time.monotonic() - start
+        # the collective stream is broken now: the next collective fails at once ...
+        try:
+            b.barrier(timeout=60.0)
+            second = "ok"
+        except CollectiveMismatchError as exc:
+            second = f"mismatch: {exc}"
+        # ... while point to point keeps working
+        peer = 1 - ctx.rank
+        b.send(torch.ones(1), peer, 0, timeout=60.0)
+        b.recv(torch.empty(1), peer, 0, timeout=60.0)
+        return first, second, elapsed
+
+
+@pytest.mark.parametrize("variant", ["op", "dtype", "root", "size"])
+def test_collective_mismatch_raises_instead_of_hanging(rank_pools: Pools, variant: str) -> None:
+    results = rank_pools(2).run(collective_mismatch, variant, timeout=60)
+    assert any(first.startswith("mismatch") for first, _, _ in results), results
+    assert all(second.startswith("mismatch") for _, second, _ in results), results
+    assert all(elapsed < 10 for _, _, elapsed in results), results
+
+
+def skipped_collective(ctx: RankContext) -> tuple[tuple[int, ...], int | None, str | None, float, str] | None:
+    with backend(ctx, timeout=60.0) as b:
+        b.barrier(timeout=60.0)
+        if ctx.rank == 2:  # skips the all_reduce; stays alive until the others timed out
+            ctx.store.wait(["timed-out/0", "timed-out/1"])
+            return None
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as info:
+            b.all_reduce(torch.ones(4), ReduceOp.SUM, timeout=2.0)
+        elapsed = time.monotonic() - start
+        ctx.store.set(f"timed-out/{ctx.rank}", "1")
+        exc = info.value
+        return exc.peers, exc.seq, exc.op, elapsed, str(exc)
+
+
+def test_timeout_names_the_missing_peer(rank_pools: Pools) -> None:
+    results = rank_pools(3).run(skipped_collective, timeout=60)
+    for result in results[:2]:
+        assert result is not None
+        peers, seq, op, elapsed, message = result
+        assert peers == (2,), message
+        assert op == "all_reduce" and seq == 2, message
+        assert 1.9 <= elapsed < 6.0, elapsed
+        assert "rank(s) 2" in message
+
+
+def abort_from_another_thread(ctx: RankContext) -> float | None:
+    b = make_backend(ctx, timeout=60.0)
+    if ctx.rank == 1:  # never sends; waits until rank 0 aborted
+        ctx.store.wait(["aborted"])
+        b.shutdown()
+        return None
+
+    def abort_when_blocked() -> None:
+        deadline = time.monotonic() + 30
+        while not b._transport._posted and time.monotonic() < deadline:
+            time.sleep(0.001)  # poll for the receive to be posted
+        b.abort()
+
+    thread = threading.Thread(target=abort_when_blocked)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(GroupClosedError):
+        b.recv(torch.empty(1), 1, 0, timeout=60.0)
+    elapsed = time.monotonic() - start
+    thread.join(30)
+    with pytest.raises(GroupClosedError):
+        b.all_reduce(torch.ones(1), ReduceOp.SUM, timeout=5.0)
+    with pytest.raises(GroupClosedError):
+        b.send(torch.ones(1), 1, 0, timeout=5.0)
+    ctx.store.set("aborted", "1")
+    return elapsed
+
+
+def test_abort_from_another_thread_wakes_the_blocked_call(rank_pools: Pools) -> None:
+    elapsed = rank_pools(2).run(abort_from_another_thread)[0]
+    assert elapsed is not None and elapsed < 10
+
+
+def abort_pending_async(ctx: RankContext) -> None:
+    b = make_backend(ctx, timeout=60.0)
+    if ctx.rank == 1:
+        ctx.store.wait(["aborted"])
+        b.shutdown()
+        return
+    works = [b.irecv(torch.empty(10), 1, tag, timeout=60.0) for tag in range(3)]
+    b.abort()
+    for work in works:
+        assert isinstance(work.exception(timeout=10), GroupClosedError)
+    ctx.store.set("aborted", "1")
+
+
+def test_abort_fails_pending_async_work(rank_pools: Pools) -> None:
+    rank_pools(2).run(abort_pending_async)
+
+
+def stray_connection_rejected(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        key = "stray/cpu/tcp/addr/0"
+        ctx.store.wait([key])
+        host, _, port = ctx.store.get(key).decode().rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as rogue:
+            rogue.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
+            with backend(ctx, "stray") as b:
+                t = torch.ones(2)
+                b.all_reduce(t, ReduceOp.SUM, timeout=ctx.timeout)
+                assert t.tolist() == [2.0, 2.0]
+    else:
+        with backend(ctx, "stray") as b:
+            t = torch.ones(2)
+            b.all_reduce(t, ReduceOp.SUM, timeout=ctx.timeout)
+            assert t.tolist() == [2.0, 2.0]
+
+
+def test_stray_connection_is_rejected(rank_pools: Pools) -> None:
+    rank_pools(2).run(stray_connection_rejected)
+
+
+# -- resources ----------------------------------------------------------------------------
+
+
+def _sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the directory listing's own descriptor
+            pass
+    return count
+
+
+def threads_and_sockets(ctx: RankContext) -> tuple[int, int, int, int]:
+    threads0, sockets0 = threading.active_count(), _sockets()
+    b = make_backend(ctx)
+    peer = (ctx.rank + 1) % ctx.size
+    src = (ctx.rank - 1) % ctx.size
+    work = b.irecv(torch.empty(100), src, 0, timeout=ctx.timeout)
+    b.isend(torch.ones(100), peer, 0, timeout=ctx.timeout).wait()
+    work.wait()
+    during = threading.active_count() - threads0, _sockets() - sockets0
+    b.shutdown()
+    b.shutdown()  # idempotent
+    return during[0], during[1], threading.active_count() - threads0, _sockets() - sockets0
+
+
+def test_shutdown_releases_threads_and_sockets(rank_pools: Pools) -> None:
+    for extra_threads, extra_sockets, left_threads, left_sockets in rank_pools(3).run(threads_and_sockets):
+        assert extra_threads == 1  # the progress thread, started by isend/irecv
+        assert extra_sockets == 2 + 2  # one per peer, plus the wake-up socketpair
+        assert left_threads == 0 and left_sockets == 0
+
+
+def test_world_of_one_has_no_peers(rank_pools: Pools) -> None:
+    assert rank_pools(1).run(threads_and_sockets_single) == [(0, 2)]
+
+
+def threads_and_sockets_single(ctx: RankContext) -> tuple[int, int]:
+    threads0, sockets0 = threading.active_count(), _sockets()
+    with backend(ctx) as b:
+        t = torch.arange(4.0)
+        b.all_reduce(t, ReduceOp.premul_sum(3.0), timeout=ctx.timeout)
+        assert t.tolist() == [0.0, 3.0, 6.0, 9.0]
+        return threading.active_count() - threads0, _sockets() - sockets0
+
+
+# -- last: a rank that dies takes its pool with it (the next call starts a fresh one) --
+
+
+def dead_peer(ctx: RankContext) -> tuple[str, float, str, float] | None:
+    b = make_backend(ctx, timeout=60.0)
+    b.barrier(timeout=60.0)
+    if ctx.rank == ctx.size - 1:
+        os._exit(0)  # die without a word
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerFailureError) as coll:
+            b.all_reduce(torch.ones(10), ReduceOp.SUM, timeout=60.0)
+        coll_elapsed = time.monotonic() - start
+        start = time.monotonic()
+        with pytest.raises(PeerFailureError) as p2p:
+            b.recv(torch.empty(1), ctx.size - 1, 0, timeout=60.0)
+        p2p_elapsed = time.monotonic() - start
+        # the survivors can still talk to each other point to point
+        if ctx.rank == 0:
+            b.send(torch.ones(3), 1, 0, timeout=60.0)
+        elif ctx.rank == 1:
+            b.recv(torch.empty(3), 0, 0, timeout=60.0)
+        assert coll.value.peers == (ctx.size - 1,) or str(ctx.size - 1) in str(coll.value)
+        return str(coll.value), coll_elapsed, str(p2p.value), p2p_elapsed
+    finally:
+        b.shutdown()
+
+
+def test_dead_peer_is_peer_failure_within_seconds(rank_pools: Pools) -> None:
+    results = rank_pools(3).run(dead_peer, may_exit=[2], timeout=90)
+    for result in results[:2]:
+        assert result is not None
+        coll_msg, coll_s, p2p_msg, p2p_s = result
+        assert coll_s < 5.0 and p2p_s < 5.0, result  # the timeout is 60 s
+        assert "rank 2" in coll_msg and "rank 2" in p2p_msg
