@@ -50,10 +50,10 @@ DIRECT = Tuning(small_bytes=1 << 40)
 
 def tuning(path: str, dtype: torch.dtype) -> Tuning:
     """``direct``/``tree``: the small paths; ``ring``/``chain``: rings and chains for every
-    non-empty tensor, moving segments of three elements."""
+    non-empty tensor, moving segments of three elements and reducing two at a time."""
     if path in ("direct", "tree"):
         return DIRECT
-    return Tuning(small_bytes=0, segment_bytes=3 * dtype.itemsize)
+    return Tuning(small_bytes=0, segment_bytes=3 * dtype.itemsize, serial_elems=2)
 
 
 def roots(size: int) -> list[int]:
@@ -98,6 +98,7 @@ class Fabric:
         self.failed = threading.Event()
         self.messages = [0] * size  # sent, per rank
         self.max_message_bytes = 0
+        self.lock = threading.Lock()
 
     def leftovers(self) -> dict[tuple[int, int], int]:
         return {pair: q.qsize() for pair, q in self.queues.items() if not q.empty()}
@@ -111,8 +112,8 @@ class ThreadChannel:
         self.rank = rank
         self.size = fabric.size
         self._irecvs: dict[int, deque[tuple[torch.Tensor, Work]]] = {}
-        self._sends: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(work) -> (buffer, snapshot)
-        self._recvs: dict[int, int] = {}  # id(work) -> peer
+        self._sends: dict[Work, tuple[torch.Tensor, torch.Tensor]] = {}  # pending isend -> (buffer, snapshot)
+        self._recvs: dict[Work, int] = {}  # pending irecv -> peer
 
     def _check_peer(self, peer: int) -> None:
         if not (0 <= peer < self.size) or peer == self.rank:
@@ -122,8 +123,9 @@ class ThreadChannel:
         self._check_peer(peer)
         if not tensor.is_contiguous():
             raise ProtocolError(f"rank {self.rank}: sends must be contiguous")
-        self.fabric.messages[self.rank] += 1
-        self.fabric.max_message_bytes = max(self.fabric.max_message_bytes, tensor.numel() * tensor.element_size())
+        with self.fabric.lock:
+            self.fabric.messages[self.rank] += 1
+            self.fabric.max_message_bytes = max(self.fabric.max_message_bytes, tensor.nbytes)
         self.fabric.queues[(self.rank, peer)].put(tensor.detach().clone())
 
     def _take(self, peer: int) -> torch.Tensor:
@@ -138,13 +140,16 @@ class ThreadChannel:
                 if time.monotonic() > deadline:
                     raise CollectiveTimeout(f"rank {self.rank}: nothing from {peer} in {WAIT_S} s") from None
 
-    def _deliver(self, tensor: torch.Tensor, peer: int) -> None:
-        message = self._take(peer)
+    def _check_message(self, message: torch.Tensor, tensor: torch.Tensor, peer: int) -> None:
         if message.dtype != tensor.dtype or message.numel() != tensor.numel():
             raise ProtocolError(
                 f"rank {self.rank}: message from {peer} is {message.numel()} x {message.dtype}, "
                 f"the receive expects {tensor.numel()} x {tensor.dtype}"
             )
+
+    def _deliver(self, tensor: torch.Tensor, peer: int) -> None:
+        message = self._take(peer)
+        self._check_message(message, tensor, peer)
         tensor.copy_(message.reshape(tensor.shape))
 
     def _drain(self, peer: int, until: Work | None = None) -> None:
@@ -165,16 +170,29 @@ class ThreadChannel:
     def isend(self, tensor: torch.Tensor, peer: int) -> Work:
         self.send(tensor, peer)
         work = Work("isend")
-        self._sends[id(work)] = (tensor, tensor.detach().clone())
+        self._sends[work] = (tensor, tensor.detach().clone())
         return work
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> Work:
+        """Delivers at once when the message is already here (the earliest a transport may),
+        otherwise at ``wait`` or at a later receive from ``peer`` (the latest)."""
         self._check_peer(peer)
         if tensor.numel() and tensor.dtype != torch.bool:
             tensor.fill_(float("nan") if tensor.is_floating_point() or tensor.is_complex() else 77)
         work = Work("irecv")
-        self._irecvs.setdefault(peer, deque()).append((tensor, work))
-        self._recvs[id(work)] = peer
+        self._recvs[work] = peer
+        pending = self._irecvs.setdefault(peer, deque())
+        if not pending:
+            try:
+                message = self.fabric.queues[(peer, self.rank)].get_nowait()
+            except queue.Empty:
+                pass
+            else:
+                self._check_message(message, tensor, peer)
+                tensor.copy_(message.reshape(tensor.shape))
+                work.set_result(None)
+                return work
+        pending.append((tensor, work))
         return work
 
     def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int) -> None:
@@ -183,15 +201,16 @@ class ThreadChannel:
         self.wait(work)
 
     def wait(self, work: Work) -> None:
-        sent = self._sends.pop(id(work), None)
-        peer = self._recvs.pop(id(work), None)
+        sent = self._sends.pop(work, None)
+        peer = self._recvs.pop(work, None)
         if sent is not None:
             buffer, snapshot = sent
             if not same_bits(buffer, snapshot):
                 raise ProtocolError(f"rank {self.rank}: an isend buffer changed before wait()")
             work.set_result(None)
         elif peer is not None:
-            self._drain(peer, until=work)
+            if not work.is_completed():
+                self._drain(peer, until=work)
         else:
             raise ProtocolError(f"rank {self.rank}: wait() on a work that is not pending here")
         work.wait(0)
@@ -354,14 +373,22 @@ def test_all_reduce(size: int, dtype: torch.dtype, path: str) -> None:
             assert same_bits(results[rank][i], results[0][i]), f"{op} {shape}: rank {rank} differs from rank 0"
 
 
-def random_floats(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+def random_floats(rank: int, numel: int, dtype: torch.dtype, seed: int = 0, op: ReduceOp | None = None) -> torch.Tensor:
+    """Random values: normal (times 10), or for PRODUCT factors of magnitude 0.7 .. 1.4 (no overflow)."""
     g = torch.Generator().manual_seed(seed * 31 + rank)
+    if op is not None and op.type is RedOpType.PRODUCT:
+        magnitude = torch.rand(numel, dtype=torch.float64, generator=g) * 0.7 + 0.7
+        angle = torch.rand(numel, dtype=torch.float64, generator=g) * 2 * torch.pi
+        if dtype.is_complex:
+            return torch.polar(magnitude, angle).to(dtype)
+        return (magnitude * torch.sign(angle - torch.pi)).to(dtype)
     if dtype.is_complex:
         return torch.randn(numel, dtype=torch.complex128, generator=g).to(dtype)
     return (torch.randn(numel, dtype=torch.float64, generator=g) * 10).to(dtype)
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.complex64)
+ROUNDING_OPS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM, RedOpType.PRODUCT)
 
 
 @pytest.mark.parametrize("path", ("direct", "ring"))
@@ -370,25 +397,56 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.complex64)
 def test_all_reduce_rounding_is_identical_on_every_rank(size: int, dtype: torch.dtype, path: str) -> None:
     """Random data rounds differently in every order: the bits agree only if each element is reduced once."""
     numel = 53
-    ops = [op for op in ops_for(dtype) if op.type in (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)]
+    ops = [op for op in ops_for(dtype) if op.type in ROUNDING_OPS]
 
     def body(ch: ThreadChannel) -> list[torch.Tensor]:
         out = []
         for op in ops:
-            t = random_floats(ch.rank, numel, dtype)
+            t = random_floats(ch.rank, numel, dtype, op=op)
             algorithms.all_reduce(ch, t, op, tuning=tuning(path, dtype))
             out.append(t)
         return out
 
     results = run_ranks(size, body)
-    xs = [random_floats(r, numel, dtype) for r in range(size)]
     for i, op in enumerate(ops):
         for rank in range(1, size):
             assert same_bits(results[rank][i], results[0][i]), f"{op}: rank {rank} differs from rank 0"
+        xs = [random_floats(r, numel, dtype, op=op) for r in range(size)]
         expected = reference(xs, op)
-        factor = abs(op.factor_value()) if op.type is RedOpType.PREMUL_SUM else 1.0
-        bound = sum(wide(x).abs() for x in xs) * factor * eps(dtype) * size + 1e-6
+        if op.type is RedOpType.PRODUCT:  # relative error of ``size`` roundings (complex: a few ulps each)
+            bound = expected.abs() * eps(dtype) * size * 4
+        else:  # summation error bound
+            factor = abs(op.factor_value()) if op.type is RedOpType.PREMUL_SUM else 1.0
+            bound = sum(wide(x).abs() for x in xs) * factor * eps(dtype) * size + 1e-6
         assert bool(((wide(results[0][i]) - expected).abs() <= bound).all()), f"{op}: outside the rounding bound"
+
+
+@pytest.mark.parametrize("path", ("direct", "ring"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=id_of)
+@pytest.mark.parametrize("size", (2, 3, 4))
+def test_all_reduce_signed_zeros_and_nans_agree_bitwise(size: int, dtype: torch.dtype, path: str) -> None:
+    """``minimum(-0., 0.)`` and a sum of NaNs depend on the operand order: every rank must use the same one."""
+    zero = torch.tensor([-0.0 if r % 2 else 0.0 for r in range(size)])
+    nan = torch.tensor(float("nan"))
+    ops = [ReduceOp.MIN, ReduceOp.MAX, ReduceOp.SUM, ReduceOp.PRODUCT]
+
+    def data(rank: int) -> torch.Tensor:
+        zeros = zero.roll(rank)  # rank r: a +0/-0 pattern that differs from its neighbours'
+        nans = torch.stack([nan.copysign(torch.tensor(-1.0 if (rank + k) % 2 else 1.0)) for k in range(size)])
+        return torch.cat([zeros, nans, zeros]).to(dtype)
+
+    def body(ch: ThreadChannel) -> list[torch.Tensor]:
+        out = []
+        for op in ops:
+            t = data(ch.rank)
+            algorithms.all_reduce(ch, t, op, tuning=tuning(path, dtype))
+            out.append(t)
+        return out
+
+    results = run_ranks(size, body)
+    for i, op in enumerate(ops):
+        for rank in range(1, size):
+            assert same_bits(results[rank][i], results[0][i]), f"{op}: rank {rank} differs from rank 0"
 
 
 @pytest.mark.parametrize("size", (2, 3, 4, 8))
@@ -600,7 +658,7 @@ def test_gather_and_scatter(size: int, dtype: torch.dtype) -> None:
 def test_reduce_scatter(size: int, dtype: torch.dtype, path: str) -> None:
     tune = tuning(path, dtype)
     ops = ops_for(dtype)
-    cases = [(op, numel) for op in ops for numel in (0, 1, 7)] + [(ops[0], 13)]
+    cases = [(op, numel) for op in ops for numel in (0, 5)] + [(ops[0], 1), (ops[-1], 13)]
     variants = (ops[0], ops[-1])  # the list form and the in-place form, for two ops
 
     def body(ch: ThreadChannel) -> list[Any]:
@@ -722,6 +780,10 @@ def test_tuning_validates() -> None:
         Tuning(small_bytes=-1)
     with pytest.raises(ValueError, match="segment_bytes"):
         Tuning(segment_bytes=0)
+    with pytest.raises(ValueError, match="pipeline"):
+        Tuning(pipeline=0)
+    with pytest.raises(ValueError, match="serial_elems"):
+        Tuning(serial_elems=1.5)  # type: ignore[arg-type]
     assert Tuning(segment_bytes=3).segment_elems(8) == 1
     with pytest.raises(AttributeError):
         algorithms.DEFAULT_TUNING.small_bytes = 1  # type: ignore[misc]
@@ -742,7 +804,12 @@ def collective_cases(draw: st.DrawFn) -> tuple[Any, ...]:
     op = draw(st.sampled_from(ops_for(dtype)))
     numel = draw(st.integers(0, 40))
     root = draw(st.integers(0, size - 1))
-    tune = Tuning(small_bytes=draw(st.sampled_from([0, 64, 1 << 20])), segment_bytes=draw(st.integers(1, 48)))
+    tune = Tuning(
+        small_bytes=draw(st.sampled_from([0, 64, 1 << 20])),
+        segment_bytes=draw(st.integers(1, 48)),
+        pipeline=draw(st.integers(1, 5)),
+        serial_elems=draw(st.integers(0, 4)),
+    )
     return size, dtype, op, numel, root, tune
 
 

@@ -9,20 +9,24 @@ Guarantees every algorithm here keeps:
 * all ranks end with bitwise-identical ``all_reduce`` results, and
   ``reduce_scatter`` results are reproducible: every element is reduced exactly
   once, in an order fixed by the algorithm (which depends only on the group size,
-  the element count and the dtype), then copied to whoever needs it;
+  the element count, the dtype and the :class:`Tuning`), then copied to whoever
+  needs it;
 * inputs that the operation does not define as outputs are left unchanged;
 * zero-element and 0-d tensors work; zero-element pieces still travel as empty
   messages, so every rank agrees on which messages exist;
-* temporary memory is bounded: one receive buffer per peer at most on the small
-  (latency-optimal) paths, and a few :attr:`Tuning.segment_bytes` segments on the
-  large (bandwidth-optimal) ones, never a multiple of the tensor per peer;
+* temporary memory is bounded: at most a buffer per rank on the small
+  (latency-optimal) paths, and :attr:`Tuning.pipeline` segments of
+  :attr:`Tuning.segment_bytes` on the large (bandwidth-optimal) ones, never a
+  multiple of the tensor per peer;
+* reductions run on the calling thread (see :attr:`Tuning.serial_elems`);
 * every wait is bounded by the channel's deadline;
 * the only communication is the channel's ``send``/``recv``/``isend``/``irecv``/
   ``sendrecv``/``wait``; ``send`` may be eager or rendezvous, as long as ``isend``
   and ``irecv`` are asynchronous (the :class:`pg_core.backend.Backend` contract).
 
 Which algorithm runs is decided from values every rank knows (group size, element
-count, dtype and :class:`Tuning`), never from timing, so all ranks always run the
+count, dtype and the :class:`Tuning` that every function takes as ``tuning=``,
+default :data:`DEFAULT_TUNING`), never from timing, so all ranks always run the
 same one. All tensors arrive contiguous and validated by the core; reductions
 accept every :class:`~pg_core.ops.ReduceOp` that
 :func:`pg_core.backend.default_reduce_ops` allows for the dtype.
@@ -32,9 +36,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 
@@ -143,7 +148,8 @@ class BackendChannel:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Where the algorithms switch from latency-optimal to bandwidth-optimal.
+    """Where the algorithms switch from latency-optimal to bandwidth-optimal, and
+    how they move and reduce large tensors.
 
     ``small_bytes``: tensors of at most this many bytes (per rank's piece for
     ``all_gather`` and ``reduce_scatter``) use direct exchanges: one message per
@@ -156,17 +162,28 @@ class Tuning:
     overlap reduction, and pipelines ``broadcast``/``reduce`` along a chain when
     that beats a binomial tree.
 
-    Every rank of a group must use the same values.
+    ``pipeline``: how many segments a ring keeps in flight (its receive buffers).
+
+    ``serial_elems``: reductions run on the calling thread, in slices of at most
+    this many elements (torch's grain size, below which it does not wake its
+    intra-op thread pool), as Gloo's do: pool threads spinning after each
+    reduction take the cores that the peers and the transport need. ``0`` lets
+    torch parallelise each reduction.
+
+    Every rank of a group must use the same ``small_bytes``, ``segment_bytes``
+    and ``pipeline``.
     """
 
     small_bytes: int = 64 * 1024
-    segment_bytes: int = 4 * 1024 * 1024
+    segment_bytes: int = 1024 * 1024
+    pipeline: int = 4
+    serial_elems: int = 32768
 
     def __post_init__(self) -> None:
-        if self.small_bytes < 0:
-            raise ValueError(f"Tuning.small_bytes must be >= 0, got {self.small_bytes}")
-        if self.segment_bytes < 1:
-            raise ValueError(f"Tuning.segment_bytes must be >= 1, got {self.segment_bytes}")
+        for name, least in (("small_bytes", 0), ("segment_bytes", 1), ("pipeline", 1), ("serial_elems", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"Tuning.{name} must be an integer >= {least}, got {value!r}")
 
     def segment_elems(self, dtype_size: int) -> int:
         """Elements per segment for elements of ``dtype_size`` bytes (at least one)."""
@@ -201,20 +218,40 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: RedOpType) -> None:
     _BINARY[op](acc, other, out=acc)
 
 
-def _premul_factor(op: ReduceOp) -> float | complex | None:
-    return op.factor_value() if op.type is RedOpType.PREMUL_SUM else None
+def _elementwise(fn: _Binary, out: torch.Tensor, a: torch.Tensor, b: object, serial: int, **kwargs: Any) -> None:
+    """``fn(a, b, out=out, **kwargs)``, in slices of at most ``serial`` elements (``0``: whole).
+
+    ``a`` has ``out``'s element count; ``b`` is a tensor like it or a scalar.
+    Elementwise, so the slicing never changes a result.
+    """
+    n = out.numel()
+    if serial <= 0 or n <= serial:
+        fn(a, b, out=out, **kwargs)
+    elif isinstance(b, torch.Tensor):
+        for o, x, y in zip(out.split(serial), a.split(serial), b.split(serial), strict=True):
+            fn(x, y, out=o, **kwargs)
+    else:
+        for o, x in zip(out.split(serial), a.split(serial), strict=True):
+            fn(x, b, out=o, **kwargs)
 
 
-def _divide_(tensor: torch.Tensor, size: int) -> None:
+def _scale_(tensor: torch.Tensor, factor: float | complex, serial: int) -> None:
+    _elementwise(torch.mul, tensor, tensor, factor, serial)
+
+
+def _divide_(tensor: torch.Tensor, size: int, serial: int) -> None:
     """The AVG finish: floating point divides; integers (never sent by the core) truncate."""
     if tensor.is_floating_point() or tensor.is_complex():
-        tensor.div_(size)
+        _elementwise(torch.div, tensor, tensor, size, serial)
     else:
-        tensor.div_(size, rounding_mode="trunc")
+        _elementwise(torch.div, tensor, tensor, size, serial, rounding_mode="trunc")
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D alias of a contiguous tensor, outside autograd (collectives write parameters too)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -222,7 +259,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + _nbytes(b) and b0 < a0 + _nbytes(a)
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 def _blocks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
@@ -245,6 +282,12 @@ def _prefer_chain(size: int, segments: int) -> bool:
     return size > 2 and segments + size - 2 < _log2_ceil(size) * segments
 
 
+def _wait_all(ch: Channel, works: list[Work]) -> None:
+    for work in works:
+        ch.wait(work)
+    works.clear()
+
+
 # -- all_reduce ------------------------------------------------------------------
 
 
@@ -253,38 +296,39 @@ def all_reduce(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tunin
 
     Up to :attr:`Tuning.small_bytes` every rank sends its tensor to every peer
     and folds the contributions in rank order ``0 .. size-1`` (one round of
-    messages). Larger tensors use a segmented ring (reduce-scatter, then
-    all-gather): each element is reduced once, by one rank, and copied to the
-    others; temporary memory is a few segments.
+    messages, one receive buffer per peer at most). Larger tensors use a
+    segmented, pipelined ring (reduce-scatter, then all-gather): each element
+    is reduced once, by one rank, and copied to the others; temporary memory is
+    :attr:`Tuning.pipeline` segments.
     """
-    with torch.no_grad():
-        flat = tensor.reshape(-1)
-        size = ch.size
-        factor = _premul_factor(op)
-        if factor is not None:
-            flat.mul_(factor)  # each rank's contribution is scaled once, at its source
-        if size == 1:
-            return
-        kind = op.type
-        if _nbytes(flat) <= (tuning or DEFAULT_TUNING).small_bytes:
-            _direct_all_reduce(ch, flat, kind)
-        else:
-            blocks = _blocks(flat, size)
-            _ring_reduce_scatter(ch, blocks, blocks, kind, tuning=tuning or DEFAULT_TUNING)
-            _ring_all_gather(ch, blocks)
+    flat = _flat(tensor)
+    kind = op.type
+    tune = tuning or DEFAULT_TUNING
+    if kind is RedOpType.PREMUL_SUM:
+        _scale_(flat, op.factor_value(), tune.serial_elems)  # once per contribution, at its source
+    size = ch.size
+    if size == 1:
+        return
+    if flat.nbytes <= tune.small_bytes:
+        _direct_all_reduce(ch, flat, kind, tune.serial_elems)
+    else:
+        blocks = _blocks(flat, size)
+        _ring_reduce_scatter(ch, blocks, blocks, kind, tuning=tune)
+        _ring_all_gather(ch, blocks)
 
 
-def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType) -> None:
+def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial: int) -> None:
     """Everyone sends to everyone; each rank folds ``x0 (op) x1 (op) ...`` in rank order."""
     size, rank = ch.size, ch.rank
     fn = _BINARY[kind]
     if size == 2:
+        peer = 1 - rank
         other = torch.empty_like(flat)
-        ch.sendrecv(flat, 1 - rank, other, 1 - rank)
+        ch.sendrecv(flat, peer, other, peer)
         if rank == 0:
-            fn(flat, other, out=flat)
+            _elementwise(fn, flat, flat, other, serial)
         else:
-            fn(other, flat, out=flat)
+            _elementwise(fn, flat, other, flat, serial)
     else:
         sends = [ch.isend(flat, (rank + k) % size) for k in range(1, size)]
         # rank 0 folds straight into its tensor; the others fold x0 .. x(rank-1) into
@@ -298,7 +342,7 @@ def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType) -> None
                 if i == 0:
                     continue
                 _wait_all(ch, sends)
-                fn(acc, flat, out=flat)
+                _elementwise(fn, flat, acc, flat, serial)
                 acc = flat
             elif i == 0:
                 acc = bufs[0]
@@ -307,15 +351,12 @@ def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType) -> None
                 ch.recv(incoming, i)
                 if acc is flat and sends:
                     _wait_all(ch, sends)
-                fn(acc, incoming, out=acc)
+                _elementwise(fn, acc, acc, incoming, serial)
     if kind is RedOpType.AVG:
-        _divide_(flat, size)
+        _divide_(flat, size, serial)
 
 
-def _wait_all(ch: Channel, works: list[Work]) -> None:
-    for work in works:
-        ch.wait(work)
-    works.clear()
+_Started = tuple[Work, Work, torch.Tensor, torch.Tensor, torch.Tensor, bool]
 
 
 def _ring_reduce_scatter(
@@ -334,10 +375,14 @@ def _ring_reduce_scatter(
     through (it may be ``own[c]`` itself, or one buffer shared by every block).
     Block ``c`` is folded in ring order ``c+1, c+2, ..., c`` (partial on the
     left), each contribution multiplied by ``factor`` when one is given, and the
-    AVG division happens once, on the owner. Segment ``j`` of step ``s+1`` is
-    posted before segment ``j+1`` of step ``s`` is reduced, so the reduction
-    overlaps the transfers; two segment buffers receive (two more hold scaled
-    sends when ``factor`` is given).
+    AVG division happens once, on the owner.
+
+    Transfers are numbered ``i = step * nseg + segment``. Up to
+    ``tuning.pipeline`` of them are in flight: transfer ``i`` is posted as soon
+    as what it sends exists (for ``step > 0``, the fold of transfer
+    ``i - nseg``), so segments stream around the ring while earlier ones are
+    being reduced. Temporary memory: ``pipeline`` receive segments (as many
+    again for scaled sends when ``factor`` is given).
     """
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -346,46 +391,50 @@ def _ring_reduce_scatter(
     nseg = max(1, -(-longest // seg))
     seg_len = min(seg, longest)
     total = (size - 1) * nseg
-    rbufs = own[0].new_empty((min(2, total), seg_len))
-    sbufs = own[0].new_empty((min(2, nseg), seg_len)) if factor is not None else None
+    depth = min(tuning.pipeline, total)
+    serial = tuning.serial_elems
+    rbufs = own[0].new_empty((depth, seg_len))
+    sbufs = own[0].new_empty((min(depth, nseg), seg_len)) if factor is not None else None
     fn = _BINARY[kind]
     last_step = size - 2
 
-    def start(i: int) -> tuple[Work, Work, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    def start(i: int) -> _Started:
         step, j = divmod(i, nseg)
         lo, hi = j * seg, (j + 1) * seg
+        slot = i % depth
         sent, received = (rank - step - 1) % size, (rank - step - 2) % size
         if step > 0:
             src = acc[sent][lo:hi]
         elif factor is not None:
             assert sbufs is not None
             piece = own[sent][lo:hi]
-            src = torch.mul(piece, factor, out=sbufs[i & 1][: piece.numel()])
+            src = sbufs[slot][: piece.numel()]
+            _elementwise(torch.mul, src, piece, factor, serial)
         else:
             src = own[sent][lo:hi]
         mine = own[received][lo:hi]
-        rbuf = rbufs[i & 1][: mine.numel()]
+        rbuf = rbufs[slot][: mine.numel()]
         rwork = ch.irecv(rbuf, left)
         swork = ch.isend(src, right)
         return swork, rwork, rbuf, mine, acc[received][lo:hi], step == last_step
 
-    pending: tuple[Work, Work, torch.Tensor, torch.Tensor, torch.Tensor, bool] | None = start(0)
+    pending: deque[_Started] = deque()
+    posted = 0
     for i in range(total):
-        if pending is None:
-            pending = start(i)
-        swork, rwork, rbuf, mine, dest, final = pending
+        # Post what may go now: within ``depth`` of the transfer being folded (its
+        # receive buffer is free) and, past step 0, already folded here.
+        while posted < total and posted < i + depth and (posted < nseg or posted - nseg < i):
+            pending.append(start(posted))
+            posted += 1
+        swork, rwork, rbuf, mine, dest, final = pending.popleft()
         ch.wait(rwork)
-        nxt = i + 1
-        # Prefetch the next segment unless it is segment 0 of the next step, which
-        # sends what this iteration is about to write (possible only when nseg == 1).
-        pending = start(nxt) if nxt < total and (nxt % nseg or i % nseg) else None
-        ch.wait(swork)  # ``dest`` may be the buffer that was just sent
+        ch.wait(swork)  # ``dest`` may be the buffer that was sent
         if factor is not None:
-            torch.add(rbuf, mine, alpha=factor, out=dest)
+            _elementwise(torch.add, dest, rbuf, mine, serial, alpha=factor)
         else:
-            fn(rbuf, mine, out=dest)
+            _elementwise(fn, dest, rbuf, mine, serial)
         if final and kind is RedOpType.AVG:
-            _divide_(dest, size)
+            _divide_(dest, size, serial)
 
 
 def _ring_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> None:
@@ -422,15 +471,14 @@ def broadcast(ch: Channel, tensor: torch.Tensor, src: int, *, tuning: Tuning | N
     size = ch.size
     if size == 1:
         return
-    with torch.no_grad():
-        flat = tensor.reshape(-1)
-        seg = (tuning or DEFAULT_TUNING).segment_elems(flat.element_size())
-        nseg = max(1, -(-flat.numel() // seg))
-        vrank = (ch.rank - src) % size
-        if _prefer_chain(size, nseg):
-            _chain_broadcast(ch, flat, vrank, seg, nseg)
-        else:
-            _tree_broadcast(ch, flat, vrank, src)
+    flat = _flat(tensor)
+    seg = (tuning or DEFAULT_TUNING).segment_elems(flat.element_size())
+    nseg = max(1, -(-flat.numel() // seg))
+    vrank = (ch.rank - src) % size
+    if _prefer_chain(size, nseg):
+        _chain_broadcast(ch, flat, vrank, seg, nseg)
+    else:
+        _tree_broadcast(ch, flat, vrank, src)
 
 
 def _tree_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, root: int) -> None:
@@ -474,21 +522,21 @@ def reduce(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning:
     ``dst+size-1 -> ... -> dst``; both move the tensor in segments, so temporary
     memory is a few segments.
     """
-    with torch.no_grad():
-        flat = tensor.reshape(-1)
-        size = ch.size
-        factor = _premul_factor(op)
-        if size == 1:
-            if factor is not None:
-                flat.mul_(factor)
-            return
-        seg = (tuning or DEFAULT_TUNING).segment_elems(flat.element_size())
-        nseg = max(1, -(-flat.numel() // seg))
-        vrank = (ch.rank - dst) % size
-        if _prefer_chain(size, nseg):
-            _chain_reduce(ch, flat, vrank, kind=op.type, factor=factor, seg=seg, nseg=nseg)
-        else:
-            _tree_reduce(ch, flat, vrank, dst, kind=op.type, factor=factor, seg=seg, nseg=nseg)
+    flat = _flat(tensor)
+    tune = tuning or DEFAULT_TUNING
+    size = ch.size
+    factor = op.factor_value() if op.type is RedOpType.PREMUL_SUM else None
+    if size == 1:
+        if factor is not None:
+            _scale_(flat, factor, tune.serial_elems)
+        return
+    seg = tune.segment_elems(flat.element_size())
+    nseg = max(1, -(-flat.numel() // seg))
+    vrank = (ch.rank - dst) % size
+    if _prefer_chain(size, nseg):
+        _chain_reduce(ch, flat, vrank, kind=op.type, factor=factor, seg=seg, nseg=nseg, serial=tune.serial_elems)
+    else:
+        _tree_reduce(ch, flat, vrank, dst, kind=op.type, factor=factor, seg=seg, nseg=nseg, serial=tune.serial_elems)
 
 
 def _tree_reduce(
@@ -501,6 +549,7 @@ def _tree_reduce(
     factor: float | complex | None,
     seg: int,
     nseg: int,
+    serial: int,
 ) -> None:
     size = ch.size
     children: list[int] = []
@@ -519,25 +568,26 @@ def _tree_reduce(
     abuf = flat.new_empty(seg_len) if parent is not None and (children or factor is not None) else None
     fn = _BINARY[kind]
     if parent is None and factor is not None:
-        flat.mul_(factor)
+        _scale_(flat, factor, serial)
     for j in range(nseg):
         mine = flat[j * seg : (j + 1) * seg]
         n = mine.numel()
         acc = mine
         if parent is not None and factor is not None:
             assert abuf is not None
-            acc = torch.mul(mine, factor, out=abuf[:n])
+            acc = abuf[:n]
+            _elementwise(torch.mul, acc, mine, factor, serial)
         for child in children:
             assert rbuf is not None
             incoming = rbuf[:n]
             ch.recv(incoming, child)
             dest = abuf[:n] if acc is mine and abuf is not None else acc
-            fn(acc, incoming, out=dest)
+            _elementwise(fn, dest, acc, incoming, serial)
             acc = dest
         if parent is not None:
             ch.send(acc, parent)
     if parent is None and kind is RedOpType.AVG:
-        _divide_(flat, size)
+        _divide_(flat, size, serial)
 
 
 def _chain_reduce(
@@ -549,6 +599,7 @@ def _chain_reduce(
     factor: float | complex | None,
     seg: int,
     nseg: int,
+    serial: int,
 ) -> None:
     """Partials flow from ``vrank size-1`` down to ``vrank 0``: ``x0 (op) (x1 (op) (...))``."""
     size, rank = ch.size, ch.rank
@@ -561,7 +612,9 @@ def _chain_reduce(
             mine = flat[j * seg : (j + 1) * seg]
             if factor is not None:
                 assert sbuf is not None
-                mine = torch.mul(mine, factor, out=sbuf[: mine.numel()])
+                scaled = sbuf[: mine.numel()]
+                _elementwise(torch.mul, scaled, mine, factor, serial)
+                mine = scaled
             ch.send(mine, left)
         return
     bufs = flat.new_empty((2, seg_len))
@@ -576,12 +629,12 @@ def _chain_reduce(
         ch.recv(incoming, right)
         dest = mine if vrank == 0 else incoming
         if factor is not None:
-            torch.add(incoming, mine, alpha=factor, out=dest)
+            _elementwise(torch.add, dest, incoming, mine, serial, alpha=factor)
         else:
-            fn(mine, incoming, out=dest)
+            _elementwise(fn, dest, mine, incoming, serial)
         if vrank == 0:
             if kind is RedOpType.AVG:
-                _divide_(dest, size)
+                _divide_(dest, size, serial)
         else:
             sends[slot] = ch.isend(dest, left)
     for work in sends:
@@ -600,9 +653,8 @@ def all_gather(
     Direct exchange up to :attr:`Tuning.small_bytes` per rank, a ring beyond.
     ``tensor`` may be ``output_list[rank]`` itself.
     """
-    with torch.no_grad():
-        blocks = [out.reshape(-1) for out in output_list]
-        _all_gather_blocks(ch, blocks, tensor.reshape(-1), tuning or DEFAULT_TUNING)
+    blocks = [_flat(out) for out in output_list]
+    _all_gather_blocks(ch, blocks, _flat(tensor), tuning or DEFAULT_TUNING)
 
 
 def all_gather_into_tensor(
@@ -612,9 +664,8 @@ def all_gather_into_tensor(
 
     ``input`` may be this rank's block of ``output``.
     """
-    with torch.no_grad():
-        blocks = _blocks(output.reshape(-1), ch.size)
-        _all_gather_blocks(ch, blocks, input.reshape(-1), tuning or DEFAULT_TUNING)
+    blocks = _blocks(_flat(output), ch.size)
+    _all_gather_blocks(ch, blocks, _flat(input), tuning or DEFAULT_TUNING)
 
 
 def _all_gather_blocks(ch: Channel, blocks: list[torch.Tensor], mine: torch.Tensor, tuning: Tuning) -> None:
@@ -623,44 +674,60 @@ def _all_gather_blocks(ch: Channel, blocks: list[torch.Tensor], mine: torch.Tens
     blocks[ch.rank].copy_(mine)
     if ch.size == 1:
         return
-    if _nbytes(mine) <= tuning.small_bytes:
+    if mine.nbytes <= tuning.small_bytes:
         _direct_all_gather(ch, blocks)
     else:
         _ring_all_gather(ch, blocks)
 
 
-def gather(ch: Channel, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> None:
+def gather(
+    ch: Channel,
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None,
+    dst: int,
+    *,
+    tuning: Tuning | None = None,
+) -> None:
     """``gather_list[i]`` on ``dst`` receives rank ``i``'s ``tensor``; other ranks only send.
 
-    ``gather_list`` is a list on ``dst`` and ``None`` elsewhere.
+    ``gather_list`` is a list on ``dst`` and ``None`` elsewhere. Linear: the
+    root receives from each rank in rank order. (``tuning`` is accepted and
+    unused.)
     """
-    with torch.no_grad():
-        if ch.rank != dst:
-            ch.send(tensor.reshape(-1), dst)
-            return
-        if gather_list is None:
-            raise ValueError(f"gather: rank {dst} is the destination and needs a gather_list")
-        gather_list[dst].copy_(tensor)
-        for peer in range(ch.size):
-            if peer != dst:
-                ch.recv(gather_list[peer].reshape(-1), peer)
+    if ch.rank != dst:
+        ch.send(_flat(tensor), dst)
+        return
+    if gather_list is None:
+        raise ValueError(f"gather: rank {dst} is the destination and needs a gather_list")
+    _flat(gather_list[dst]).copy_(_flat(tensor))
+    for peer in range(ch.size):
+        if peer != dst:
+            ch.recv(_flat(gather_list[peer]), peer)
 
 
-def scatter(ch: Channel, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> None:
+def scatter(
+    ch: Channel,
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None,
+    src: int,
+    *,
+    tuning: Tuning | None = None,
+) -> None:
     """``tensor`` on rank ``i`` receives ``scatter_list[i]`` of ``src``.
 
-    ``scatter_list`` is a list on ``src`` and ``None`` elsewhere; it is not modified.
+    ``scatter_list`` is a list on ``src`` and ``None`` elsewhere; it is not
+    modified. Linear: the root sends to each rank in turn. (``tuning`` is
+    accepted and unused.)
     """
-    with torch.no_grad():
-        if ch.rank != src:
-            ch.recv(tensor.reshape(-1), src)
-            return
-        if scatter_list is None:
-            raise ValueError(f"scatter: rank {src} is the source and needs a scatter_list")
-        for k in range(1, ch.size):
-            peer = (src + k) % ch.size
-            ch.send(scatter_list[peer].reshape(-1), peer)
-        tensor.copy_(scatter_list[src])
+    if ch.rank != src:
+        ch.recv(_flat(tensor), src)
+        return
+    if scatter_list is None:
+        raise ValueError(f"scatter: rank {src} is the source and needs a scatter_list")
+    for k in range(1, ch.size):
+        peer = (src + k) % ch.size
+        ch.send(_flat(scatter_list[(peer + 1) % ch.size]), peer)
+    _flat(tensor).copy_(_flat(scatter_list[src]))
 
 
 # -- reduce_scatter --------------------------------------------------------------
@@ -677,48 +744,54 @@ def reduce_scatter(
     """``output`` on rank ``i`` becomes ``input_list[i]`` reduced over every rank.
 
     Every ``input_list`` entry has ``output``'s element count; inputs are left
-    unchanged. Direct exchange (fold in rank order ``0 .. size-1``) up to
-    :attr:`Tuning.small_bytes` of ``output``, a segmented ring beyond (fold in
-    ring order); either way every element is reduced exactly once.
+    unchanged. Direct exchange (fold in rank order ``0 .. size-1``, the same bits
+    as the direct ``all_reduce``) up to :attr:`Tuning.small_bytes` of
+    ``output``, a segmented ring beyond (fold in ring order); either way every
+    element is reduced exactly once.
     """
-    with torch.no_grad():
-        pieces = [piece.reshape(-1) for piece in input_list]
-        _reduce_scatter_blocks(ch, output.reshape(-1), pieces, op, tuning or DEFAULT_TUNING)
+    pieces = [_flat(piece) for piece in input_list]
+    _reduce_scatter_blocks(ch, _flat(output), pieces, op, tuning or DEFAULT_TUNING)
 
 
 def reduce_scatter_tensor(
     ch: Channel, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, tuning: Tuning | None = None
 ) -> None:
-    """:func:`reduce_scatter` with ``input`` (flat) holding ``size`` blocks of ``output``'s element count."""
-    with torch.no_grad():
-        pieces = _blocks(input.reshape(-1), ch.size)
-        _reduce_scatter_blocks(ch, output.reshape(-1), pieces, op, tuning or DEFAULT_TUNING)
+    """:func:`reduce_scatter` with ``input`` (flat) holding ``size`` blocks of ``output``'s element count.
+
+    ``output`` may be this rank's block of ``input``.
+    """
+    pieces = _blocks(_flat(input), ch.size)
+    _reduce_scatter_blocks(ch, _flat(output), pieces, op, tuning or DEFAULT_TUNING)
 
 
 def _reduce_scatter_blocks(
     ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], op: ReduceOp, tuning: Tuning
 ) -> None:
     size = ch.size
-    factor = _premul_factor(op)
+    kind = op.type
+    factor = op.factor_value() if kind is RedOpType.PREMUL_SUM else None
+    serial = tuning.serial_elems
     target = out
     if any(_overlaps(out, piece) for piece in pieces):
         target = torch.empty_like(out)  # the output doubles as scratch, so it must not be an input
     if size == 1:
         if factor is not None:
-            torch.mul(pieces[0], factor, out=target)
+            _elementwise(torch.mul, target, pieces[0], factor, serial)
         else:
             target.copy_(pieces[0])
-    elif _nbytes(out) <= tuning.small_bytes:
+    elif out.nbytes <= tuning.small_bytes:
         if factor is not None:
             pieces = [torch.mul(piece, factor) for piece in pieces]
-        _direct_reduce_scatter(ch, target, pieces, op.type)
+        _direct_reduce_scatter(ch, target, pieces, kind, serial)
     else:
-        _ring_reduce_scatter(ch, pieces, [target] * size, op.type, tuning=tuning, factor=factor)
+        _ring_reduce_scatter(ch, pieces, [target] * size, kind, tuning=tuning, factor=factor)
     if target is not out:
         out.copy_(target)
 
 
-def _direct_reduce_scatter(ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], kind: RedOpType) -> None:
+def _direct_reduce_scatter(
+    ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], kind: RedOpType, serial: int
+) -> None:
     """Everyone sends each peer its piece; each rank folds its block in rank order."""
     size, rank = ch.size, ch.rank
     fn = _BINARY[kind]
@@ -736,25 +809,30 @@ def _direct_reduce_scatter(ch: Channel, out: torch.Tensor, pieces: list[torch.Te
             ch.recv(incoming, i)
             x = incoming
         if i:
-            fn(acc, x, out=out)
+            _elementwise(fn, out, acc, x, serial)
             acc = out
     if kind is RedOpType.AVG:
-        _divide_(out, size)
+        _divide_(out, size, serial)
     _wait_all(ch, sends)
 
 
 # -- all_to_all ------------------------------------------------------------------
 
 
-def all_to_all(ch: Channel, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> None:
+def all_to_all(
+    ch: Channel,
+    output_list: list[torch.Tensor],
+    input_list: list[torch.Tensor],
+    *,
+    tuning: Tuning | None = None,
+) -> None:
     """``output_list[i]`` receives rank ``i``'s ``input_list[rank]``; pieces may differ in size.
 
     Pairwise schedule: at step ``k`` a rank sends to ``rank+k`` and receives from
     ``rank-k``; all sends are posted at once, so the steps overlap. Inputs are
-    left unchanged.
+    left unchanged. (``tuning`` is accepted and unused.)
     """
-    with torch.no_grad():
-        _all_to_all_pieces(ch, [out.reshape(-1) for out in output_list], [piece.reshape(-1) for piece in input_list])
+    _all_to_all_pieces(ch, [_flat(out) for out in output_list], [_flat(piece) for piece in input_list])
 
 
 def all_to_all_single(
@@ -763,18 +841,22 @@ def all_to_all_single(
     input: torch.Tensor,
     output_split_sizes: list[int],
     input_split_sizes: list[int],
+    *,
+    tuning: Tuning | None = None,
 ) -> None:
     """:func:`all_to_all` on dim-0 slices: ``input`` is split by ``input_split_sizes``
-    (one entry per rank), ``output`` is filled by ``output_split_sizes``."""
-    with torch.no_grad():
-        out_flat, in_flat = output.reshape(-1), input.reshape(-1)
-        if _overlaps(out_flat, in_flat):
-            in_flat = in_flat.clone()
-        _all_to_all_pieces(
-            ch,
-            _split(out_flat, output_split_sizes, math.prod(output.shape[1:])),
-            _split(in_flat, input_split_sizes, math.prod(input.shape[1:])),
-        )
+    (one entry per rank), ``output`` is filled by ``output_split_sizes``.
+
+    ``output`` may be ``input`` itself. (``tuning`` is accepted and unused.)
+    """
+    out_flat, in_flat = _flat(output), _flat(input)
+    if _overlaps(out_flat, in_flat):
+        in_flat = in_flat.clone()
+    _all_to_all_pieces(
+        ch,
+        _split(out_flat, output_split_sizes, math.prod(output.shape[1:])),
+        _split(in_flat, input_split_sizes, math.prod(input.shape[1:])),
+    )
 
 
 def _split(flat: torch.Tensor, rows: list[int], row_numel: int) -> list[torch.Tensor]:
@@ -800,10 +882,11 @@ def _all_to_all_pieces(ch: Channel, outputs: list[torch.Tensor], inputs: list[to
 # -- barrier ---------------------------------------------------------------------
 
 
-def barrier(ch: Channel) -> None:
+def barrier(ch: Channel, *, tuning: Tuning | None = None) -> None:
     """Return only after every rank of the group has entered the barrier.
 
-    Dissemination: ``ceil(log2 size)`` rounds of one-byte messages.
+    Dissemination: ``ceil(log2 size)`` rounds of one-byte messages. (``tuning``
+    is accepted and unused.)
     """
     size, rank = ch.size, ch.rank
     if size == 1:

@@ -19,18 +19,21 @@ What this file shows a plugin author
   asynchronous and its sends never wait for the receiver, the generic
   algorithms are already the right ones (direct exchanges for small tensors,
   segmented rings and chains for large ones).
-* **Native where it pays.** Measured with ``bench_latency.py``: a two-rank
-  ``all_reduce`` of a small tensor is the latency everyone quotes, so it has a
-  native path that posts the receive and the send together and folds in rank
-  order, with no ``Work`` objects on the way; ``barrier`` likewise sends empty
-  frames instead of one-byte tensors. Everything else is generic (see the README
-  for the figures).
+* **Native where it pays** (measured with ``bench_latency.py`` and
+  ``pg-core bench``; figures in the README). A two-rank ``all_reduce`` of a small
+  tensor is the latency everyone quotes: it posts the receive and the send
+  together and folds in rank order, with no ``Work`` objects or allocations on
+  the way. A large ``all_reduce`` is a lock-step pipelined ring whose reductions
+  run in slices small enough for torch to keep them on the calling thread: a
+  reduction that wakes torch's OpenMP pool leaves its workers spinning on the
+  cores that the peer ranks and the kernel's socket copies need (2-3x slower on
+  a 2-core machine). ``barrier`` sends empty frames instead of one-byte tensors.
+  Everything else is generic.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Final
 
@@ -58,8 +61,10 @@ __all__ = ["TCPBackend", "TCPChannel"]
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
-#: Two-rank all_reduce up to this many bytes takes the native path.
-_NATIVE_ALL_REDUCE_BYTES: Final = 64 * 1024
+#: Segment size of the rings and chains. Measured with 2-4 ranks on 2 cores: 2 MiB
+#: beat 0.5, 1 and 4 MiB (small segments pay per-message overhead, large ones
+#: leave the wire idle while a segment is folded).
+_SEGMENT_BYTES: Final = 2 * 1024 * 1024
 
 
 def _arg(*, root: int = -1, op: ReduceOp | None = None) -> int:
@@ -150,17 +155,16 @@ class TCPBackend(Backend):
 
     Options (``ProcessGroup(..., options={"tcp": {...}})``): ``addr``, the
     address to listen on and advertise (default: the interface that reaches the
-    store; also ``PG_CORE_ADDR``); ``small_bytes`` and ``segment_bytes``, the
-    :class:`pg_core.algorithms.Tuning` of the collectives (every rank must pass
-    the same values).
+    store; also ``PG_CORE_ADDR``); ``small_bytes`` (default 64 KiB) and
+    ``segment_bytes`` (default 2 MiB), the :class:`pg_core.algorithms.Tuning` of
+    the collectives and of the native ring (every rank must pass the same values).
     """
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        defaults = algorithms.DEFAULT_TUNING
         self._tuning = algorithms.Tuning(
-            small_bytes=int(ctx.options.get("small_bytes", defaults.small_bytes)),
-            segment_bytes=int(ctx.options.get("segment_bytes", defaults.segment_bytes)),
+            small_bytes=int(ctx.options.get("small_bytes", algorithms.DEFAULT_TUNING.small_bytes)),
+            segment_bytes=int(ctx.options.get("segment_bytes", _SEGMENT_BYTES)),
         )
         self._transport = Transport(ctx)
         self._seq = 0
@@ -245,13 +249,13 @@ class TCPBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
         ch = self._channel("all_reduce", timeout, _arg(op=op))
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.size == 2 and nbytes <= _NATIVE_ALL_REDUCE_BYTES:
-            _pair_all_reduce(ch, tensor, op, self._scratch(tensor))
-        elif self.size > 1 and nbytes > self._tuning.small_bytes:
-            _ring_all_reduce(ch, tensor.view(-1), op, self._tuning.segment_bytes)
-        else:
+        small = tensor.numel() * tensor.element_size() <= self._tuning.small_bytes
+        if self.size == 1 or (small and self.size > 2):
             algorithms.all_reduce(ch, tensor, op, tuning=self._tuning)
+        elif small:
+            _pair_all_reduce(ch, tensor, op, self._scratch(tensor))
+        else:
+            _ring_all_reduce(ch, tensor.view(-1), op, self._tuning.segment_bytes)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
         algorithms.broadcast(self._channel("broadcast", timeout, _arg(root=src)), tensor, src, tuning=self._tuning)
@@ -380,60 +384,66 @@ def _serially(fn: Callable[..., object], *tensors: torch.Tensor) -> None:
 def _ring_all_reduce(ch: TCPChannel, flat: torch.Tensor, op: ReduceOp, segment_bytes: int) -> None:
     """Large all_reduce: a pipelined ring (reduce-scatter, then all-gather).
 
-    ``flat`` is cut into ``size`` blocks and each block into segments of about
-    ``segment_bytes``. In reduce-scatter step ``s`` a rank receives segment ``j``
-    of block ``rank-s-1`` from its left neighbour, folds it into its own copy
-    and immediately sends the result on to the right, so segments stream around
-    the ring while earlier ones are still being reduced. After ``size-1`` steps
-    a rank holds block ``rank+1`` fully reduced (each element reduced once, by
-    one rank: every rank ends with the same bits); all-gather then forwards the
-    finished segments around the ring, received in place. Temporary memory:
-    ``_RING_BUFFERS`` segments. Every send reads memory that no later step of
-    this rank writes before the peer has received it.
+    ``flat`` is cut into ``size`` blocks, each block into segments of about
+    ``segment_bytes``. In reduce-scatter step ``s`` a rank folds the left
+    neighbour's partial of block ``rank-s-1`` into its own copy, segment by
+    segment, while it sends the partial it finished in step ``s-1`` to the right;
+    the next segment's receive and send are posted before the current one is
+    folded, so the wire stays busy during the reduction. After ``size-1`` steps a
+    rank holds block ``rank+1`` fully reduced: each element is reduced once, by
+    one rank, so every rank ends with the same bits. The all-gather then passes
+    the finished blocks around the ring, received in place. Temporary memory:
+    two segments.
+
+    Every send reads memory that this rank does not write again before the peer
+    has received it: a block is received in place only after its reduction went
+    around the ring, which needed this rank's send of it.
     """
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     kind = op.type
     transport = ch._transport
+    fold = _FOLD[kind]
     if kind is RedOpType.PREMUL_SUM:
         factor = op.factor_value()
         _serially(lambda x: x.mul_(factor), flat)
     base, extra = divmod(flat.numel(), size)
     bounds = [b * base + min(b, extra) for b in range(size + 1)]
+    longest = base + (extra > 0)
     seg = max(1, segment_bytes // flat.element_size())
-    nseg = max(1, -(-(base + (extra > 0)) // seg))
+    nseg = max(1, -(-longest // seg))
 
-    def segments(block: int) -> list[torch.Tensor]:
+    def segments(block: int) -> list[torch.Tensor]:  # the same cut on every rank, empty tails included
         lo, hi = bounds[block], bounds[block + 1]
         return [flat[min(lo + j * seg, hi) : min(lo + (j + 1) * seg, hi)] for j in range(nseg)]
 
-    fold = algorithms.combine_
-    bufs = flat.new_empty((min(_RING_BUFFERS, nseg), min(seg, base + (extra > 0))))
-    sends = [ch.post_send(piece, right) for piece in segments(rank)]
+    bufs = flat.new_empty((2, min(seg, longest)))
+    sends: list[Send] = []
+    outgoing = segments(rank)
     for step in range(size - 1):  # reduce-scatter
         pieces = segments((rank - step - 1) % size)
         final = step == size - 2
-        recvs = deque(ch.post_recv(bufs[j][: pieces[j].numel()], left) for j in range(len(bufs)))
+        received = ch.post_recv(bufs[0][: pieces[0].numel()], left)
+        sends.append(ch.post_send(outgoing[0], right))
         for j, piece in enumerate(pieces):
-            transport.wait(recvs.popleft())
-            incoming = bufs[j % len(bufs)][: piece.numel()]
-            _serially(lambda a, b: fold(a, b, kind), piece, incoming)
+            transport.wait(received)
+            incoming = bufs[j % 2][: piece.numel()]
+            if j + 1 < nseg:
+                received = ch.post_recv(bufs[(j + 1) % 2][: pieces[j + 1].numel()], left)
+                sends.append(ch.post_send(outgoing[j + 1], right))
+            _serially(lambda a, b: fold(a, b, out=a), piece, incoming)
             if final and kind is RedOpType.AVG:
                 _serially(lambda x: x.div_(size), piece)
-            sends.append(ch.post_send(piece, right))
-            if j + len(bufs) < nseg:
-                nxt = pieces[j + len(bufs)]
-                recvs.append(ch.post_recv(bufs[j % len(bufs)][: nxt.numel()], left))
-    for step in range(size - 1):  # all-gather, received in place
+        outgoing = pieces
+    for step in range(size - 1):  # all-gather
         pieces = segments((rank - step) % size)
-        recvs = deque(ch.post_recv(piece, left) for piece in pieces)
-        for piece in pieces:
-            transport.wait(recvs.popleft())
-            if step < size - 2:
-                sends.append(ch.post_send(piece, right))
+        received = ch.post_recv(pieces[0], left)
+        sends.append(ch.post_send(outgoing[0], right))
+        for j in range(nseg):
+            transport.wait(received)
+            if j + 1 < nseg:
+                received = ch.post_recv(pieces[j + 1], left)
+                sends.append(ch.post_send(outgoing[j + 1], right))
+        outgoing = pieces
     for req in sends:
         transport.wait(req)
-
-
-#: Receive buffers (segments) the ring keeps posted ahead.
-_RING_BUFFERS: Final = 4

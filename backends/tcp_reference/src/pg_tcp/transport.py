@@ -27,9 +27,9 @@ in seconds even when nothing is being sent).
 (matched on (peer, tag), FIFO), variable-size byte messages (same, separate
 namespace), collective frames (matched FIFO per peer and checked against the
 receiver's expectation: sequence number, opcode, dtype, size and the op's
-argument, which travels in ``tag``), and control frames: ARRIVED (I have reached
-collective #seq; used to name the missing ranks on a timeout), ABORT (collective
-#seq failed here, the payload says why), BYE (I shut down cleanly). Because every
+argument, which travels in ``tag``), and control frames: ARRIVED (I am blocked in
+collective #seq, this opcode and argument), ABORT (collective #seq failed here,
+the payload says why), BYE (I shut down cleanly; nothing follows). Because every
 collective frame says what it is, ranks that call different things get
 :class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's
 bytes as data.
@@ -57,19 +57,26 @@ A background progress thread exists only for asynchronous requests (``isend``/
 outstanding, so a 64 MiB ``isend`` overlaps with the caller's compute, and sleeps
 on the condition otherwise.
 
-**Failures.** EOF or a socket error from a peer marks it failed at once: every
+**Failures.** EOF or a read error from a peer marks it failed at once: every
 request that depends on it raises :class:`~pg_core.errors.PeerFailureError`
 naming it; after a crash (EOF without BYE) every collective does, because a
 collective needs every rank. A clean ``shutdown`` sends BYE first, so peers say
 "rank N shut down" instead of reporting a crash, and only what needed rank N
-fails. A collective that fails locally (mismatch, peer failure) sends ABORT to
-the other ranks so they raise too instead of hanging, and breaks this group's
-collective stream: later collectives raise at once (re-form the group). Point to
-point keeps working. A request that passes its deadline raises
+fails. A failed *write* decides nothing by itself: the peer's last frames (an
+ABORT, a BYE) are still in the receive buffer, and the reader, which reads them
+and then the EOF, gives the verdict. A collective that fails locally (mismatch,
+peer failure) sends ABORT to the other ranks so they raise too instead of
+hanging, and breaks this group's collective stream: later collectives raise at
+once (re-form the group); a BYE sent after that carries the reason too, so ranks
+still waiting learn why rather than just "shut down". Point to point keeps
+working. Ranks blocked in different collectives that exchange no data (two
+"roots" of a ``reduce``) learn it from the ARRIVED frames that a collective
+blocked for a while (min(1 s, timeout/4)) sends, which carry its opcode and
+argument. A request that passes its deadline raises
 :class:`~pg_core.errors.CollectiveTimeout` naming the op, the sequence number and
-the ranks not heard from (a collective blocked for a while announces itself with
-ARRIVED, so each rank knows who else reached it). ``abort`` (any thread) fails
-everything pending with :class:`~pg_core.errors.GroupClosedError` and closes.
+the ranks not heard from (the ARRIVED frames tell each rank who else reached the
+collective). ``abort`` (any thread) fails everything pending with
+:class:`~pg_core.errors.GroupClosedError` and closes.
 
 **Threads and locks.** One lock (``_lock``) guards all shared state: queues,
 request completion, peer status and socket *writes* (sends are non-blocking, so
@@ -119,7 +126,7 @@ BYTES: Final = 2  # point-to-point variable-size message, matched on (peer, tag)
 COLL: Final = 3  # collective frame, matched FIFO per peer, checked against (seq, opcode, tag, dtype, nbytes)
 ARRIVED: Final = 4  # control: "I am blocked in collective #seq", with its opcode and argument
 ABORT: Final = 5  # control: "collective #seq failed here"; opcode = error kind, payload = reason
-BYE: Final = 6  # control: clean shutdown, nothing follows
+BYE: Final = 6  # control: clean shutdown, nothing follows; opcode/payload: why its collectives stopped, if they did
 
 # dtype codes: 0 = none, 1.. = pg_core.backend.DTYPES, 255 = raw bytes
 DTYPE_CODE: Final[dict[torch.dtype, int]] = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
@@ -141,9 +148,14 @@ def describe_arg(arg: int) -> str:
 _REDOP_CODE: Final[dict[RedOpType, int]] = {kind: i + 1 for i, kind in enumerate(RedOpType)}
 _REDOP_NAME: Final[dict[int, str]] = {code: kind.name for kind, code in _REDOP_CODE.items()}
 
-# ABORT reasons (opcode of an ABORT frame)
+# Why collectives stopped (opcode of an ABORT frame, or of a BYE after they did)
 _ABORT_MISMATCH: Final = 1
 _ABORT_PEER: Final = 2
+_ABORT_CLASS: Final[dict[int, type[PGError]]] = {
+    _ABORT_MISMATCH: CollectiveMismatchError,
+    _ABORT_PEER: PeerFailureError,
+}
+_ABORT_CODE: Final[dict[type[PGError], int]] = {cls: code for code, cls in _ABORT_CLASS.items()}
 
 _POLLIN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 _POLLOUT: Final = select.POLLOUT
@@ -294,6 +306,7 @@ class _Peer:
         "mask",
         "outq",
         "rank",
+        "send_error",
         "sock",
         "target",
     )
@@ -305,6 +318,7 @@ class _Peer:
         self.outq: deque[Send] = deque()
         self.closed: str | None = None  # why this peer can no longer be talked to
         self.crashed = False
+        self.send_error: str | None = None  # writing failed; the reader will tell why
         self.mask = 0  # what the poller watches
         # reader state (driver only)
         self.hdr = bytearray(HEADER_SIZE)
@@ -568,7 +582,8 @@ class Transport:
             for peer in self._peers:
                 if peer is None:
                     continue
-                want = 0 if peer.closed is not None else _POLLIN | (_POLLOUT if peer.outq else 0)
+                writable = peer.outq and peer.send_error is None
+                want = 0 if peer.closed is not None else _POLLIN | (_POLLOUT if writable else 0)
                 if want == peer.mask:
                     continue
                 if want == 0:
@@ -593,21 +608,32 @@ class Transport:
         if peer.closed is not None:
             self._complete(req, self._peer_error(req, peer))
             return
-        if not peer.outq:
+        if not peer.outq and peer.send_error is None:
             try:
                 req.sent = peer.sock.sendmsg(req.pending())
             except BlockingIOError:
                 pass
             except OSError as exc:
-                self._lose_peer(peer, f"connection to rank {peer.rank} failed while sending: {exc}", crashed=True)
-                self._complete(req, self._peer_error(req, peer))
-                return
+                self._send_failed(peer, exc)
             if req.sent == req.total:
                 self._complete(req, None)
                 return
             self._poll_dirty = True
             self._wake_driver()
         peer.outq.append(req)
+
+    def _send_failed(self, peer: _Peer, exc: OSError) -> None:
+        """Writing to ``peer`` failed (it closed or reset). Under the lock.
+
+        Not a verdict yet: what the peer said before it went (an ABORT, a BYE) is
+        still in our receive buffer, so stop writing and let the reader, which
+        reads those frames and then the EOF, decide between "shut down" and a
+        crash. The queued sends fail then.
+        """
+        if peer.send_error is None:
+            peer.send_error = f"connection to rank {peer.rank} failed while sending: {exc}"
+            self._poll_dirty = True
+            self._wake_driver()
 
     def _flush(self, peer: _Peer) -> None:
         """Continue queued sends to ``peer`` (the driver, on POLLOUT)."""
@@ -620,7 +646,7 @@ class Transport:
                 except BlockingIOError:
                     return
                 except OSError as exc:
-                    self._lose_peer(peer, f"connection to rank {peer.rank} failed while sending: {exc}", crashed=True)
+                    self._send_failed(peer, exc)
                     return
                 if req.sent < req.total:
                     return
@@ -645,7 +671,9 @@ class Transport:
                 return
             except OSError as exc:
                 with self._lock:
-                    self._lose_peer(peer, f"connection to rank {peer.rank} failed: {exc}", crashed=True)
+                    self._lose_peer(
+                        peer, peer.send_error or f"connection to rank {peer.rank} failed: {exc}", crashed=True
+                    )
                 return
             if n == 0:
                 with self._lock:
@@ -682,7 +710,7 @@ class Transport:
         frame: Frame = (kind, opcode, dtype, tag, seq, nbytes)
         peer.frame, peer.got, peer.dest, peer.target = frame, 0, None, None
         if kind >= ARRIVED:
-            if kind == ABORT:
+            if kind in (ABORT, BYE):
                 buf = peer.target = bytearray(nbytes)
                 peer.dest = memoryview(buf)
             return True
@@ -727,15 +755,15 @@ class Transport:
                 self._arrivals[peer.rank] = (seq, opcode, tag)
                 self._compare_arrival(peer.rank)
                 return
-            if kind == BYE:
-                self._lose_peer(peer, f"rank {peer.rank} shut down", crashed=False)
-                return
             if target is None:
                 return  # discarded
-            if kind == ABORT:
+            if kind in (ABORT, BYE) and opcode:
                 reason = bytes(target).decode(errors="replace")
-                cls: type[PGError] = PeerFailureError if opcode == _ABORT_PEER else CollectiveMismatchError
+                cls = _ABORT_CLASS.get(opcode, CollectiveMismatchError)
                 self._break_collectives(cls, f"rank {peer.rank} reported: {reason}", (peer.rank,), seq, notify=False)
+            if kind == BYE:
+                self._lose_peer(peer, f"rank {peer.rank} shut down", crashed=False)
+            if kind in (ABORT, BYE):
                 return
             if kind == COLL and self._broken is not None:
                 return  # collectives stopped while it was in flight
@@ -891,7 +919,7 @@ class Transport:
         self._posted = {k: q for k, q in self._posted.items() if k[1] != COLL}
         self._unexpected = {k: q for k, q in self._unexpected.items() if k[1] != COLL}
         if notify:
-            code = _ABORT_PEER if cls is PeerFailureError else _ABORT_MISMATCH
+            code = _ABORT_CODE.get(cls, _ABORT_MISMATCH)
             payload = memoryview(f"collective #{seq}: {reason}".encode())
             for peer in self._live_peers():
                 self._send_locked(
@@ -977,8 +1005,13 @@ class Transport:
             for req in [r for q in self._posted.values() for r in q]:
                 self._complete(req, GroupClosedError(f"{self.label}: {req.name} was pending at shutdown"))
             self._posted.clear()
+            code, reason = 0, _EMPTY
+            if self._broken is not None and self._broken[0] in _ABORT_CODE:
+                # peers still waiting learn why, not just "shut down" (a timeout each rank sees for itself)
+                code = _ABORT_CODE[self._broken[0]]
+                reason = memoryview(self._broken[1].encode())
             for peer in self._live_peers():
-                self._send_locked(peer, Send("bye", BYE, peer.rank, _EMPTY, timeout=timeout))
+                self._send_locked(peer, Send("bye", BYE, peer.rank, reason, opcode=code, timeout=timeout))
         self._settle()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
