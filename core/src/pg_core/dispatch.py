@@ -100,6 +100,7 @@ class Dispatcher:
         self._group_name, self._group_uid = group_name, group_uid
         self._options = options
         self._slots: dict[str, _Slot] = {}
+        self._allowed: set[tuple[object, ...]] = set()
         parsed = parse_backends(backends)
         if registry is None and (parsed is None or isinstance(parsed, (str, dict))):
             from .registry import default_registry
@@ -171,10 +172,14 @@ class Dispatcher:
 
     def check(self, op: str, device_type: str, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None) -> None:
         """Raise :class:`NotSupportedError` unless the backend declared this combination."""
+        key = (op, device_type, dtype, None if reduce_op is None else reduce_op.type)
+        if key in self._allowed:  # capabilities are immutable: remember what passed
+            return
         spec = self.spec(device_type)
         reason = spec.capabilities_for(device_type).why_not(op, dtype, reduce_op)
         if reason is not None:
             raise NotSupportedError(f"backend {spec.name!r} on {device_type}: {reason}")
+        self._allowed.add(key)
 
     def created(self) -> list[Backend]:
         return [slot.backend for slot in self._slots.values() if slot.backend is not None]

@@ -229,12 +229,9 @@ class ProcessGroup:
         self._dispatch.check(op, device.type, dtype, reduce_op)
         seconds = _seconds(timeout, self._timeout)
 
-        def run() -> Any:
-            backend = self._dispatch.backend(device)
-            seq = next(self._seq)
+        def invoke(backend: Backend, seq: int) -> Any:
             try:
-                with torch.no_grad():
-                    result = call(backend, seconds)
+                result = call(backend, seconds)
             except CollectiveTimeout as exc:
                 if exc.op is None or exc.seq is None:
                     exc.op = exc.op or op
@@ -243,6 +240,14 @@ class ProcessGroup:
             if staging is not None:
                 staging.finish()
             return result
+
+        def run() -> Any:
+            backend = self._dispatch.backend(device)
+            seq = next(self._seq)
+            if torch.is_grad_enabled():  # communication is not differentiable; skip the context when off
+                with torch.no_grad():
+                    return invoke(backend, seq)
+            return invoke(backend, seq)
 
         if not async_op:
             with self._lock:
@@ -639,25 +644,25 @@ class ProcessGroup:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
         backend, t, _, seconds = self._p2p("send", tensor, dst, tag, timeout)
-        with torch.no_grad():
-            backend.send(t, dst, tag, timeout=seconds)
+        backend.send(t.detach(), dst, tag, timeout=seconds)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Receive the next message from group rank ``src`` with ``tag`` into ``tensor``."""
         backend, t, st, seconds = self._p2p("recv", tensor, src, tag, timeout)
-        with torch.no_grad():
-            backend.recv(t, src, tag, timeout=seconds)
-        st.finish()
+        backend.recv(t.detach(), src, tag, timeout=seconds)
+        if st._back:
+            with torch.no_grad():
+                st.finish()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
         """Start sending ``tensor`` to ``dst``; do not modify it until the ``Work`` completes."""
         backend, t, _, seconds = self._p2p("send", tensor, dst, tag, timeout)
-        return backend.isend(t, dst, tag, timeout=seconds)
+        return backend.isend(t.detach(), dst, tag, timeout=seconds)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
         """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes."""
         backend, t, st, seconds = self._p2p("recv", tensor, src, tag, timeout)
-        inner = backend.irecv(t, src, tag, timeout=seconds)
+        inner = backend.irecv(t.detach(), src, tag, timeout=seconds)
         if t is tensor:
             return inner
         return _then(inner, st.finish)
