@@ -328,9 +328,11 @@ class Backend:
     def channel(self, timeout: float) -> algorithms.Channel:
         """The point-to-point channel the default collectives run on.
 
-        Override to stamp messages with your own framing (pg-tcp does, to detect
-        mismatched collectives). The default uses ``send``/``recv``/``isend`` with
-        the reserved tag :data:`pg_core.algorithms.COLLECTIVE_TAG`.
+        The default uses ``send``/``recv``/``isend``/``irecv`` with the reserved tag
+        :data:`pg_core.algorithms.COLLECTIVE_TAG`. A backend with its own framing
+        can instead override the collectives and run ``pg_core.algorithms`` on a
+        channel it builds per operation (pg-tcp does, stamping every frame with the
+        op, its arguments and a sequence number to detect mismatched collectives).
         """
         return algorithms.BackendChannel(self, timeout)
 
