@@ -69,7 +69,7 @@ def _quick_thread_switches() -> Iterator[None]:
     """Thread-ranks hand thousands of tiny messages to each other: switch threads sooner,
     and keep torch from waking its own thread pool for them."""
     interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(0.01)
     torch.set_num_threads(1)
     yield
     sys.setswitchinterval(interval)
@@ -353,8 +353,9 @@ def id_of(value: object) -> str:
 @pytest.mark.parametrize("size", SIZES)
 def test_all_reduce(size: int, dtype: torch.dtype, path: str) -> None:
     ops = ops_for(dtype)
-    # every op on every shape; the longest shape (many ring segments) for the first and last op
-    cases = [(op, shape) for op in ops for shape in SHAPES if shape != (37,) or op in (ops[0], ops[-1])]
+    # every op on the short shapes; the long one (many ring segments) and a 2-d one for two ops
+    cases = [(op, shape) for op in ops for shape in ((), (0,), (7,))]
+    cases += [(op, shape) for op in (ops[0], ops[-1]) for shape in ((37,), (3, 5))]
 
     def body(ch: ThreadChannel) -> list[torch.Tensor]:
         out = []
@@ -659,7 +660,7 @@ def test_reduce_scatter(size: int, dtype: torch.dtype, path: str) -> None:
     tune = tuning(path, dtype)
     ops = ops_for(dtype)
     cases = [(op, numel) for op in ops for numel in (0, 5)] + [(ops[0], 1), (ops[-1], 13)]
-    variants = (ops[0], ops[-1])  # the list form and the in-place form, for two ops
+    variants = (ops[0], ops[-1]) if size < 8 else (ops[-1],)  # the list and in-place forms, for two ops
 
     def body(ch: ThreadChannel) -> list[Any]:
         out: list[Any] = []

@@ -726,7 +726,7 @@ def scatter(
         raise ValueError(f"scatter: rank {src} is the source and needs a scatter_list")
     for k in range(1, ch.size):
         peer = (src + k) % ch.size
-        ch.send(_flat(scatter_list[(peer + 1) % ch.size]), peer)
+        ch.send(_flat(scatter_list[peer]), peer)
     _flat(tensor).copy_(_flat(scatter_list[src]))
 
 
