@@ -65,9 +65,10 @@ WAIT_S = 10.0
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _quick_thread_switches() -> Iterator[None]:
-    """Thread-ranks hand thousands of tiny messages to each other: switch threads sooner,
-    and keep torch from waking its own thread pool for them."""
+def _calm_threads() -> Iterator[None]:
+    """Thread-ranks hand thousands of tiny messages to each other. Every rank blocks on
+    its queue soon enough, so forced GIL switches (futex storms with eight ranks on two
+    cores) only cost time: make them rarer. And keep torch's own thread pool asleep."""
     interval, threads = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(0.01)
     torch.set_num_threads(1)
