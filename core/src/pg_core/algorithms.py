@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .backend import Backend
 
 __all__ = [
+    "BINARY_OPS",
     "COLLECTIVE_TAG",
     "DEFAULT_TUNING",
     "BackendChannel",
@@ -200,7 +201,7 @@ _Binary = Callable[..., torch.Tensor]
 
 #: ``fn(a, b, out=c)`` computes ``a (op) b`` elementwise; ``c`` may be ``a`` or ``b``.
 #: AVG and PREMUL_SUM sum (the division and the factor are applied around it).
-_BINARY: Final[dict[RedOpType, _Binary]] = {
+BINARY_OPS: Final[dict[RedOpType, _Binary]] = {
     RedOpType.SUM: torch.add,
     RedOpType.AVG: torch.add,
     RedOpType.PREMUL_SUM: torch.add,
@@ -215,7 +216,7 @@ _BINARY: Final[dict[RedOpType, _Binary]] = {
 
 def combine_(acc: torch.Tensor, other: torch.Tensor, op: RedOpType) -> None:
     """``acc = acc (op) other`` in place, for the pairwise ops (SUM for AVG/PREMUL_SUM)."""
-    _BINARY[op](acc, other, out=acc)
+    BINARY_OPS[op](acc, other, out=acc)
 
 
 def _elementwise(fn: _Binary, out: torch.Tensor, a: torch.Tensor, b: object, serial: int, **kwargs: Any) -> None:
@@ -320,7 +321,7 @@ def all_reduce(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tunin
 def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial: int) -> None:
     """Everyone sends to everyone; each rank folds ``x0 (op) x1 (op) ...`` in rank order."""
     size, rank = ch.size, ch.rank
-    fn = _BINARY[kind]
+    fn = BINARY_OPS[kind]
     if size == 2:
         peer = 1 - rank
         other = torch.empty_like(flat)
@@ -395,7 +396,7 @@ def _ring_reduce_scatter(
     serial = tuning.serial_elems
     rbufs = own[0].new_empty((depth, seg_len))
     sbufs = own[0].new_empty((min(depth, nseg), seg_len)) if factor is not None else None
-    fn = _BINARY[kind]
+    fn = BINARY_OPS[kind]
     last_step = size - 2
 
     def start(i: int) -> _Started:
@@ -566,7 +567,7 @@ def _tree_reduce(
     rbuf = flat.new_empty(seg_len) if children else None
     # a non-root rank never writes its tensor: it reduces (or scales) into ``abuf``
     abuf = flat.new_empty(seg_len) if parent is not None and (children or factor is not None) else None
-    fn = _BINARY[kind]
+    fn = BINARY_OPS[kind]
     if parent is None and factor is not None:
         _scale_(flat, factor, serial)
     for j in range(nseg):
@@ -605,7 +606,7 @@ def _chain_reduce(
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     seg_len = min(seg, flat.numel())
-    fn = _BINARY[kind]
+    fn = BINARY_OPS[kind]
     if vrank == size - 1:  # the far end: sends its own segments
         sbuf = flat.new_empty(seg_len) if factor is not None else None
         for j in range(nseg):
@@ -794,7 +795,7 @@ def _direct_reduce_scatter(
 ) -> None:
     """Everyone sends each peer its piece; each rank folds its block in rank order."""
     size, rank = ch.size, ch.rank
-    fn = _BINARY[kind]
+    fn = BINARY_OPS[kind]
     sends = [ch.isend(pieces[(rank + k) % size], (rank + k) % size) for k in range(1, size)]
     incoming = torch.empty_like(out)
     acc = pieces[0]

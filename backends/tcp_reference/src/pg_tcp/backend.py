@@ -349,18 +349,8 @@ def _pair_all_reduce(ch: TCPChannel, tensor: torch.Tensor, op: ReduceOp, scratch
         tensor.div_(2)  # AVG is declared for floating point and complex only
 
 
-#: ``fn(a, b, out=c)`` computes ``a (op) b``; AVG and PREMUL_SUM sum (their scaling is separate).
-_FOLD: Final[dict[RedOpType, Callable[..., torch.Tensor]]] = {
-    RedOpType.SUM: torch.add,
-    RedOpType.AVG: torch.add,
-    RedOpType.PREMUL_SUM: torch.add,
-    RedOpType.PRODUCT: torch.mul,
-    RedOpType.MIN: torch.minimum,
-    RedOpType.MAX: torch.maximum,
-    RedOpType.BAND: torch.bitwise_and,
-    RedOpType.BOR: torch.bitwise_or,
-    RedOpType.BXOR: torch.bitwise_xor,
-}
+#: ``fn(a, b, out=c)`` computes ``a (op) b``: the core's table, so pg-tcp reduces exactly as the algorithms do.
+_FOLD = algorithms.BINARY_OPS
 
 
 #: Elementwise torch ops on fewer elements than this run on the calling thread
