@@ -311,3 +311,62 @@ def test_backends_string_forms_parse():
 
 def test_repr_shows_name_rank_size_and_backends(group):
     assert repr(group) == "<ProcessGroup 'world' rank 0/2 backends={cpu: cpu-rec, meta: meta-rec}>"
+
+
+def test_a_generation_that_never_filled_is_skipped_once_its_members_closed():
+    store = HashStore()
+    opts = {"cpu-rec": {"log": []}}
+    partial = [ProcessGroup(store, rank=r, size=3, backends=CpuRecorder, options=opts) for r in (0, 1)]
+    for g in partial:  # rank 2 never came; the others give up
+        g.abort()
+    again = [ProcessGroup(store, rank=r, size=3, backends=CpuRecorder, options=opts) for r in (2, 0, 1)]
+    assert {g._uid for g in again} == {"world#1"}
+    for g in again:
+        g.shutdown()
+
+
+def test_a_failing_done_callback_does_not_stop_the_progress_thread(group, log, caplog):
+    w = group.all_reduce(torch.zeros(1), async_op=True)
+    w.add_done_callback(lambda _: 1 / 0)
+    w.wait()
+    later = group.all_reduce(torch.zeros(1), async_op=True)
+    later.add_done_callback(lambda _: 1 / 0)
+    assert later.wait(timeout=10)
+    assert group.all_reduce(torch.zeros(1), async_op=True).wait(timeout=10)
+
+
+def test_a_blocking_call_from_a_done_callback_is_refused_not_a_deadlock(group):
+    seen = []
+
+    def callback(_):
+        try:
+            group.barrier()
+        except RuntimeError as exc:
+            seen.append(str(exc))
+
+    w = group.all_reduce(torch.zeros(1), async_op=True)
+    w.add_done_callback(callback)
+    w.wait()
+    assert group.barrier(async_op=True).wait(timeout=10)
+    assert seen and "async_op=True" in seen[0]
+
+
+def test_a_group_dropped_without_shutdown_is_collected_and_its_thread_ends(log):
+    import gc
+    import weakref
+
+    g = ProcessGroup(HashStore(), rank=0, size=2, backends=CpuRecorder, options={"cpu-rec": {"log": log}})
+    g.all_reduce(torch.zeros(1), async_op=True).wait()
+    worker = g._worker
+    ref = weakref.ref(g)
+    del g
+    gc.collect()
+    assert ref() is None
+    worker.join(10)
+    assert not worker.is_alive()
+
+
+def test_work_wait_takes_a_timedelta_like_torch(group):
+    from datetime import timedelta
+
+    assert group.all_reduce(torch.zeros(1), async_op=True).wait(timedelta(seconds=5))

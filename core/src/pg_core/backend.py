@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from . import algorithms
-from .errors import NotSupportedError
+from .errors import GroupClosedError, NotSupportedError
 from .ops import OPS, RedOpType, ReduceOp
 from .work import Work
 
@@ -289,8 +289,9 @@ class Backend:
         self.ctx = ctx
         self.rank = ctx.rank
         self.size = ctx.size
-        self._helpers: dict[str, _Helper] = {}
+        self._helpers: dict[tuple[str, int, int], _Helper] = {}
         self._helpers_lock = threading.Lock()
+        self._helpers_closed = False
 
     # -- required --------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
@@ -303,12 +304,17 @@ class Backend:
 
     # -- optional: asynchronous point to point ---------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """Start a send. Default: ``send`` on a helper thread (one per backend, FIFO)."""
-        return self._helper("send").submit("send", lambda: self.send(tensor, dst, tag, timeout=timeout))
+        """Start a send. Default: ``send`` on a helper thread (one per (peer, tag), FIFO)."""
+        return self._helper("send", dst, tag).submit("send", lambda: self.send(tensor, dst, tag, timeout=timeout))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
-        """Start a receive. Default: ``recv`` on a helper thread (one per backend, FIFO)."""
-        return self._helper("recv").submit("recv", lambda: self.recv(tensor, src, tag, timeout=timeout))
+        """Start a receive. Default: ``recv`` on a helper thread (one per (peer, tag), FIFO).
+
+        One thread per (peer, tag) keeps the matching order and lets a pending
+        receive from one peer or tag never hold up another (a user's ``irecv``
+        posted before a collective must not block the collective's traffic).
+        """
+        return self._helper("recv", src, tag).submit("recv", lambda: self.recv(tensor, src, tag, timeout=timeout))
 
     # -- optional: variable-size messages --------------------------------------
     def send_bytes(self, data: bytes | bytearray | memoryview, dst: int, tag: int, *, timeout: float) -> None:
@@ -397,15 +403,20 @@ class Backend:
         self._stop_helpers()
 
     # -- helpers for the default isend/irecv ----------------------------------
-    def _helper(self, kind: str) -> _Helper:
+    def _helper(self, kind: str, peer: int, tag: int) -> _Helper:
         with self._helpers_lock:
-            helper = self._helpers.get(kind)
+            if self._helpers_closed:
+                raise GroupClosedError(f"backend {self.ctx.backend_name!r} of group {self.ctx.group_name!r} is closed")
+            key = (kind, peer, tag)
+            helper = self._helpers.get(key)
             if helper is None:
-                helper = self._helpers[kind] = _Helper(f"pg-core-{self.ctx.group_name}-{kind}")
+                name = f"pg-core-{self.ctx.group_name}-{kind}-{peer}-{tag}"
+                helper = self._helpers[key] = _Helper(name)
             return helper
 
     def _stop_helpers(self) -> None:
         with self._helpers_lock:
+            self._helpers_closed = True
             helpers, self._helpers = list(self._helpers.values()), {}
         for helper in helpers:
             helper.stop()
@@ -416,12 +427,17 @@ class _Helper:
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Work, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, op: str, fn: Callable[[], None]) -> Work:
         work = Work(op)
-        self._queue.put((work, fn))
+        with self._lock:
+            if self._stopped:
+                raise GroupClosedError(f"{op}: the backend is closed")
+            self._queue.put((work, fn))
         return work
 
     def _run(self) -> None:
@@ -429,12 +445,23 @@ class _Helper:
             work, fn = item
             try:
                 fn()
+                work.set_result(None)
             except BaseException as exc:
                 work.set_exception(exc)
-            else:
-                work.set_result(None)
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        # whatever was queued behind the stop never runs: fail it rather than leave it pending
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].set_exception(GroupClosedError(f"{item[0].op}: the backend was closed before it ran"))
+        if self._thread.is_alive():  # stuck in a call: leave it its stop signal for when it returns
+            self._queue.put(None)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
-from .errors import BackendNotFoundError, CollectiveMismatchError, NotSupportedError
+from .errors import BackendNotFoundError, CollectiveMismatchError, GroupClosedError, NotSupportedError
 from .ops import ReduceOp
 from .store import PrefixStore, Store
 
@@ -101,6 +101,7 @@ class Dispatcher:
         self._options = options
         self._slots: dict[str, _Slot] = {}
         self._allowed: set[tuple[object, ...]] = set()
+        self._closed = False
         parsed = parse_backends(backends)
         if registry is None and (parsed is None or isinstance(parsed, (str, dict))):
             from .registry import default_registry
@@ -184,6 +185,20 @@ class Dispatcher:
     def created(self) -> list[Backend]:
         return [slot.backend for slot in self._slots.values() if slot.backend is not None]
 
+    def close(self) -> list[Backend]:
+        """Refuse further creation; return the backends created so far (the caller closes them).
+
+        A creation racing with this sees the flag under its slot lock and aborts
+        what it just built, so no backend escapes being closed.
+        """
+        self._closed = True
+        backends = []
+        for slot in self._slots.values():
+            with slot.lock:
+                if slot.backend is not None:
+                    backends.append(slot.backend)
+        return backends
+
     # -- creation -------------------------------------------------------------
     def backend(self, device: torch.device) -> Backend:
         """The backend for ``device``'s type, created on first use."""
@@ -194,8 +209,15 @@ class Dispatcher:
         if slot.backend is not None:
             return slot.backend
         with slot.lock:
+            if self._closed:
+                raise GroupClosedError(f"group {self._group_name!r} is closed")
             if slot.backend is None:
-                slot.backend = self._create(slot, device)
+                backend = self._create(slot, device)
+                if self._closed:  # closed while we were connecting: nobody else will close it
+                    backend.abort()
+                    backend._stop_helpers()
+                    raise GroupClosedError(f"group {self._group_name!r} was closed while its backend was created")
+                slot.backend = backend
             return slot.backend
 
     def _create(self, slot: _Slot, device: torch.device) -> Backend:

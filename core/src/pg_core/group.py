@@ -22,6 +22,7 @@ import queue
 import socket
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -140,6 +141,7 @@ class ProcessGroup:
         self._rank, self._size, self._name = rank, size, name
         self._timeout = _seconds(timeout, DEFAULT_TIMEOUT)
         self._closed: str | None = None
+        self._closing = False  # shutdown() started: no new operations, queued ones drain
         self._lock = threading.Lock()  # guards _queue/_pending/_worker/_closed
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
@@ -207,8 +209,9 @@ class ProcessGroup:
 
     # -- execution --------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed is not None:
-            raise GroupClosedError(f"group {self._name!r} is {self._closed}; create a new group to communicate again")
+        if self._closed is not None or self._closing:
+            state = self._closed or "shutting down"
+            raise GroupClosedError(f"group {self._name!r} is {state}; create a new group to communicate again")
 
     def _collective(
         self,
@@ -224,7 +227,7 @@ class ProcessGroup:
     ) -> Work | None:
         """Validate, check capabilities, then run ``call(backend, timeout)`` in order."""
         self._check_open()
-        device = _d.one_device(tensors, op) if tensors else torch.device("cpu")
+        device = _d.one_device(tensors, op) if tensors else self._tensorless_device()
         dtype = _d.same_dtype(tensors, op) if tensors and dtype_check else (tensors[0].dtype if tensors else None)
         self._dispatch.check(op, device.type, dtype, reduce_op)
         seconds = _seconds(timeout, self._timeout)
@@ -250,6 +253,11 @@ class ProcessGroup:
             return invoke(backend, seq)
 
         if not async_op:
+            if threading.current_thread() is self._worker:
+                raise RuntimeError(
+                    f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
+                    "callback); pass async_op=True there"
+                )
             with self._lock:
                 inline = self._pending == 0
             if inline:
@@ -262,7 +270,9 @@ class ProcessGroup:
             self._check_open()
             self._pending += 1
             if self._worker is None:
-                self._worker = threading.Thread(target=self._work_loop, name=f"pg-core-{self._name}", daemon=True)
+                self._worker = threading.Thread(
+                    target=_work_loop, args=(self._queue, weakref.ref(self)), name=f"pg-core-{self._name}", daemon=True
+                )
                 self._worker.start()
             self._queue.put((work, run))
         if async_op:
@@ -270,21 +280,26 @@ class ProcessGroup:
         work.wait()
         return None
 
-    def _work_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            work, fn = item
-            try:
-                with self._exec_lock:
-                    if self._closed is not None:
-                        raise GroupClosedError(f"group {self._name!r} was {self._closed} before this operation ran")
-                    result = fn()
-            except BaseException as exc:
-                work.set_exception(exc)
-            else:
-                work.set_result(result)
-            finally:
-                with self._lock:
-                    self._pending -= 1
+    def _run_queued(self, work: Work, fn: Callable[[], Any]) -> None:
+        """Run one queued operation on the progress thread and complete its work."""
+        try:
+            with self._exec_lock:
+                if self._closed is not None:
+                    raise GroupClosedError(f"group {self._name!r} was {self._closed} before this operation ran")
+                result = fn()
+        except BaseException as exc:
+            with self._lock:
+                self._pending -= 1
+            work.set_exception(exc)
+        else:
+            with self._lock:
+                self._pending -= 1
+            work.set_result(result)
+
+    def _tensorless_device(self) -> torch.device:
+        """Where ``barrier`` runs: the cpu backend, else the first configured device type."""
+        names = self._dispatch.names
+        return torch.device("cpu" if "cpu" in names or not names else next(iter(names)))
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(
@@ -614,7 +629,7 @@ class ProcessGroup:
         )
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
-        """Return once every rank has entered the barrier (on the cpu backend)."""
+        """Return once every rank has entered the barrier (on the cpu backend if the group has one)."""
         return self._collective(
             "barrier",
             [],
@@ -665,7 +680,12 @@ class ProcessGroup:
         inner = backend.irecv(t.detach(), src, tag, timeout=seconds)
         if t is tensor:
             return inner
-        return _then(inner, st.finish)
+
+        def copy_back() -> None:
+            with torch.no_grad():
+                st.finish()
+
+        return _then(inner, copy_back)
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of the list; returns one ``Work`` per op, in order."""
@@ -692,17 +712,19 @@ class ProcessGroup:
         """Finish queued operations (bounded by the group timeout), then release every
         backend, thread and socket. Further use raises :class:`GroupClosedError`."""
         with self._lock:
-            if self._closed is not None:
+            if self._closed is not None or self._closing:
                 return
+            self._closing = True
             worker, self._worker = self._worker, None
             if worker is not None:
                 self._queue.put(None)
-        if worker is not None:
+        if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=self._timeout)
         with self._lock:
             self._closed = "shut down"
         with self._exec_lock:
-            errors = _close_all(self._dispatch.created(), "shutdown")
+            errors = _close_all(self._dispatch.close(), "shutdown")
+        self._mark_generation_closed()
         if errors:
             raise errors[0]
 
@@ -714,17 +736,25 @@ class ProcessGroup:
                 return
             self._closed = "aborted"
             worker, self._worker = self._worker, None
-        _close_all(self._dispatch.created(), "abort")
+        _close_all(self._dispatch.close(), "abort")
         if worker is not None:
             self._queue.put(None)
-            worker.join(timeout=10.0)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
+            if worker is not threading.current_thread():
+                worker.join(timeout=10.0)
+        if worker is None or not worker.is_alive():
+            while True:  # fail what never ran (the worker is gone; nothing else reads the queue)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
+        self._mark_generation_closed()
+
+    def _mark_generation_closed(self) -> None:
+        # Best effort: lets a later formation of this name skip a generation that never filled up.
+        with contextlib.suppress(Exception):
+            self._store.set("closed", "1")
 
     def __enter__(self) -> ProcessGroup:
         return self
@@ -742,6 +772,23 @@ class ProcessGroup:
         with contextlib.suppress(Exception):
             if getattr(self, "_closed", "x") is None:
                 self.abort()
+
+
+def _work_loop(q: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None], ref: weakref.ref[ProcessGroup]) -> None:
+    """The progress thread: runs queued operations in order. It holds the group only
+    weakly between operations, so a group dropped without shutdown() is collected."""
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        work, fn = item
+        del item  # nothing may keep the group (fn's closure) alive while waiting for the next item
+        group = ref()
+        if group is None:
+            work.set_exception(GroupClosedError("the group was garbage-collected before this operation ran"))
+        else:
+            group._run_queued(work, fn)
+        del group, work, fn
 
 
 def _then(inner: Work, fn: Callable[[], None]) -> Work:
@@ -834,9 +881,11 @@ def _join(store: Store, name: str, rank: int, size: int) -> int:
     base = f"{_STORE_PREFIX}/{name}"
     generation = int(store.add(f"{base}/generation", 0))
     for _ in range(1 << 16):
-        joined = int(store.add(f"{base}/{generation}/joined", 1))
-        if joined <= size:
-            break
+        # a generation some member closed (it never filled: a member died before joining) is skipped
+        if not store.check([f"{base}/{generation}/closed"]):
+            joined = int(store.add(f"{base}/{generation}/joined", 1))
+            if joined <= size:
+                break
         generation += 1
     else:  # pragma: no cover - needs 65536 concurrent formations of one name
         raise RuntimeError(f"could not join group {name!r}")

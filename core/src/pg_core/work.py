@@ -9,9 +9,11 @@ whole vocabulary of asynchrony between core, plugins and users.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from .errors import CollectiveTimeout
@@ -66,7 +68,7 @@ class Work:
             if not self._done:
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        self._call(fn)
 
     def _finish(self, result: Any, exc: BaseException | None) -> None:
         with self._cond:
@@ -76,7 +78,15 @@ class Work:
             callbacks, self._callbacks = self._callbacks, []
             self._cond.notify_all()
         for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[[Work], None]) -> None:
+        # A failing callback must not take down the thread that completes work
+        # (a group's progress thread, a transport's): report it, carry on.
+        try:
             fn(self)
+        except Exception:
+            logging.getLogger("pg_core").exception("a done-callback of %r raised", self)
 
     # -- consumer side -------------------------------------------------------
     def is_completed(self) -> bool:
@@ -85,7 +95,7 @@ class Work:
             self._driver(self, 0.0)
         return self._done
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float | timedelta | None = None) -> bool:
         """Block until the operation finishes; re-raise its error.
 
         ``timeout`` (seconds) bounds this wait only; the operation keeps its own
@@ -101,18 +111,20 @@ class Work:
             raise self._exc
         return True
 
-    def exception(self, timeout: float | None = None) -> BaseException | None:
+    def exception(self, timeout: float | timedelta | None = None) -> BaseException | None:
         """Wait for the operation, then return its error (``None`` if it succeeded)."""
         if not self._wait_done(timeout):
             raise CollectiveTimeout(f"{self.op}: not finished after {timeout} s", op=self.op)
         return self._exc
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | timedelta | None = None) -> Any:
         """Wait for the operation and return its value (``None`` for in-place ops)."""
         self.wait(timeout)
         return self._result
 
-    def _wait_done(self, timeout: float | None) -> bool:
+    def _wait_done(self, timeout: float | timedelta | None) -> bool:
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._done:
             remaining = None if deadline is None else deadline - time.monotonic()

@@ -128,7 +128,7 @@ class RankPool:
             host, port = listener.address
             self._logs = [os.path.join(self._tmp, f"rank{r}.log") for r in range(self.world_size)]
             for rank in range(self.world_size):
-                with open(self._logs[rank], "wb") as log:
+                with open(self._logs[rank], "ab") as log:  # append mode: truncating between jobs stays safe
                     self._procs.append(
                         subprocess.Popen(
                             [
@@ -233,8 +233,12 @@ class RankPool:
                 with open(log, "wb"):
                     pass
             payload = pickle.dumps(("run", job, _fn_ref(fn), args, self.op_timeout, check_leaks))
-            for conn in self._conns:
-                conn.send_bytes(payload)
+            try:
+                for conn in self._conns:
+                    conn.send_bytes(payload)
+            except OSError:
+                self._kill()  # a worker is gone: the next call starts a fresh pool
+                raise
             results: dict[int, Any] = {}
             outcomes: dict[int, str] = {}
             pending = dict(enumerate(self._conns))
@@ -250,17 +254,20 @@ class RankPool:
                     try:
                         status, value = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
+                        try:  # its sockets close before it is reaped: wait for the exit itself
+                            code: int | str = self._procs[rank].wait(timeout=10)
+                        except subprocess.TimeoutExpired:
+                            code = "unknown: it closed its connection but is still running"
                         if rank in may_exit:
                             results[rank] = None
                         else:
-                            code = self._procs[rank].wait()
                             outcomes[rank] = f"died (exit code {code})"
                         continue
                     if status == "ok":
                         results[rank] = value
                     else:
                         outcomes[rank] = value
-            died = any(self._procs[r].poll() is not None for r in range(self.world_size))
+            died = any(proc.poll() is not None for proc in self._procs)
             if pending:
                 stacks = self._dump_stacks(list(pending))
                 for rank in pending:
