@@ -6,8 +6,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Every in-repo distribution, installed editable into one venv.
-DISTS  := core backends/tcp_reference
+# Every in-repo distribution, installed editable into one venv (the third-party example too:
+# CI proves a plugin written from the README alone installs and works).
+DISTS  := core backends/tcp_reference examples/third_party_plugin
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck unit install clean bench

@@ -35,13 +35,22 @@ A backend is a class derived from :class:`Backend`, described by a
 * ``send``/``recv`` match on (peer, tag), in order per (peer, tag). Negative
   tags are used by the core's own algorithms; they follow the same rule.
 * Errors are pg-core's: :class:`~pg_core.errors.CollectiveTimeout` when
-  ``timeout`` passes, :class:`~pg_core.errors.PeerFailureError` when a peer is
-  gone (promptly, not at the timeout),
+  ``timeout`` passes (give ``peers=``, the ranks not heard from; the core fills
+  in the collective's ``op`` and ``seq``), :class:`~pg_core.errors.PeerFailureError`
+  when a peer is gone (promptly, not at the timeout, where the transport can
+  tell; a backend that cannot detect deaths falls back to the timeout),
   :class:`~pg_core.errors.CollectiveMismatchError` when the backend can see that
   ranks disagree, :class:`~pg_core.errors.GroupClosedError` after ``abort``.
 * All reduce results are bitwise identical on every rank.
 * ``shutdown`` releases every thread, socket and process the backend started;
   ``abort`` does so at once and makes operations blocked in other threads raise.
+  (The helper threads of the default ``isend``/``irecv`` are stopped by the core
+  whether or not an override calls ``super()``.) Pending operations are drained
+  by the core before ``shutdown`` is called.
+
+After a collective fails (timeout, peer failure, mismatch) the core refuses the
+group's later collectives, so a backend never has to resynchronise ranks whose
+messages may still be in flight; point to point keeps working.
 
 Only ``send`` and ``recv`` are required: every collective has a default in
 :mod:`pg_core.algorithms` written on them, so two methods make a complete,

@@ -33,7 +33,7 @@ import torch
 
 from . import dispatch as _d
 from .dispatch import BackendsArg, Dispatcher
-from .errors import CollectiveTimeout, GroupClosedError
+from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from .ops import RedOpType, ReduceOp, as_reduce_op
 from .store import PrefixStore, Store
 from .work import Work
@@ -142,6 +142,7 @@ class ProcessGroup:
         self._timeout = _seconds(timeout, DEFAULT_TIMEOUT)
         self._closed: str | None = None
         self._closing = False  # shutdown() started: no new operations, queued ones drain
+        self._broken: tuple[type[PGError], str] | None = None  # a collective failed: later ones refuse
         self._lock = threading.Lock()  # guards _queue/_pending/_worker/_closed
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
@@ -233,12 +234,19 @@ class ProcessGroup:
         seconds = _seconds(timeout, self._timeout)
 
         def invoke(backend: Backend, seq: int) -> Any:
+            if self._broken is not None:
+                kind, reason = self._broken
+                raise kind(
+                    f"{op}: collectives of group {self._name!r} stopped after {reason}; ranks may be out of step, "
+                    "so form the group again (point to point still works)"
+                )
             try:
                 result = call(backend, seconds)
-            except CollectiveTimeout as exc:
-                if exc.op is None or exc.seq is None:
-                    exc.op = exc.op or op
-                    exc.seq = exc.seq if exc.seq is not None else seq
+            except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
+                if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the group knows op and seq
+                    exc.op, exc.seq = op, seq
+                # A failed collective may leave messages in flight: later collectives would read them.
+                self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
                 raise
             if staging is not None:
                 staging.finish()

@@ -1,0 +1,132 @@
+"""``StoreBackend``: point-to-point messages as keys in the group's store.
+
+``send`` writes the tensor's bytes under ``msg/{src}->{dst}/{tag}/{n}``, where ``n``
+counts the messages this rank sent to ``dst`` with ``tag``; ``recv`` waits for the key
+with the next ``n`` it expects from ``(src, tag)``, reads it into the tensor and deletes
+it. A store write never waits for the receiver, so ``send`` satisfies the contract's
+"must not wait for the receiver" and the default ``isend``/``irecv`` (a helper thread)
+are enough. Every collective is ``pg_core.algorithms``' default, built on these two.
+
+A receive that times out on a negative tag (the core's collective channel) leaves this
+rank's collective stream out of step with its peers': their late message would be taken
+by the *next* collective, silently pairing two different operations. So after such a
+timeout every later collective message raises
+:class:`~pg_core.errors.CollectiveMismatchError`; shut the group down and form it again.
+User tags (``>= 0``) are unaffected: a late message there is simply the next one.
+
+Limitations, by design of an example: each message is a round trip to the store (slow),
+and a dead peer is seen only as a :class:`~pg_core.errors.CollectiveTimeout`, not a
+prompt :class:`~pg_core.errors.PeerFailureError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from pg_core.backend import Backend, BackendContext
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError
+
+__all__ = ["StoreBackend"]
+
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.01
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor's memory (any dtype, 0-dim included)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class StoreBackend(Backend):
+    """A pg-core backend whose only transport is ``ctx.store`` (cpu tensors, every dtype)."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._store = ctx.store
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sent: dict[tuple[int, int], int] = {}  # (dst, tag) -> messages sent
+        self._received: dict[tuple[int, int], int] = {}  # (src, tag) -> messages consumed
+        # One receive at a time per (src, tag): messages are consumed in order, and a recv
+        # that times out leaves its message for the next one instead of skipping it.
+        self._recv_locks: dict[tuple[int, int], threading.Lock] = {}
+        self._out_of_step: str | None = None  # why collective messages are refused
+
+    @staticmethod
+    def _key(src: int, dst: int, tag: int, n: int) -> str:
+        return f"msg/{src}->{dst}/{tag}/{n}"
+
+    def _check_open(self) -> None:
+        if self._closed.is_set():
+            raise GroupClosedError(f"storecomm backend of group {self.ctx.group_name!r} is closed")
+
+    def _check_in_step(self, tag: int) -> None:
+        if tag < 0 and self._out_of_step is not None:
+            raise CollectiveMismatchError(
+                f"storecomm: group {self.ctx.group_name!r} is out of step since {self._out_of_step}; "
+                "shut it down and form it again"
+            )
+
+    # -- the two required methods ------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        self._check_open()
+        self._check_in_step(tag)
+        data = _byte_view(tensor).numpy().tobytes()  # a copy: the tensor may be reused at once
+        with self._lock:
+            n = self._sent.get((dst, tag), 0)
+            self._sent[(dst, tag)] = n + 1
+        # torch's stub says str, but the c10d store takes bytes (values are byte strings)
+        self._store.set(self._key(self.rank, dst, tag, n), data)  # type: ignore[arg-type]
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        self._check_open()
+        self._check_in_step(tag)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            lock = self._recv_locks.setdefault((src, tag), threading.Lock())
+        if not lock.acquire(timeout=max(timeout, 0.0)):
+            raise self._timeout(src, tag, timeout, "an earlier recv of the same (peer, tag) is still waiting")
+        try:
+            n = self._received.get((src, tag), 0)
+            key = self._key(src, self.rank, tag, n)
+            delay = _POLL_MIN_S
+            # Poll with check() rather than store.wait(): polling notices abort() and the
+            # deadline without leaving a half-finished wait on the store connection.
+            while not self._store.check([key]):
+                self._check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._timeout(src, tag, timeout, f"no message {key!r} in the store")
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, _POLL_MAX_S)
+            data = self._store.get(key)
+            self._store.delete_key(key)
+            self._received[(src, tag)] = n + 1  # consumed, even if it does not fit below
+        finally:
+            lock.release()
+        out = _byte_view(tensor)
+        if len(data) != out.numel():
+            raise CollectiveMismatchError(
+                f"storecomm: message {n} from rank {src} with tag {tag} has {len(data)} bytes, "
+                f"but the receive buffer ({tuple(tensor.shape)}, {tensor.dtype}) has {out.numel()}",
+                peers=(src,),
+            )
+        if data:
+            out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _timeout(self, src: int, tag: int, timeout: float, why: str) -> CollectiveTimeout:
+        message = f"recv from rank {src} with tag {tag} timed out after {timeout:g} s"
+        if tag < 0:
+            self._out_of_step = f"a collective's {message}"
+        return CollectiveTimeout(f"storecomm: {message} ({why})", op="recv", peers=(src,))
+
+    # -- life ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._closed.set()
+        super().shutdown()
+
+    def abort(self) -> None:
+        self._closed.set()  # a recv polling in another thread raises GroupClosedError
+        super().abort()
