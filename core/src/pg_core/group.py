@@ -574,21 +574,9 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``gather_list[i]`` on ``dst`` receives rank ``i``'s ``tensor``; other ranks pass no list."""
-        tensor = _d.check_tensor(tensor)
-        _d.check_rank(dst, self._size, "dst")
         st = _Staging()
+        tensor, staged, tensors = self._rooted("gather", tensor, gather_list, dst, st)
         t = st.input(tensor)
-        staged: list[torch.Tensor] | None = None
-        tensors = [tensor]
-        if self._rank == dst:
-            if gather_list is None:
-                raise ValueError(f"gather: the destination rank {dst} must pass gather_list")
-            outs = _d.check_tensor_list(gather_list, "gather_list", self._size)
-            _same_numel(outs, tensor.numel(), "gather", "gather_list")
-            staged = [st.output(o) for o in outs]
-            tensors += outs
-        elif gather_list:
-            raise ValueError(f"gather: gather_list is only passed on the destination rank ({dst})")
         return self._collective(
             "gather",
             tensors,
@@ -610,21 +598,9 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``tensor`` on rank ``i`` receives ``scatter_list[i]`` of ``src``; other ranks pass no list."""
-        tensor = _d.check_tensor(tensor)
-        _d.check_rank(src, self._size, "src")
         st = _Staging()
+        tensor, staged, tensors = self._rooted("scatter", tensor, scatter_list, src, st)
         t = st.output(tensor)
-        staged: list[torch.Tensor] | None = None
-        tensors = [tensor]
-        if self._rank == src:
-            if scatter_list is None:
-                raise ValueError(f"scatter: the source rank {src} must pass scatter_list")
-            ins = _d.check_tensor_list(scatter_list, "scatter_list", self._size)
-            _same_numel(ins, tensor.numel(), "scatter", "scatter_list")
-            staged = [st.input(i) for i in ins]
-            tensors += ins
-        elif scatter_list:
-            raise ValueError(f"scatter: scatter_list is only passed on the source rank ({src})")
         return self._collective(
             "scatter",
             tensors,
@@ -635,6 +611,26 @@ class ProcessGroup:
             timeout=timeout,
             staging=st,
         )
+
+    def _rooted(
+        self, op: str, tensor: object, lst: list[torch.Tensor] | None, root: int, st: _Staging
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor]]:
+        """Validate gather/scatter: the list exists on the root only, one tensor per rank,
+        each with ``tensor``'s element count; stage it (outputs for gather, inputs for scatter)."""
+        tensor = _d.check_tensor(tensor)
+        role, what = ("destination", "dst") if op == "gather" else ("source", "src")
+        _d.check_rank(root, self._size, what)
+        name = f"{op}_list"
+        if self._rank != root:
+            if lst:
+                raise ValueError(f"{op}: {name} is only passed on the {role} rank ({root})")
+            return tensor, None, [tensor]
+        if lst is None:
+            raise ValueError(f"{op}: the {role} rank {root} must pass {name}")
+        items = _d.check_tensor_list(lst, name, self._size)
+        _same_numel(items, tensor.numel(), op, name)
+        staged = [st.output(i) if op == "gather" else st.input(i) for i in items]
+        return tensor, staged, [tensor, *items]
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
         """Return once every rank has entered the barrier (on the cpu backend if the group has one)."""
