@@ -111,7 +111,7 @@ def _stale_collective(ctx) -> tuple[str, list[float]]:
             t = torch.full((3,), 10.0)
             try:
                 g.all_reduce(t)  # would pair with rank 1's late message from the first one
-            except CollectiveMismatchError as exc:
+            except (CollectiveMismatchError, CollectiveTimeout) as exc:  # the core refuses first
                 return str(exc), t.tolist()
             raise AssertionError(f"a collective after a timed-out one returned {t.tolist()}")
         ctx.store.wait(["rank0-timed-out"])

@@ -119,7 +119,8 @@ class RankPool:
 
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        # backlog: every rank connects at once; a full accept queue drops SYNs and retries back off for minutes
+        listener = Listener(("127.0.0.1", 0), authkey=authkey, backlog=self.world_size + 8)
         try:
             env = dict(os.environ)
             env.update(self._env)
