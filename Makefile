@@ -20,7 +20,7 @@ $(STAMP): constraints-dev.txt pyproject.toml $(addsuffix /pyproject.toml,$(DISTS
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt setuptools
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt \
 		-e 'core[testing]' $(addprefix -e ,$(filter-out core,$(DISTS))) \
-		numpy pytest-timeout ruff mypy
+		numpy matplotlib pytest-timeout ruff mypy
 	touch $@
 
 demo: $(STAMP)

@@ -274,20 +274,23 @@ def check_tensor_list(ts: object, what: str, length: int | None) -> list[torch.T
     return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(ts)]
 
 
+def _one_of(tensors: Sequence[torch.Tensor], attr: str, op: str, what: str) -> Any:
+    first = getattr(tensors[0], attr)
+    for t in tensors[1:]:
+        if getattr(t, attr) != first:
+            raise ValueError(f"{op}: all tensors of one call must have one {what}, got {first} and {getattr(t, attr)}")
+    return first
+
+
 def one_device(tensors: Sequence[torch.Tensor], op: str) -> torch.device:
     """The single device of a call's tensors (``ValueError`` if they differ)."""
-    device = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != device:
-            raise ValueError(f"{op}: all tensors of one call must be on one device, got {device} and {t.device}")
+    device: torch.device = _one_of(tensors, "device", op, "device")
     return device
 
 
 def same_dtype(tensors: Sequence[torch.Tensor], op: str) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        if t.dtype != dtype:
-            raise ValueError(f"{op}: all tensors must have one dtype, got {dtype} and {t.dtype}")
+    """The single dtype of a call's tensors (``ValueError`` if they differ)."""
+    dtype: torch.dtype = _one_of(tensors, "dtype", op, "dtype")
     return dtype
 
 

@@ -163,6 +163,9 @@ class ProcessGroup:
             group_uid=self._uid,
             options=options or {},
         )
+        # where barrier (an op without tensors) runs: the cpu backend, else the first configured one
+        names = self._dispatch.names
+        self._barrier_device = torch.device("cpu" if "cpu" in names or not names else next(iter(names)))
 
     # -- properties -------------------------------------------------------------
     @property
@@ -228,7 +231,7 @@ class ProcessGroup:
     ) -> Work | None:
         """Validate, check capabilities, then run ``call(backend, timeout)`` in order."""
         self._check_open()
-        device = _d.one_device(tensors, op) if tensors else self._tensorless_device()
+        device = _d.one_device(tensors, op) if tensors else self._barrier_device
         dtype = _d.same_dtype(tensors, op) if tensors and dtype_check else (tensors[0].dtype if tensors else None)
         self._dispatch.check(op, device.type, dtype, reduce_op)
         seconds = _seconds(timeout, self._timeout)
@@ -303,11 +306,6 @@ class ProcessGroup:
             with self._lock:
                 self._pending -= 1
             work.set_result(result)
-
-    def _tensorless_device(self) -> torch.device:
-        """Where ``barrier`` runs: the cpu backend, else the first configured device type."""
-        names = self._dispatch.names
-        return torch.device("cpu" if "cpu" in names or not names else next(iter(names)))
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(

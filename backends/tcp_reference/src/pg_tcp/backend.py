@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 from pg_core import algorithms
@@ -58,6 +58,8 @@ from .transport import (
 )
 
 __all__ = ["TCPBackend", "TCPChannel"]
+
+_R = TypeVar("_R", Send, Recv)
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -94,37 +96,25 @@ class TCPChannel:
         self._deadline = time.monotonic() + timeout
 
     def post_send(self, tensor: torch.Tensor, peer: int) -> Send:
-        return self._transport.post_send(
-            Send(
-                self._op,
-                COLL,
-                peer,
-                tensor_bytes(tensor),
-                opcode=self._opcode,
-                dtype=DTYPE_CODE[tensor.dtype],
-                tag=self._arg,
-                seq=self._seq,
-                timeout=self._timeout,
-                deadline=self._deadline,
-                keep=tensor,
-            )
-        )
+        return self._transport.post_send(self._frame(Send, tensor, peer))
 
     def post_recv(self, tensor: torch.Tensor, peer: int) -> Recv:
-        return self._transport.post_recv(
-            Recv(
-                self._op,
-                COLL,
-                peer,
-                tensor_bytes(tensor),
-                opcode=self._opcode,
-                dtype=DTYPE_CODE[tensor.dtype],
-                tag=self._arg,
-                seq=self._seq,
-                timeout=self._timeout,
-                deadline=self._deadline,
-                keep=tensor,
-            )
+        return self._transport.post_recv(self._frame(Recv, tensor, peer))
+
+    def _frame(self, kind: type[_R], tensor: torch.Tensor, peer: int) -> _R:
+        """A request stamped with this collective's op, argument, sequence number and deadline."""
+        return kind(
+            self._op,
+            COLL,
+            peer,
+            tensor_bytes(tensor),
+            opcode=self._opcode,
+            dtype=DTYPE_CODE[tensor.dtype],
+            tag=self._arg,
+            seq=self._seq,
+            timeout=self._timeout,
+            deadline=self._deadline,
+            keep=tensor,
         )
 
     # -- the Channel protocol --------------------------------------------------------

@@ -87,6 +87,7 @@ may call back into the backend.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import select
 import socket
@@ -446,12 +447,19 @@ class Transport:
 
     def post_async(self, req: Request) -> Work:
         """A ``Work`` for ``req`` that completes even if nobody waits (the progress thread drives)."""
+        return self._attach_work(req, background=True)
+
+    def work_for(self, req: Request) -> Work:
+        """A ``Work`` for ``req`` that the caller is about to wait on itself (no progress thread)."""
+        return self._attach_work(req, background=False)
+
+    def _attach_work(self, req: Request, *, background: bool) -> Work:
         work = Work(req.name, driver=lambda w, t: self._drive_work(req, t))
         with self._lock:
             req.work = work
             if req.done:
                 self._finished_works.append(req)
-            else:
+            elif background:
                 self._async.add(req)
                 if self._thread is None and not self._stopping:
                     self._thread = threading.Thread(
@@ -460,17 +468,7 @@ class Transport:
                     self._thread.start()
                 else:
                     self._idle.notify()
-        self._settle()
-        return work
-
-    def work_for(self, req: Request) -> Work:
-        """A ``Work`` for ``req`` that the caller is about to wait on itself (no progress thread)."""
-        work = Work(req.name, driver=lambda w, t: self._drive_work(req, t))
-        with self._lock:
-            req.work = work
-            if req.done:
-                self._finished_works.append(req)
-        if req.done:
+        if background or req.done:
             self._settle()
         return work
 
@@ -597,10 +595,8 @@ class Transport:
     def _wake_driver(self) -> None:
         """Interrupt the driver's poll (it must pick up new work). Under the lock."""
         if self._driving and self._driver_ident != threading.get_ident():
-            try:
+            with contextlib.suppress(OSError):  # full: it is being woken already
                 self._wake_w.send(b"\0")
-            except OSError:
-                pass  # full: it is being woken already
 
     # == sending ==============================================================================
 

@@ -7,12 +7,8 @@ it. A store write never waits for the receiver, so ``send`` satisfies the contra
 "must not wait for the receiver" and the default ``isend``/``irecv`` (a helper thread)
 are enough. Every collective is ``pg_core.algorithms``' default, built on these two.
 
-A receive that times out on a negative tag (the core's collective channel) leaves this
-rank's collective stream out of step with its peers': their late message would be taken
-by the *next* collective, silently pairing two different operations. So after such a
-timeout every later collective message raises
-:class:`~pg_core.errors.CollectiveMismatchError`; shut the group down and form it again.
-User tags (``>= 0``) are unaffected: a late message there is simply the next one.
+After a collective times out, pg-core itself refuses the group's later collectives, so a
+late message is never paired with another operation; this backend needs no guard of its own.
 
 Limitations, by design of an example: each message is a round trip to the store (slow),
 and a dead peer is seen only as a :class:`~pg_core.errors.CollectiveTimeout`, not a
@@ -52,7 +48,6 @@ class StoreBackend(Backend):
         # One receive at a time per (src, tag): messages are consumed in order, and a recv
         # that times out leaves its message for the next one instead of skipping it.
         self._recv_locks: dict[tuple[int, int], threading.Lock] = {}
-        self._out_of_step: str | None = None  # why collective messages are refused
 
     @staticmethod
     def _key(src: int, dst: int, tag: int, n: int) -> str:
@@ -62,17 +57,9 @@ class StoreBackend(Backend):
         if self._closed.is_set():
             raise GroupClosedError(f"storecomm backend of group {self.ctx.group_name!r} is closed")
 
-    def _check_in_step(self, tag: int) -> None:
-        if tag < 0 and self._out_of_step is not None:
-            raise CollectiveMismatchError(
-                f"storecomm: group {self.ctx.group_name!r} is out of step since {self._out_of_step}; "
-                "shut it down and form it again"
-            )
-
     # -- the two required methods ------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
         self._check_open()
-        self._check_in_step(tag)
         data = _byte_view(tensor).numpy().tobytes()  # a copy: the tensor may be reused at once
         with self._lock:
             n = self._sent.get((dst, tag), 0)
@@ -82,7 +69,6 @@ class StoreBackend(Backend):
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         self._check_open()
-        self._check_in_step(tag)
         deadline = time.monotonic() + timeout
         with self._lock:
             lock = self._recv_locks.setdefault((src, tag), threading.Lock())
@@ -118,8 +104,6 @@ class StoreBackend(Backend):
 
     def _timeout(self, src: int, tag: int, timeout: float, why: str) -> CollectiveTimeout:
         message = f"recv from rank {src} with tag {tag} timed out after {timeout:g} s"
-        if tag < 0:
-            self._out_of_step = f"a collective's {message}"
         return CollectiveTimeout(f"storecomm: {message} ({why})", op="recv", peers=(src,))
 
     # -- life ----------------------------------------------------------------------
