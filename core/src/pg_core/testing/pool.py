@@ -231,8 +231,7 @@ class RankPool:
             self._jobs += 1
             job = self._jobs
             for log in self._logs:  # each job's output starts clean
-                with open(log, "wb"):
-                    pass
+                os.truncate(log, 0)
             payload = pickle.dumps(("run", job, _fn_ref(fn), args, self.op_timeout, check_leaks))
             try:
                 for conn in self._conns:
