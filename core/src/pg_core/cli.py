@@ -15,6 +15,7 @@ from typing import Any
 
 from . import bench
 from .registry import PluginEntry, default_registry
+from .testing import command as conformance
 
 __all__ = ["main"]
 
@@ -110,4 +111,4 @@ def _table(entries: Sequence[PluginEntry]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-_SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [_add_backends, bench.add_parser]
+_SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [_add_backends, bench.add_parser, conformance.add_parser]

@@ -69,6 +69,25 @@ def advertise_address(store: Store, override: str | None = None) -> str:
     return "127.0.0.1"
 
 
+def private_connection(store: Store) -> Store:
+    """A connection of this process's own to the same store, where the store can make one.
+
+    A ``TCPStore`` client serves one request at a time, and a blocking ``wait``
+    holds it until the key appears: threads that share one client stall each
+    other. ``ProcessGroup`` therefore talks to the store over a clone (a new
+    socket to the same server, behind the same prefixes). Stores that cannot be
+    cloned, or live in memory, are used as they are.
+    """
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    try:
+        copy = clone()
+    except Exception:  # HashStore and older torch: no clone; they are shared as they are
+        return store
+    return copy if copy is not None else store
+
+
 def wait_for(store: Store, keys: list[str], timeout: float) -> None:
     """``store.wait(keys)`` bounded by ``timeout`` seconds (raises ``TimeoutError``-like
     ``torch.distributed.DistStoreError`` past it)."""

@@ -1,0 +1,570 @@
+"""What a conformance example is, how its tensors are made, and what it must produce.
+
+An :class:`Example` is plain data (JSON round-trips it exactly, which is what the
+one-line reproduction carries): a world size, a device type, a seed, and one or
+more *lanes*. A lane is a group formed by some of the ranks (all of them, or an
+overlapping subset for the concurrent-groups check) and the :class:`Call` s it
+runs in order. Every tensor is derived from ``(seed, lane, step, rank, role)``,
+so the rank processes and the controller build bit-identical inputs without
+sending them anywhere, and the controller computes every expected output itself,
+in float64 (:func:`expected`).
+
+This module is imported by the rank processes and by the controller; it needs
+torch and pg_core, not hypothesis or pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ops import ReduceOp, RedOpType
+
+__all__ = [
+    "DTYPE_NAMES",
+    "LATE_CHECK_OPS",
+    "Bufs",
+    "Call",
+    "Example",
+    "Expected",
+    "Lane",
+    "dtype_of",
+    "expected",
+    "prepare",
+    "tolerance_note",
+]
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return DTYPE_NAMES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+#: Collectives where, with ``async_op=True``, a rank cannot have finished before a
+#: rank it depends on has even called the operation (see :func:`depends_on`).
+LATE_CHECK_OPS = frozenset(
+    {
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "barrier",
+    }
+)
+
+
+@dataclass
+class Call:
+    """One operation of a lane.
+
+    ``op`` is a ProcessGroup collective, ``"p2p"`` (a set of messages), or one of
+    the probes ``"undeclared"``, ``"bad_input"``, ``"timeout"``. ``shape`` is the
+    per-rank piece; ``layout`` is ``"contig"``, ``"strided"`` (every other element
+    of a wider buffer) or ``"transposed"``. ``late``: with ``async_op``, the rank
+    that calls last, after every other rank has checked that its ``Work`` is not
+    complete yet. ``params`` holds what only some ops take (``reduce``,
+    ``factor``, ``root``, ``splits``, ``out_form``, ``messages``, ...).
+    """
+
+    op: str
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    layout: str = "contig"
+    async_op: bool = False
+    late: int | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_of(self.dtype)
+
+    def reduce_op(self) -> ReduceOp:
+        kind = RedOpType[self.params["reduce"]]
+        if kind == RedOpType.PREMUL_SUM:
+            return ReduceOp.premul_sum(float(self.params["factor"]))
+        return ReduceOp(kind)
+
+    def describe(self) -> str:
+        bits = [self.op]
+        if self.op not in ("p2p", "barrier", "undeclared", "bad_input", "timeout"):
+            bits.append(f"{self.dtype}{list(self.shape)}")
+            if self.layout != "contig":
+                bits.append(self.layout)
+        for key, value in self.params.items():
+            bits.append(f"{key}={value}")
+        if self.async_op:
+            bits.append("async" + (f" late={self.late}" if self.late is not None else ""))
+        return " ".join(str(b) for b in bits)
+
+
+@dataclass
+class Lane:
+    """A group formed by ``members`` (rank ``i`` of the lane is ``members[i]``) and
+    the calls it runs; ``wait_order`` is the order in which the async calls'
+    ``Work`` s are waited (indices into ``calls``)."""
+
+    members: list[int]
+    calls: list[Call]
+    wait_order: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Example:
+    world_size: int
+    device: str
+    seed: int
+    lanes: list[Lane]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Example:
+        raw = json.loads(text)
+        lanes = [
+            Lane(
+                members=list(lane["members"]),
+                calls=[Call(**{**c, "shape": tuple(c["shape"])}) for c in lane["calls"]],
+                wait_order=list(lane["wait_order"]),
+            )
+            for lane in raw["lanes"]
+        ]
+        return cls(world_size=raw["world_size"], device=raw["device"], seed=raw["seed"], lanes=lanes)
+
+    def describe(self) -> str:
+        lines = [f"world size {self.world_size}, device {self.device}, seed {self.seed}"]
+        for li, lane in enumerate(self.lanes):
+            head = f"  lane {li} (ranks {lane.members})" if len(self.lanes) > 1 else "  calls"
+            lines.append(head + ":")
+            for ci, call in enumerate(lane.calls):
+                lines.append(f"    [{ci}] {call.describe()}")
+            if lane.wait_order:
+                lines.append(f"    waits in order {lane.wait_order}")
+        return "\n".join(lines)
+
+
+# -- deterministic tensors ---------------------------------------------------------
+
+
+def _generator(*key: object) -> torch.Generator:
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return g
+
+
+def _ranged(kind: str | None, dtype: torch.dtype) -> tuple[int, int]:
+    """Integer value range for a reduce kind: sums and products of up to 8 ranks must not overflow."""
+    info = torch.iinfo(dtype)
+    if dtype == torch.int64:
+        return -(2**62), 2**62  # randint's bounds are int64 themselves
+    if kind in ("SUM", "AVG", "PREMUL_SUM"):
+        return (0, 16) if info.min == 0 else (-8, 9)
+    if kind == "PRODUCT":
+        return (0, 2) if info.min == 0 else (-1, 2)
+    return info.min, info.max + 1  # MIN/MAX/bitwise and copies: the full range
+
+
+def random_tensor(key: tuple[object, ...], shape: Sequence[int], dtype: torch.dtype, kind: str | None) -> torch.Tensor:
+    """Deterministic values for ``key``: floats in [-2, 2) (products stay in range),
+    integers in a range where the reduce ``kind`` cannot overflow, random bools."""
+    g = _generator(*key)
+    shape = tuple(shape)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.int64).bool()
+    if dtype.is_complex:
+        parts = torch.rand((*shape, 2), generator=g, dtype=torch.float64) * 4 - 2
+        return torch.view_as_complex(parts).to(dtype)
+    if dtype.is_floating_point:
+        span = 4.0 if kind is not None else 2000.0  # copies: wider values, still exact in every float dtype
+        values = torch.rand(shape, generator=g, dtype=torch.float64) * span - span / 2
+        return values.to(dtype)
+    lo, hi = _ranged(kind, dtype)
+    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def _laid_out(values: torch.Tensor, layout: str, key: tuple[object, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view, base)``: ``view`` holds ``values`` with ``layout``; ``base`` is the
+    whole buffer behind it, its other elements filled with junk that must survive."""
+    if layout == "strided" and values.dim() >= 1:
+        wide = (*values.shape[:-1], values.shape[-1] * 2)
+        base = random_tensor((*key, "gap"), wide, values.dtype, None)
+        view = base[..., ::2]
+        view.copy_(values)
+        return view, base
+    if layout == "transposed" and values.dim() >= 2:
+        base = values.transpose(-1, -2).contiguous()
+        view = base.transpose(-1, -2)
+        return view, base
+    base = values.clone()
+    return base, base
+
+
+@dataclass
+class Bufs:
+    """The tensors one rank passes to one call: ``ins`` must come back unchanged,
+    ``outs`` receive the results. ``*_bases`` are the whole buffers behind them."""
+
+    ins: list[torch.Tensor] = field(default_factory=list)
+    outs: list[torch.Tensor] = field(default_factory=list)
+    in_bases: list[torch.Tensor] = field(default_factory=list)
+    out_bases: list[torch.Tensor] = field(default_factory=list)
+
+    def add_in(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.ins.append(pair[0])
+        self.in_bases.append(pair[1])
+        return pair[0]
+
+    def add_out(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        self.outs.append(pair[0])
+        self.out_bases.append(pair[1])
+        return pair[0]
+
+    def to(self, device: torch.device) -> Bufs:
+        """The same buffers on ``device`` (views rebuilt on the moved bases)."""
+        if device.type == "cpu":
+            return self
+
+        def move(views: list[torch.Tensor], bases: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            new_bases = [b.to(device) for b in bases]
+            new_views = []
+            for v, b, nb in zip(views, bases, new_bases, strict=True):
+                offset = v.storage_offset() - b.storage_offset()
+                new_views.append(nb.as_strided(v.shape, v.stride(), nb.storage_offset() + offset))
+            return new_views, new_bases
+
+        ins, in_bases = move(self.ins, self.in_bases)
+        outs, out_bases = move(self.outs, self.out_bases)
+        return Bufs(ins, outs, in_bases, out_bases)
+
+
+def _key(ex_seed: int, lane: int, step: int, rank: int, role: object) -> tuple[object, ...]:
+    return (ex_seed, lane, step, rank, role)
+
+
+def _value_kind(call: Call) -> str | None:
+    reduce = call.params.get("reduce")
+    return str(reduce) if reduce is not None else None
+
+
+def _out_shape(call: Call, n: int) -> tuple[int, ...]:
+    """Shape of the ``*_into_tensor`` / ``reduce_scatter_tensor`` big tensor: stacked or concatenated."""
+    s = call.shape
+    if call.params.get("out_form") == "concat" and len(s) >= 1:
+        return (n * s[0], *s[1:])
+    return (n, *s)
+
+
+def _split_rows(call: Call) -> list[list[int]]:
+    splits: list[list[int]] = call.params["splits"]
+    return splits
+
+
+def prepare(call: Call, seed: int, lane: int, step: int, rank: int, n: int) -> Bufs:
+    """The cpu tensors rank ``rank`` (of ``n``) passes to ``call``."""
+    dtype, kind, layout = call.torch_dtype, _value_kind(call), call.layout
+
+    def key(role: object) -> tuple[object, ...]:
+        return _key(seed, lane, step, rank, role)
+
+    def make(role: object, shape: Sequence[int], value_kind: str | None = kind) -> tuple[torch.Tensor, torch.Tensor]:
+        return _laid_out(random_tensor(key(role), shape, dtype, value_kind), layout, key(role))
+
+    def junk(role: object, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _laid_out(random_tensor(key(("junk", role)), shape, dtype, None), layout, key(role))
+
+    b = Bufs()
+    op = call.op
+    if op in ("all_reduce", "reduce"):
+        b.add_out(make("x", call.shape))
+    elif op == "broadcast":
+        b.add_out(make("x", call.shape) if rank == call.params["root"] else junk("x", call.shape))
+    elif op == "all_gather":
+        b.add_in(make("x", call.shape))
+        for j in range(n):
+            b.add_out(junk(("o", j), call.shape))
+    elif op == "all_gather_into_tensor":
+        b.add_in(make("x", call.shape))
+        b.add_out(junk("o", _out_shape(call, n)))
+    elif op == "reduce_scatter":
+        for j in range(n):
+            b.add_in(make(("x", j), call.shape))
+        b.add_out(junk("o", call.shape))
+    elif op == "reduce_scatter_tensor":
+        b.add_in(make("x", _out_shape(call, n)))
+        b.add_out(junk("o", call.shape))
+    elif op == "all_to_all":
+        splits = _split_rows(call)
+        tail = call.shape
+        for j in range(n):
+            b.add_in(make(("x", j), (splits[rank][j], *tail)))
+        for i in range(n):
+            b.add_out(junk(("o", i), (splits[i][rank], *tail)))
+    elif op == "all_to_all_single":
+        splits = _split_rows(call)
+        tail = call.shape
+        b.add_in(make("x", (sum(splits[rank]), *tail)))
+        b.add_out(junk("o", (sum(row[rank] for row in splits), *tail)))
+    elif op == "gather":
+        b.add_in(make("x", call.shape))
+        if rank == call.params["root"]:
+            for j in range(n):
+                b.add_out(junk(("o", j), call.shape))
+    elif op == "scatter":
+        if rank == call.params["root"]:
+            for j in range(n):
+                b.add_in(make(("x", j), call.shape))
+        b.add_out(junk("o", call.shape))
+    elif op == "p2p":
+        for m, (src, dst, _tag, shape, dname) in enumerate(call.params["messages"]):
+            mdtype = dtype_of(dname)
+            if rank == src:
+                values = random_tensor(_key(seed, lane, step, src, ("m", m)), shape, mdtype, None)
+                b.add_in(_laid_out(values, layout, key(("m", m))))
+            if rank == dst:
+                values = random_tensor(_key(seed, lane, step, dst, ("junk-m", m)), shape, mdtype, None)
+                b.add_out(_laid_out(values, layout, key(("r", m))))
+    return b
+
+
+# -- what must come out ------------------------------------------------------------
+
+
+@dataclass
+class Expected:
+    """What one output base must hold: ``value`` exactly where ``tol`` is 0, within
+    ``tol`` (elementwise, in the wide dtype) elsewhere."""
+
+    value: torch.Tensor
+    tol: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # True where the output view is (the rest is the buffer's own junk)
+
+
+_EPS = {
+    torch.float16: 2.0**-10,
+    torch.bfloat16: 2.0**-7,
+    torch.float32: 2.0**-23,
+    torch.float64: 2.0**-52,
+    torch.complex64: 2.0**-23,
+    torch.complex128: 2.0**-52,
+}
+_TINY = {
+    torch.float16: 2.0**-14,
+    torch.bfloat16: 2.0**-126,
+    torch.float32: 2.0**-126,
+    torch.float64: 2.0**-1022,
+    torch.complex64: 2.0**-126,
+    torch.complex128: 2.0**-1022,
+}
+
+
+def tolerance_note() -> str:
+    return (
+        "float and complex results of SUM, AVG, PREMUL_SUM and PRODUCT must be within "
+        "2 * (n + 2) * eps(dtype) * scale + tiny(dtype) of a float64 reference, elementwise, where n is the "
+        "world size and scale is the sum of the inputs' magnitudes (the product of them for PRODUCT); "
+        "everything else (integers, bool, MIN, MAX, bitwise ops, and every copy) must be exact"
+    )
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    if dtype.is_complex:
+        return torch.complex128
+    if dtype.is_floating_point:
+        return torch.float64
+    if dtype == torch.bool:
+        return torch.bool
+    return torch.int64
+
+
+def reduce_reference(xs: list[torch.Tensor], call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(reference in the wide dtype, elementwise tolerance or None if exact)``."""
+    dtype = xs[0].dtype
+    wide = _wide(dtype)
+    ws = [x.to(wide) for x in xs]
+    kind = RedOpType[call.params["reduce"]]
+    n = len(xs)
+    stacked = torch.stack(ws)
+    if dtype == torch.bool:
+        if kind in (RedOpType.MIN, RedOpType.BAND):
+            return stacked.all(0), None
+        if kind in (RedOpType.MAX, RedOpType.BOR):
+            return stacked.any(0), None
+        if kind == RedOpType.BXOR:
+            return (stacked.to(torch.int64).sum(0) % 2).bool(), None
+        if kind == RedOpType.SUM:
+            return stacked.any(0), None  # torch's bool sum saturates
+        if kind == RedOpType.PRODUCT:
+            return stacked.all(0), None
+        raise ValueError(f"no reference for {kind.name} on bool")
+    if kind == RedOpType.MIN:
+        return stacked.amin(0), None
+    if kind == RedOpType.MAX:
+        return stacked.amax(0), None
+    if kind in (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR):
+        acc = ws[0].clone()
+        for w in ws[1:]:
+            acc = {RedOpType.BAND: acc & w, RedOpType.BOR: acc | w, RedOpType.BXOR: acc ^ w}[kind]
+        return acc, None
+    if kind == RedOpType.PRODUCT:
+        acc = ws[0].clone()
+        for w in ws[1:]:
+            acc = acc * w
+        scale = stacked.abs().prod(0) if (dtype.is_floating_point or dtype.is_complex) else None
+    else:
+        factor = float(call.params["factor"]) if kind == RedOpType.PREMUL_SUM else 1.0
+        acc = (stacked * factor).sum(0) if kind == RedOpType.PREMUL_SUM else stacked.sum(0)
+        scale = stacked.abs().sum(0) * abs(factor) if (dtype.is_floating_point or dtype.is_complex) else None
+        if kind == RedOpType.AVG:
+            if dtype.is_floating_point or dtype.is_complex:
+                acc = acc / n
+                scale = scale / n if scale is not None else None
+            else:
+                acc = torch.div(acc, n, rounding_mode="trunc")
+    if scale is None:
+        return acc, None
+    tol = 2 * (n + 2) * _EPS[dtype] * scale.to(torch.float64) + _TINY[dtype]
+    # the result is rounded to dtype once more at the end
+    tol = tol + _EPS[dtype] * acc.abs().to(torch.float64)
+    return acc, tol
+
+
+def _fill(base_dtype: torch.dtype, bufs: Bufs, index: int, value: torch.Tensor, tol: torch.Tensor | None) -> Expected:
+    """The expected base of output ``index``: its junk everywhere but the view, which holds ``value``."""
+    base = bufs.out_bases[index].to(_wide(base_dtype)).clone()
+    view = bufs.outs[index]
+    offset = view.storage_offset() - bufs.out_bases[index].storage_offset()
+    target = base.as_strided(view.shape, view.stride(), base.storage_offset() + offset)
+    target.copy_(value.reshape(view.shape))
+    mask = torch.zeros(base.shape, dtype=torch.bool)
+    mask.as_strided(view.shape, view.stride(), mask.storage_offset() + offset).fill_(True)
+    if tol is None:
+        return Expected(base, None, mask)
+    tol_base = torch.zeros(base.shape, dtype=torch.float64)
+    tol_target = tol_base.as_strided(view.shape, view.stride(), tol_base.storage_offset() + offset)
+    tol_target.copy_(tol.reshape(view.shape))
+    return Expected(base, tol_base, mask)
+
+
+def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[Expected] | None]:
+    """Per rank of the lane: the expected output bases of ``call`` (``None``: unspecified)."""
+    bufs = [prepare(call, seed, lane, step, r, n) for r in range(n)]
+    op = call.op
+    dtype = call.torch_dtype
+    out: list[list[Expected] | None] = []
+    if op in ("all_reduce", "reduce"):
+        value, tol = reduce_reference([b.outs[0] for b in bufs], call)
+        for r in range(n):
+            if op == "reduce" and r != call.params["root"]:
+                out.append(None)
+            else:
+                out.append([_fill(dtype, bufs[r], 0, value, tol)])
+    elif op == "broadcast":
+        src = bufs[call.params["root"]].outs[0]
+        out = [[_fill(dtype, bufs[r], 0, src, None)] for r in range(n)]
+    elif op == "all_gather":
+        out = [[_fill(dtype, bufs[r], j, bufs[j].ins[0], None) for j in range(n)] for r in range(n)]
+    elif op == "all_gather_into_tensor":
+        pieces = [b.ins[0].reshape(call.shape) for b in bufs]
+        whole = torch.cat(pieces) if call.params.get("out_form") == "concat" and call.shape else torch.stack(pieces)
+        out = [[_fill(dtype, bufs[r], 0, whole, None)] for r in range(n)]
+    elif op == "reduce_scatter":
+        for r in range(n):
+            value, tol = reduce_reference([b.ins[r] for b in bufs], call)
+            out.append([_fill(dtype, bufs[r], 0, value, tol)])
+    elif op == "reduce_scatter_tensor":
+        for r in range(n):
+            blocks = [b.ins[0].reshape(n, -1)[r].reshape(call.shape) for b in bufs]
+            value, tol = reduce_reference(blocks, call)
+            out.append([_fill(dtype, bufs[r], 0, value, tol)])
+    elif op == "all_to_all":
+        out = [[_fill(dtype, bufs[r], i, bufs[i].ins[r], None) for i in range(n)] for r in range(n)]
+    elif op == "all_to_all_single":
+        splits = _split_rows(call)
+        for r in range(n):
+            pieces = []
+            for i in range(n):
+                start = sum(splits[i][:r])
+                pieces.append(bufs[i].ins[0][start : start + splits[i][r]])
+            out.append([_fill(dtype, bufs[r], 0, torch.cat(pieces), None)])
+    elif op == "gather":
+        root = call.params["root"]
+        for r in range(n):
+            out.append([_fill(dtype, bufs[r], j, bufs[j].ins[0], None) for j in range(n)] if r == root else [])
+    elif op == "scatter":
+        root = call.params["root"]
+        out = [[_fill(dtype, bufs[r], 0, bufs[root].ins[r], None)] for r in range(n)]
+    elif op == "p2p":
+        msgs = call.params["messages"]
+        for r in range(n):
+            mine: list[Expected] = []
+            for m, (src, dst, *_rest) in enumerate(msgs):
+                if dst != r:
+                    continue
+                sent_index = [k for k, msg in enumerate(msgs) if msg[0] == src].index(m)
+                received_index = len(mine)
+                mdtype = dtype_of(msgs[m][4])
+                mine.append(_fill(mdtype, bufs[r], received_index, bufs[src].ins[sent_index], None))
+            out.append(mine)
+    else:
+        out = [[] for _ in range(n)]
+    return out
+
+
+def input_bases(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[torch.Tensor]]:
+    """Per rank: the input bases as they were before the call (they must come back unchanged)."""
+    return [prepare(call, seed, lane, step, r, n).in_bases for r in range(n)]
+
+
+def depends_on(call: Call, rank: int, late: int, n: int) -> bool:
+    """Whether ``rank`` cannot finish ``call`` before rank ``late`` has called it."""
+    if rank == late or n < 2:
+        return False
+    op, p = call.op, call.params
+    piece = math.prod(call.shape)
+    if op == "barrier":
+        return True
+    if op in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"):
+        return piece > 0
+    if op == "broadcast" or op == "scatter":
+        return bool(p["root"] == late and piece > 0)
+    if op in ("reduce", "gather"):
+        return bool(p["root"] == rank and piece > 0)
+    if op in ("all_to_all", "all_to_all_single"):
+        return bool(_split_rows(call)[late][rank] > 0 and math.prod(call.shape) > 0)
+    return False

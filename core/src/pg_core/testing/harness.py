@@ -1,0 +1,648 @@
+"""The conformance controller: runs examples on persistent rank pools and judges them.
+
+A :class:`Conformance` holds one :class:`~pg_core.testing.pool.RankPool` per world
+size (started on first use, respawned after a hang or a death), sends each
+example to the ranks, computes the expected result of every call itself
+(:func:`~pg_core.testing.cases.expected`), and raises :class:`ConformanceFailure`
+naming the *check* that failed. Hypothesis runs here, in the controller
+(:meth:`Conformance.check`); the ranks only execute.
+
+Checks, by the name a failure carries:
+
+``declared-must-pass``
+    a declared call raised, or a lane's group could not be formed.
+``reference``
+    an output differs from the controller's reference (exact, or beyond the
+    tolerance of :func:`~pg_core.testing.cases.tolerance_note`), or a byte
+    outside the output view (a strided buffer's gaps) changed.
+``ranks-agree``
+    ``all_reduce`` results are not bitwise identical on every rank.
+``inputs-unchanged``
+    an input buffer was modified.
+``early-completion``
+    an async ``Work`` was complete before a rank it depends on had called.
+``supports``
+    ``ProcessGroup.supports`` disagrees with the declared capabilities.
+``undeclared-must-raise``
+    an undeclared combination did not raise ``NotSupportedError`` locally.
+``bad-input``
+    bad input was not rejected with ``ValueError``/``TypeError`` locally.
+``timeout``
+    an operation that cannot finish did not raise ``CollectiveTimeout`` naming it.
+``dead-peer``
+    a peer's death gave neither ``PeerFailureError`` nor ``CollectiveTimeout``.
+``deadline``
+    the example did not finish in time (the failure carries every rank's stacks).
+``rank-died`` / ``leak`` / ``rank-error``
+    a rank process died, left threads or sockets behind after ``shutdown()``,
+    or failed outside any call.
+"""
+
+from __future__ import annotations
+
+import collections
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backend import BackendSpec, Capabilities
+from ..ops import COLLECTIVE_OPS, RedOpType
+from .cases import Call, Example, Expected, dtype_of, expected, input_bases
+from .pool import RankPool, RanksFailed
+from .rank import resolve_backend, run_dead_peer, run_example
+
+__all__ = ["PROFILES", "Conformance", "ConformanceFailure", "Profile", "TESTS"]
+
+#: Every conformance test, in the order the suite runs them.
+TESTS: tuple[str, ...] = (
+    "supports",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "p2p",
+    "sequences",
+    "concurrent_groups",
+    "undeclared",
+    "bad_input",
+    "timeouts",
+    "dead_peer",
+)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How hard the suite tries. ``max_examples`` is per test; ``derandomize``
+    makes a run repeat exactly (what CI wants); ``op_timeout`` bounds each call
+    and ``deadline`` each example (plus ``op_timeout`` per call)."""
+
+    name: str
+    max_examples: int
+    derandomize: bool
+    op_timeout: float = 10.0
+    deadline: float = 30.0
+    max_hangs: int = 2
+    per_test: dict[str, float] = field(default_factory=dict)  # multipliers of max_examples
+
+
+PROFILES: dict[str, Profile] = {
+    "ci": Profile(
+        "ci",
+        max_examples=16,
+        derandomize=True,
+        per_test={"sequences": 2.0, "concurrent_groups": 1.0, "p2p": 1.5, "timeouts": 0.5, "undeclared": 0.75},
+    ),
+    "thorough": Profile(
+        "thorough", max_examples=200, derandomize=False, per_test={"sequences": 2.0, "timeouts": 0.25}
+    ),
+}
+
+
+class ConformanceFailure(AssertionError):
+    """A backend broke the contract. ``check`` names the check (see the module
+    docstring); the message carries the example and a one-line reproduction."""
+
+    def __init__(self, check: str, detail: str, example: Example | None = None, replay: str | None = None) -> None:
+        self.check, self.detail, self.example, self.replay = check, detail, example, replay
+        text = f"[{check}] {detail}"
+        if example is not None:
+            text += f"\n\nexample:\n{example.describe()}"
+        if replay:
+            text += f"\n\nreplay exactly this example:\n  {replay}"
+        super().__init__(text)
+
+
+class Conformance:
+    """The suite against one backend.
+
+    ``backend`` is a registered name or ``"module:attr"`` / ``"file.py:attr"``
+    naming a :class:`~pg_core.backend.BackendSpec`. ``pools`` lets a caller share
+    rank pools (a callable from world size to :class:`RankPool`); by default the
+    suite owns its pools and :meth:`close` stops them.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        *,
+        world_sizes: Sequence[int] = (1, 2, 3, 4),
+        profile: str | Profile = "ci",
+        max_examples: int | None = None,
+        devices: Sequence[str] | None = None,
+        pools: Callable[[int], RankPool] | None = None,
+        shrink: bool = True,
+    ) -> None:
+        self.backend_ref = backend
+        self.profile = PROFILES[profile] if isinstance(profile, str) else profile
+        self.max_examples = max_examples
+        self.shrink = shrink
+        self.world_sizes = tuple(sorted(set(world_sizes)))
+        if not self.world_sizes or min(self.world_sizes) < 1:
+            raise ValueError(f"world sizes must be >= 1, got {list(world_sizes)}")
+        self.spec = _spec(backend)
+        usable, self.skipped_devices = _usable_devices(self.spec, devices)
+        if not usable:
+            reasons = "; ".join(f"{d}: {why}" for d, why in self.skipped_devices.items())
+            raise RuntimeError(f"backend {self.spec.name!r} has no device usable here ({reasons})")
+        self.devices = tuple(usable)
+        self.caps: dict[str, Capabilities] = {d: self.spec.capabilities_for(d) for d in self.devices}
+        self._own_pools: dict[int, RankPool] = {}
+        self._pools = pools
+        self._hangs: dict[str, list[ConformanceFailure]] = {}
+        #: test -> number of examples run; test -> op -> calls run; test -> world size -> examples
+        self.examples: collections.Counter[str] = collections.Counter()
+        self.calls: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self.sizes: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.notes: dict[str, str] = {}
+
+    # -- pools ---------------------------------------------------------------------
+    def pool(self, world_size: int) -> RankPool:
+        if self._pools is not None:
+            return self._pools(world_size)
+        if world_size not in self._own_pools:
+            self._own_pools[world_size] = RankPool(world_size, op_timeout=self.profile.op_timeout)
+        return self._own_pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._own_pools.values():
+            pool.close()
+        self._own_pools.clear()
+
+    def __enter__(self) -> Conformance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reproduction --------------------------------------------------------------
+    def replay_command(self, test: str, example: Example) -> str:
+        return (
+            f"pg-core conformance {shlex.quote(self.backend_ref)} --replay {test} {shlex.quote(example.to_json())}"
+        )
+
+    def fail(self, test: str, check: str, detail: str, example: Example) -> ConformanceFailure:
+        return ConformanceFailure(check, detail, example, self.replay_command(test, example))
+
+    # -- running -------------------------------------------------------------------
+    def target(self) -> Any:
+        from .strategies import Target
+
+        return Target(self.world_sizes, self.devices, self.caps)
+
+    def check(self, test: str) -> None:
+        """Run conformance test ``test`` (one of :data:`TESTS`) with Hypothesis; raise on the first failure."""
+        if test == "supports":
+            self.check_supports()
+            return
+        if test == "dead_peer":
+            self.check_dead_peer()
+            return
+        from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+
+        from .strategies import examples_for
+
+        target = self.target()
+        why = self.not_applicable(test, target)
+        if why is not None:
+            raise NotApplicable(why)
+        count = self.max_examples or max(1, round(self.profile.max_examples * self.profile.per_test.get(test, 1.0)))
+        phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+        if self.shrink:
+            phases.append(Phase.shrink)
+        config = settings(
+            max_examples=count,
+            derandomize=self.profile.derandomize,
+            database=None if self.profile.derandomize else settings.default.database,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            phases=phases,
+            print_blob=False,
+            report_multiple_bugs=False,
+            verbosity=Verbosity.quiet,
+        )
+
+        @config
+        @given(examples_for(test, target))
+        def conformance(example: Example) -> None:
+            self.execute(test, example)
+
+        conformance()
+
+    def not_applicable(self, test: str, target: Any) -> str | None:
+        """Why ``test`` has nothing to draw for this backend, or ``None``."""
+        multi = any(n >= 2 for n in self.world_sizes)
+        p2p = any(target.p2p_dtypes(d) for d in self.devices)
+        ops = any(target.ops(d) for d in self.devices)
+        if test in COLLECTIVE_OPS:
+            if not any(target.declared(test, d) for d in self.devices):
+                return f"{test} is not declared (the undeclared test proves it raises NotSupportedError)"
+        elif test == "p2p":
+            if not p2p:
+                return "send/recv are not declared"
+            if not multi:
+                return "point to point needs a world size >= 2"
+        elif test in ("sequences", "concurrent_groups"):
+            if not ops and not (p2p and multi):
+                return "no collective is declared, and no point to point can run"
+            if test == "concurrent_groups" and not multi:
+                return "concurrent groups need a world size >= 2"
+        elif test == "timeouts":
+            if not multi:
+                return "a timeout needs a world size >= 2"
+            if not p2p and not any(target.declared(op, d) for op in _TIMEOUT_OPS for d in self.devices):
+                return f"none of {', '.join(_TIMEOUT_OPS)}, send/recv is declared"
+        return None
+
+    def execute(self, test: str, example: Example) -> None:
+        """Run one example on the ranks and judge it; raise :class:`ConformanceFailure`."""
+        self.examples[test] += 1
+        self.sizes[test][example.world_size] += 1
+        for lane in example.lanes:
+            for call in lane.calls:
+                self.calls[test][call.params.get("target", call.op) if call.op == "timeout" else call.op] += 1
+        hangs = self._hangs.get(test, [])
+        if len(hangs) >= self.profile.max_hangs:
+            first = hangs[-1]
+            raise self.fail(
+                test,
+                "deadline",
+                f"not run: {len(hangs)} examples of this test already hung, so it stops running them "
+                f"(each costs the full deadline). The last one that hung:\n{first.example.describe() if first.example else ''}"
+                f"\n{first.detail}\nreplay it: {first.replay}",
+                example,
+            )
+        calls = sum(len(lane.calls) for lane in example.lanes)
+        deadline = self.profile.deadline + self.profile.op_timeout * calls
+        start = time.monotonic()
+        try:
+            results = self.pool(example.world_size).run(
+                run_example, self.backend_ref, example.to_json(), self.profile.op_timeout, timeout=deadline
+            )
+        except RanksFailed as exc:
+            failure = self._ranks_failed(test, exc, example)
+            if failure.check == "deadline":
+                self._hangs.setdefault(test, []).append(failure)
+            raise failure from None
+        finally:
+            self.seconds[test] += time.monotonic() - start
+        self.judge(test, example, results)
+
+    def _ranks_failed(self, test: str, exc: RanksFailed, example: Example) -> ConformanceFailure:
+        outcomes = exc.outcomes
+        if any("did not finish" in o for o in outcomes.values()):
+            check = "deadline"
+        elif any(o.startswith("died") for o in outcomes.values()):
+            check = "rank-died"
+        elif any("leaked" in o for o in outcomes.values()):
+            check = "leak"
+        else:
+            check = "rank-error"
+        return self.fail(test, check, str(exc), example)
+
+    # -- judging -------------------------------------------------------------------
+    def judge(self, test: str, example: Example, results: list[Any]) -> None:
+        for li, lane in enumerate(example.lanes):
+            n = len(lane.members)
+            per_rank: list[list[dict[str, Any]]] = []
+            for i, member in enumerate(lane.members):
+                got = results[member]["lanes"][li]
+                if isinstance(got, dict):  # the lane's group failed outside any call
+                    raise self.fail(
+                        test,
+                        "declared-must-pass",
+                        f"lane {li}: rank {i} (process {member}) failed to form, run or shut down its group: "
+                        f"{got['type']}: {got['message']}",
+                        example,
+                    )
+                per_rank.append(got)
+            for ci, call in enumerate(lane.calls):
+                records = [recs[ci] if ci < len(recs) else None for recs in per_rank]
+                self._judge_call(test, example, li, ci, call, n, records)
+
+    def _judge_call(
+        self,
+        test: str,
+        ex: Example,
+        li: int,
+        ci: int,
+        call: Call,
+        n: int,
+        records: list[dict[str, Any] | None],
+    ) -> None:
+        where = f"lane {li} call [{ci}] {call.op}" if len(ex.lanes) > 1 else f"call [{ci}] {call.op}"
+        p = call.params
+        if call.op in ("undeclared", "bad_input", "timeout"):
+            rec = records[p["caller"]]
+            err = rec["error"] if rec is not None else None
+            if call.op == "undeclared":
+                said = {r for r, rec_ in enumerate(records) if rec_ is not None and rec_["supports"]}
+                if said:
+                    raise self.fail(
+                        test, "supports", f"{where}: supports() says yes on ranks {sorted(said)} for {_probe(call)}", ex
+                    )
+                if err is None or "NotSupportedError" not in err["mro"]:
+                    raise self.fail(
+                        test,
+                        "undeclared-must-raise",
+                        f"{where}: {_probe(call)} is not declared, so it must raise NotSupportedError on the calling "
+                        f"rank {p['caller']} before sending anything; {_said(err)}",
+                        ex,
+                    )
+            elif call.op == "bad_input":
+                from .rank import BAD_INPUTS
+
+                if err is None or not ({"ValueError", "TypeError"} & set(err["mro"])) or "AssertionError" in err["mro"]:
+                    raise self.fail(
+                        test,
+                        "bad-input",
+                        f"{where}: {BAD_INPUTS[p['kind']]} on rank {p['caller']} must raise ValueError or TypeError "
+                        f"locally; {_said(err)}",
+                        ex,
+                    )
+            else:
+                if err is None or "CollectiveTimeout" not in err["mro"]:
+                    raise self.fail(
+                        test,
+                        "timeout",
+                        f"{where}: rank {p['caller']} called {p['target']} with timeout={p['seconds']} s and no "
+                        f"rank joined it, so it must raise CollectiveTimeout; {_said(err)}",
+                        ex,
+                    )
+                if p["target"] != "recv" and err.get("op") != p["target"]:
+                    raise self.fail(
+                        test, "timeout", f"{where}: the CollectiveTimeout names op {err.get('op')!r}, not {p['target']!r}", ex
+                    )
+            return
+        errors = {r: rec["error"] for r, rec in enumerate(records) if rec is not None and rec["error"] is not None}
+        missing = [r for r, rec in enumerate(records) if rec is None]
+        if errors or missing:
+            lines = [f"rank {r}: {e['type']}: {e['message']}" for r, e in sorted(errors.items())]
+            if missing:
+                lines.append(f"ranks {missing} stopped before this call (an earlier call failed there)")
+            raise self.fail(
+                test,
+                "declared-must-pass",
+                f"{where} ({call.describe()}) is declared but failed:\n  " + "\n  ".join(lines),
+                ex,
+            )
+        recs = [rec for rec in records if rec is not None]
+        no = [r for r, rec in enumerate(recs) if rec["supports"] is False]
+        if no:
+            raise self.fail(test, "supports", f"{where}: supports() says no on ranks {no} for a declared call", ex)
+        early = [r for r, rec in enumerate(recs) if rec["early"]]
+        if early:
+            raise self.fail(
+                test,
+                "early-completion",
+                f"{where}: with async_op=True, the Work of ranks {early} was complete before rank {call.late} "
+                "(whose data or arrival they need) had called the operation",
+                ex,
+            )
+        want = expected(call, ex.seed, li, ci, n)
+        for r, rec in enumerate(recs):
+            exp = want[r]
+            if exp is None:
+                continue
+            outs = rec.get("outs", [])
+            if len(outs) != len(exp):
+                raise self.fail(test, "reference", f"{where}: rank {r} returned {len(outs)} outputs, expected {len(exp)}", ex)
+            for k, (got, e) in enumerate(zip(outs, exp, strict=True)):
+                problem = _compare(got, e)
+                if problem is not None:
+                    name = _out_name(call, k, r)
+                    raise self.fail(test, "reference", f"{where}: rank {r}, {name}: {problem}", ex)
+        before = input_bases(call, ex.seed, li, ci, n)
+        for r, rec in enumerate(recs):
+            for k, (got, orig) in enumerate(zip(rec.get("ins", []), before[r], strict=False)):
+                if not _same_bytes(got, orig):
+                    raise self.fail(
+                        test, "inputs-unchanged", f"{where}: rank {r} input #{k} was modified by the operation", ex
+                    )
+        if call.op == "all_reduce":
+            mask = want[0][0].mask if want[0] else None
+
+            def result(rec: dict[str, Any]) -> torch.Tensor:
+                out: torch.Tensor = rec["outs"][0]
+                return out[mask] if mask is not None else out
+
+            first = result(recs[0])
+            differ = [r for r, rec in enumerate(recs) if not _same_bytes(result(rec), first)]
+            if differ:
+                raise self.fail(
+                    test,
+                    "ranks-agree",
+                    f"{where}: all_reduce results are not bitwise identical: ranks {differ} differ from rank 0 "
+                    "(every rank must reduce in the same order)",
+                    ex,
+                )
+
+    # -- the checks that are not drawn -----------------------------------------------
+    def check_supports(self) -> None:
+        """``ProcessGroup.supports`` on a formed group says exactly what the spec declares."""
+        n = self.world_sizes[0]
+        for device in self.devices:
+            results = self.pool(n).run(
+                _supports_table, self.backend_ref, device, self.profile.op_timeout, timeout=self.profile.deadline
+            )
+            table: dict[tuple[str, str, str | None], bool] = results[0]
+            caps = self.caps[device]
+            wrong = []
+            for (op, dname, kname), said in table.items():
+                dtype = None if op == "barrier" else dtype_of(dname)
+                declared = caps.supports(op, dtype, RedOpType[kname] if kname else None)
+                if said != declared:
+                    wrong.append(f"{op} {dname} {kname or ''}: supports() says {said}, declared {declared}")
+            self.examples["supports"] += len(table)
+            if wrong:
+                raise ConformanceFailure("supports", f"on {device}:\n  " + "\n  ".join(wrong[:20]))
+
+    def check_dead_peer(self) -> None:
+        """A rank dies mid-job: the others get ``PeerFailureError`` (or, from a
+        backend that cannot see deaths, ``CollectiveTimeout``), never a hang."""
+        target = self.target()
+        sizes = [n for n in self.world_sizes if n >= 2]
+        if not sizes:
+            raise NotApplicable("a dead peer needs a world size >= 2")
+        seen = []
+        for device in self.devices:
+            ops = target.ops(device)
+            if not ops and not target.p2p_dtypes(device):
+                continue
+            for n in sorted({sizes[0], sizes[-1]}):
+                victim = n - 1
+                op_timeout = min(self.profile.op_timeout, 5.0)
+                self.examples["dead_peer"] += 1
+                self.sizes["dead_peer"][n] += 1
+                start = time.monotonic()
+                try:
+                    results = self.pool(n).run(
+                        run_dead_peer,
+                        self.backend_ref,
+                        device,
+                        victim,
+                        op_timeout,
+                        timeout=self.profile.deadline + 2 * op_timeout,
+                        may_exit=[victim],
+                    )
+                except RanksFailed as exc:
+                    check = "deadline" if any("did not finish" in o for o in exc.outcomes.values()) else "dead-peer"
+                    raise ConformanceFailure(check, f"world size {n}, rank {victim} dies:\n{exc}") from None
+                finally:
+                    self.seconds["dead_peer"] += time.monotonic() - start
+                for r, got in enumerate(results):
+                    if r == victim:
+                        continue
+                    if got is None or not ({"PeerFailureError", "CollectiveTimeout"} & set(got["mro"])):
+                        raise ConformanceFailure(
+                            "dead-peer",
+                            f"world size {n}: after rank {victim} died, rank {r}'s {got and got.get('op')} must raise "
+                            f"PeerFailureError (or CollectiveTimeout); {_said(got)}",
+                        )
+                    seen.append(f"ws {n} rank {r}: {got['type']} after {got['seconds']:.2f} s")
+        self.notes["dead_peer"] = "; ".join(seen)
+
+    # -- reporting -----------------------------------------------------------------
+    def summary(self) -> str:
+        """A table: examples per test, the world sizes drawn, calls per op, time."""
+        lines = [f"{'test':<24} {'examples':>8}  {'world sizes':<24} {'seconds':>7}  calls per op"]
+        for test in TESTS:
+            if not self.examples[test]:
+                continue
+            sizes = ",".join(f"{n}:{c}" for n, c in sorted(self.sizes[test].items()))
+            calls = ", ".join(f"{op} {c}" for op, c in self.calls[test].most_common())
+            lines.append(f"{test:<24} {self.examples[test]:>8}  {sizes:<24} {self.seconds[test]:>7.1f}  {calls}")
+        for test, note in self.notes.items():
+            lines.append(f"{test}: {note}")
+        return "\n".join(lines)
+
+
+_TIMEOUT_OPS = ("all_reduce", "barrier", "all_gather", "broadcast")
+
+
+class NotApplicable(Exception):
+    """The backend declares nothing this test could draw; the message says why."""
+
+
+def _spec(ref: str) -> BackendSpec:
+    resolved = resolve_backend(ref)
+    if isinstance(resolved, BackendSpec):
+        return resolved
+    from ..registry import default_registry
+
+    return default_registry().require(resolved)
+
+
+def _usable_devices(spec: BackendSpec, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
+    why = spec.why_unavailable()
+    if why is not None:
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"backend {spec.name!r} is installed but unavailable: {why}")
+    usable, skipped = [], {}
+    for device in spec.devices:
+        if wanted is not None and device not in wanted:
+            skipped[device] = "not asked for"
+            continue
+        if device == "cpu":
+            usable.append(device)
+            continue
+        module = getattr(torch, device, None)
+        if module is None or not hasattr(module, "is_available") or not module.is_available():
+            skipped[device] = f"torch has no usable {device} device here"
+            continue
+        usable.append(device)
+    return usable, skipped
+
+
+def _probe(call: Call) -> str:
+    p = call.params
+    bits = [p["target"], call.dtype]
+    if p.get("reduce"):
+        bits.append(p["reduce"])
+    if p.get("device"):
+        bits.append(f"on device {p['device']}")
+    return " ".join(bits)
+
+
+def _said(err: dict[str, Any] | None) -> str:
+    if err is None:
+        return "it returned normally"
+    return f"it raised {err['type']}: {err['message'][:500]}"
+
+
+def _out_name(call: Call, k: int, rank: int) -> str:
+    if call.op in ("all_gather", "gather"):
+        return f"output_list[{k}] (from rank {k})"
+    if call.op == "all_to_all":
+        return f"output_list[{k}] (from rank {k})"
+    if call.op == "p2p":
+        return f"receive #{k} of this rank"
+    return "the output" if k == 0 else f"output #{k}"
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def _compare(got: torch.Tensor, exp: Expected) -> str | None:
+    if tuple(got.shape) != tuple(exp.value.shape):
+        return f"shape {tuple(got.shape)}, expected {tuple(exp.value.shape)}"
+    g = got.to(exp.value.dtype)
+    if exp.tol is None:
+        bad = g != exp.value
+        limit = "exactly"
+    else:
+        diff = (g - exp.value).abs().to(torch.float64)
+        bad = ~(diff <= exp.tol)
+        limit = "within tolerance"
+    if not bool(bad.any()):
+        return None
+    idx = bad.nonzero()
+    first = tuple(int(i) for i in idx[0])
+    total = int(bad.sum())
+    detail = f"got {g[first].item()!r}, expected {exp.value[first].item()!r} {limit}"
+    if exp.tol is not None:
+        detail += f" (tolerance {exp.tol[first].item():.3g})"
+    return f"{total} of {bad.numel()} elements wrong; first at index {list(first)}: {detail}"
+
+
+def _supports_table(ctx: Any, backend_ref: str, device: str, op_timeout: float) -> dict[tuple[str, str, str | None], bool]:
+    """On a formed group: what ``supports()`` says for every (op, dtype, reduce op)."""
+    from ..backend import DTYPES
+    from ..group import ProcessGroup
+    from ..ops import COLLECTIVE_OPS, ReduceOp, RedOpType
+    from .cases import dtype_name
+
+    reducing = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends={device: resolve_backend(backend_ref)}, timeout=op_timeout)
+    table: dict[tuple[str, str, str | None], bool] = {}
+    try:
+        for op in (*COLLECTIVE_OPS, "send", "recv"):
+            for dtype in DTYPES:
+                if op == "barrier":
+                    table[(op, dtype_name(dtype), None)] = group.supports(op, device=device)
+                    break
+                if op in reducing:
+                    for kind in RedOpType:
+                        rop = ReduceOp.premul_sum(2.0) if kind == RedOpType.PREMUL_SUM else ReduceOp(kind)
+                        table[(op, dtype_name(dtype), kind.name)] = group.supports(op, device, dtype, rop)
+                else:
+                    table[(op, dtype_name(dtype), None)] = group.supports(op, device, dtype)
+    finally:
+        group.shutdown()
+    return table

@@ -1,0 +1,483 @@
+"""What a rank process does with a conformance example.
+
+:func:`run_example` runs in every rank of a :class:`~pg_core.testing.pool.RankPool`:
+it forms one :class:`~pg_core.ProcessGroup` per lane the rank belongs to (lanes
+run concurrently, each on its own thread), makes its inputs with
+:func:`~pg_core.testing.cases.prepare`, runs the calls, waits for async ones in
+the example's order, shuts the groups down, and returns what it observed: every
+output and input buffer, each call's error (if any), whether an async call
+finished before a rank it depends on had called it, and what ``supports()``
+said. It judges nothing; the controller does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..backend import BackendSpec
+from ..errors import CollectiveTimeout
+from ..group import P2POp, ProcessGroup
+from ..ops import ReduceOp, RedOpType
+from ..store import private_connection
+from ..work import Work
+from .cases import Bufs, Call, Example, depends_on, dtype_of, prepare
+
+__all__ = ["resolve_backend", "run_example"]
+
+#: How long a rank watches an async call that must not be complete yet.
+EARLY_WINDOW_S = 0.05
+
+
+def resolve_backend(ref: str) -> str | BackendSpec:
+    """A registered backend name, or ``"module:attr"`` / ``"path/file.py:attr"``
+    naming a :class:`~pg_core.backend.BackendSpec` (for backends not installed yet)."""
+    if ":" not in ref:
+        return ref
+    where, _, attr = ref.rpartition(":")
+    if where.endswith(".py"):
+        path = os.path.abspath(where)
+        name = "pg_core_conformance_target_" + str(abs(hash(path)))
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load backend spec from {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, BackendSpec):
+        raise TypeError(f"{ref} is a {type(obj).__name__}, not a BackendSpec")
+    return obj
+
+
+def _device(device_type: str, rank: int) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    count = module.device_count()
+    return torch.device(device_type, rank % max(count, 1))
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "mro": [c.__name__ for c in type(exc).__mro__],
+        "message": str(exc)[:2000],
+        "op": getattr(exc, "op", None),
+    }
+
+
+class _Lane:
+    def __init__(self, ctx: Any, ex: Example, index: int, backend: str | BackendSpec, op_timeout: float) -> None:
+        self.ctx, self.ex, self.index = ctx, ex, index
+        self.lane = ex.lanes[index]
+        self.me = self.lane.members.index(ctx.rank)
+        self.n = len(self.lane.members)
+        self.device = _device(ex.device, ctx.rank)
+        self.backend = backend
+        self.op_timeout = op_timeout
+        from torch.distributed import PrefixStore
+
+        # its own connection: a blocking wait holds a store client, and lanes run on threads at once
+        self.signals = PrefixStore(f"conformance/lane{index}", private_connection(ctx.store))
+        self.records: list[dict[str, Any]] = []
+        self.works: dict[int, list[Work]] = {}
+        self.bufs: dict[int, Bufs] = {}
+
+    # -- running -------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        group = ProcessGroup(
+            self.ctx.store,
+            self.me,
+            self.n,
+            backends={self.ex.device: self.backend},
+            name=f"conformance-lane{self.index}",
+            timeout=self.op_timeout,
+        )
+        try:
+            # Form the backend on every member now: a backend's first use must be collective,
+            # and a lane may start with messages that leave some ranks out.
+            group._dispatch.backend(self.device)
+            for ci, call in enumerate(self.lane.calls):
+                record: dict[str, Any] = {"call": ci, "error": None, "early": None, "supports": None}
+                self.records.append(record)
+                try:
+                    self._start(group, ci, call, record)
+                except Exception as exc:
+                    record["error"] = _error(exc)
+                    if call.op not in ("undeclared", "bad_input"):
+                        break
+            for ci in self.lane.wait_order:
+                for work in self.works.get(ci, []):
+                    try:
+                        work.wait()
+                    except Exception as exc:
+                        if self.records[ci]["error"] is None:
+                            self.records[ci]["error"] = _error(exc)
+            for record in self.records:
+                bufs = self.bufs.get(record["call"])
+                if bufs is not None:
+                    record["outs"] = [b.detach().cpu().clone() for b in bufs.out_bases]
+                    record["ins"] = [b.detach().cpu().clone() for b in bufs.in_bases]
+        finally:
+            group.shutdown()
+        return self.records
+
+    def _signal(self, call: int, rank: int) -> str:
+        return f"{call}/{rank}"
+
+    def _start(self, group: ProcessGroup, ci: int, call: Call, record: dict[str, Any]) -> None:
+        if call.op == "undeclared":
+            self._undeclared(group, call, record)
+            return
+        if call.op == "bad_input":
+            if call.params["caller"] == self.me:
+                _bad_input(group, call, self.device)
+            return
+        if call.op == "timeout":
+            self._timeout(group, call)
+            return
+        bufs = prepare(call, self.ex.seed, self.index, ci, self.me, self.n).to(self.device)
+        self.bufs[ci] = bufs
+        record["supports"] = _supports(group, call, self.device)
+        if call.op == "p2p":
+            self._p2p(group, ci, call, bufs, record)
+            return
+        late = call.late if call.async_op and self.n > 1 else None
+        if late is not None and self.me == late:
+            others = [self._signal(ci, r) for r in range(self.n) if r != late]
+            self.signals.wait(others, timedelta(seconds=self.op_timeout))
+        work = _invoke(group, call, bufs, self.me, async_op=call.async_op)
+        if work is None:
+            return
+        self.works[ci] = [work]
+        if late is not None and self.me != late:
+            if depends_on(call, self.me, late, self.n):
+                record["early"] = _finishes_within(work, EARLY_WINDOW_S)
+            self.signals.set(self._signal(ci, self.me), "1")
+
+    def _p2p(self, group: ProcessGroup, ci: int, call: Call, bufs: Bufs, record: dict[str, Any]) -> None:
+        msgs = call.params["messages"]
+        mode = call.params["mode"]
+        sends = [(m, msg) for m, msg in enumerate(msgs) if msg[0] == self.me]
+        recvs = [(m, msg) for m, msg in enumerate(msgs) if msg[1] == self.me]
+        send_t = dict(zip((m for m, _ in sends), bufs.ins, strict=True))
+        recv_t = dict(zip((m for m, _ in recvs), bufs.outs, strict=True))
+        order = [m for m in call.params["recv_order"] if m in recv_t]
+        if mode == "blocking":
+            for m, (_, dst, tag, *_r) in sends:
+                group.send(send_t[m], dst, tag)
+            for m in order:
+                group.recv(recv_t[m], msgs[m][0], msgs[m][2])
+            return
+        works: list[Work] = []
+        if mode == "batch":
+            if not order and not sends:
+                return  # this rank takes no part: batch_isend_irecv of nothing is an error
+            ops = [P2POp(group.irecv, recv_t[m], msgs[m][0], msgs[m][2]) for m in order]
+            ops += [P2POp(group.isend, send_t[m], dst, tag) for m, (_, dst, tag, *_r) in sends]
+            self.works[ci] = group.batch_isend_irecv(ops)
+            return
+        for m in order:
+            works.append(group.irecv(recv_t[m], msgs[m][0], msgs[m][2]))
+        if call.late is not None:
+            # Every sender waits until its receivers have posted and looked: a receive
+            # that is complete before its sender sent anything reports completion early.
+            if works:
+                record["early"] = _finishes_within(works[0], EARLY_WINDOW_S) or any(w.is_completed() for w in works)
+            self.signals.set(self._signal(ci, self.me), "1")
+            dsts = sorted({dst for _, (_, dst, *_r) in sends})
+            if dsts:
+                self.signals.wait([self._signal(ci, d) for d in dsts], timedelta(seconds=self.op_timeout))
+        for m, (_, dst, tag, *_r) in sends:
+            works.append(group.isend(send_t[m], dst, tag))
+        self.works[ci] = works[::-1]  # waited newest first
+
+    def _undeclared(self, group: ProcessGroup, call: Call, record: dict[str, Any]) -> None:
+        p = call.params
+        device = torch.device(p["device"]) if p.get("device") else self.device
+        dtype = dtype_of(call.dtype)
+        rop = None
+        if p.get("reduce") == "PREMUL_SUM":
+            rop = ReduceOp.premul_sum(2.0)
+        elif p.get("reduce"):
+            rop = ReduceOp(RedOpType[p["reduce"]])
+        record["supports"] = group.supports(p["target"], device=device.type, dtype=dtype, reduce_op=rop)
+        if p["caller"] != self.me:
+            return
+        _call_once(group, p["target"], device, dtype, rop, self.me, self.n)
+
+    def _timeout(self, group: ProcessGroup, call: Call) -> None:
+        p = call.params
+        done = self._signal(-1, p["caller"])
+        if p["caller"] != self.me:
+            # stay in the group until the caller has timed out: leaving would be a peer failure
+            self.signals.wait([done], timedelta(seconds=self.op_timeout + float(p["seconds"])))
+            return
+        try:
+            self._timeout_call(group, call)
+        finally:
+            self.signals.set(done, "1")
+
+    def _timeout_call(self, group: ProcessGroup, call: Call) -> None:
+        p = call.params
+        dtype = dtype_of(call.dtype)
+        t = torch.zeros(4, dtype=dtype, device=self.device)
+        seconds = float(p["seconds"])
+        target = p["target"]
+        if target == "recv":
+            group.recv(t, p["peer"], tag=int(p.get("tag", 0)), timeout=seconds)
+        elif target == "barrier":
+            group.barrier(timeout=seconds)
+        elif target == "all_reduce":
+            group.all_reduce(t, timeout=seconds)
+        elif target == "broadcast":
+            group.broadcast(t, p["peer"], timeout=seconds)
+        elif target == "all_gather":
+            group.all_gather([torch.empty_like(t) for _ in range(self.n)], t, timeout=seconds)
+        else:
+            raise ValueError(f"no timeout probe for {target}")
+
+
+def _finishes_within(work: Work, seconds: float) -> bool:
+    try:
+        work.wait(timeout=seconds)
+    except CollectiveTimeout:
+        return False
+    except Exception:
+        return True  # it finished, with an error: the error is recorded when it is waited
+    return True
+
+
+def _supports(group: ProcessGroup, call: Call, device: torch.device) -> bool:
+    if call.op == "p2p":
+        return all(
+            group.supports("send", device=device.type, dtype=dtype_of(m[4]))
+            and group.supports("recv", device=device.type, dtype=dtype_of(m[4]))
+            for m in call.params["messages"]
+        )
+    reduce = call.reduce_op() if "reduce" in call.params else None
+    dtype = None if call.op == "barrier" else call.torch_dtype
+    return group.supports(call.op, device=device.type, dtype=dtype, reduce_op=reduce)
+
+
+def _invoke(group: ProcessGroup, call: Call, b: Bufs, me: int, *, async_op: bool) -> Work | None:
+    op, p = call.op, call.params
+    if op == "all_reduce":
+        return group.all_reduce(b.outs[0], call.reduce_op(), async_op=async_op)
+    if op == "broadcast":
+        return group.broadcast(b.outs[0], p["root"], async_op=async_op)
+    if op == "reduce":
+        return group.reduce(b.outs[0], p["root"], call.reduce_op(), async_op=async_op)
+    if op == "all_gather":
+        return group.all_gather(b.outs, b.ins[0], async_op=async_op)
+    if op == "all_gather_into_tensor":
+        return group.all_gather_into_tensor(b.outs[0], b.ins[0], async_op=async_op)
+    if op == "reduce_scatter":
+        return group.reduce_scatter(b.outs[0], b.ins, call.reduce_op(), async_op=async_op)
+    if op == "reduce_scatter_tensor":
+        return group.reduce_scatter_tensor(b.outs[0], b.ins[0], call.reduce_op(), async_op=async_op)
+    if op == "all_to_all":
+        return group.all_to_all(b.outs, b.ins, async_op=async_op)
+    if op == "all_to_all_single":
+        splits = p["splits"]
+        if p.get("even"):
+            return group.all_to_all_single(b.outs[0], b.ins[0], async_op=async_op)
+        out_splits = [row[me] for row in splits]
+        return group.all_to_all_single(b.outs[0], b.ins[0], out_splits, splits[me], async_op=async_op)
+    if op == "gather":
+        return group.gather(b.ins[0], b.outs if p["root"] == me else None, p["root"], async_op=async_op)
+    if op == "scatter":
+        return group.scatter(b.outs[0], b.ins if p["root"] == me else None, p["root"], async_op=async_op)
+    if op == "barrier":
+        return group.barrier(async_op=async_op)
+    raise ValueError(f"unknown op {op!r}")
+
+
+def _call_once(
+    group: ProcessGroup,
+    op: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    rop: ReduceOp | None,
+    me: int,
+    n: int,
+) -> None:
+    """Call ``op`` once with well-formed arguments of ``dtype`` on ``device`` (for the undeclared probe)."""
+    t = torch.zeros(2 * n, dtype=dtype, device=device)
+    rop = rop if rop is not None else ReduceOp(RedOpType.SUM)
+    peer = (me + 1) % n
+    if op == "all_reduce":
+        group.all_reduce(t, rop)
+    elif op == "broadcast":
+        group.broadcast(t, 0)
+    elif op == "reduce":
+        group.reduce(t, 0, rop)
+    elif op == "all_gather":
+        group.all_gather([torch.empty_like(t) for _ in range(n)], t)
+    elif op == "all_gather_into_tensor":
+        group.all_gather_into_tensor(torch.empty(2 * n * n, dtype=dtype, device=device), t)
+    elif op == "reduce_scatter":
+        group.reduce_scatter(torch.empty(2, dtype=dtype, device=device), [t[:2].clone() for _ in range(n)], rop)
+    elif op == "reduce_scatter_tensor":
+        group.reduce_scatter_tensor(torch.empty(2, dtype=dtype, device=device), t, rop)
+    elif op == "all_to_all":
+        group.all_to_all([torch.empty(2, dtype=dtype, device=device) for _ in range(n)], list(t.split(2)))
+    elif op == "all_to_all_single":
+        group.all_to_all_single(torch.empty_like(t), t)
+    elif op == "gather":
+        group.gather(t, [torch.empty_like(t) for _ in range(n)] if me == 0 else None, 0)
+    elif op == "scatter":
+        group.scatter(t, [torch.empty_like(t) for _ in range(n)] if me == 0 else None, 0)
+    elif op == "barrier":
+        group.barrier()
+    elif op == "send":
+        group.send(t, peer if n > 1 else 0)
+    elif op == "recv":
+        group.recv(t, peer if n > 1 else 0)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+
+
+#: Each bad input, called on one rank: it must raise ValueError or TypeError there,
+#: before anything is sent (the calls after it prove nothing was).
+BAD_INPUTS: dict[str, str] = {
+    "root_out_of_range": "broadcast with src = world size",
+    "negative_root": "reduce with dst = -1",
+    "list_too_long": "all_gather with world size + 1 outputs",
+    "list_too_short": "reduce_scatter with world size - 1 inputs",
+    "into_tensor_numel": "all_gather_into_tensor whose output is one element short",
+    "reduce_scatter_numel": "reduce_scatter_tensor whose input is one element long",
+    "mixed_dtypes": "all_gather with one output of another dtype",
+    "bad_splits": "all_to_all_single whose input splits do not add up",
+    "not_a_tensor": "all_reduce of a Python list",
+    "negative_tag": "send with tag -1",
+    "self_send": "send to this rank",
+    "peer_out_of_range": "recv from world size",
+    "bool_root": "broadcast with src=True",
+    "unknown_reduce_op": "all_reduce with op='bogus'",
+}
+
+
+def _bad_input(group: ProcessGroup, call: Call, device: torch.device) -> None:
+    kind = call.params["kind"]
+    dtype = dtype_of(call.dtype)
+    n, me = group.size, group.rank
+    t = torch.zeros(4, dtype=dtype, device=device)
+    if kind == "root_out_of_range":
+        group.broadcast(t, n)
+    elif kind == "negative_root":
+        group.reduce(t, -1)
+    elif kind == "list_too_long":
+        group.all_gather([torch.empty_like(t) for _ in range(n + 1)], t)
+    elif kind == "list_too_short":
+        group.reduce_scatter(t, [torch.empty_like(t) for _ in range(n - 1)])
+    elif kind == "into_tensor_numel":
+        group.all_gather_into_tensor(torch.empty(4 * n - 1, dtype=dtype, device=device), t)
+    elif kind == "reduce_scatter_numel":
+        group.reduce_scatter_tensor(t, torch.empty(4 * n + 1, dtype=dtype, device=device))
+    elif kind == "mixed_dtypes":
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        outs = [torch.empty_like(t) for _ in range(n - 1)] + [torch.empty(4, dtype=other, device=device)]
+        group.all_gather(outs, t)
+    elif kind == "bad_splits":
+        group.all_to_all_single(torch.empty(4, dtype=dtype, device=device), t, None, [5] + [0] * (n - 1))
+    elif kind == "not_a_tensor":
+        group.all_reduce([1, 2, 3])  # type: ignore[arg-type]
+    elif kind == "negative_tag":
+        group.send(t, (me + 1) % n, tag=-1)
+    elif kind == "self_send":
+        group.send(t, me)
+    elif kind == "peer_out_of_range":
+        group.recv(t, n)
+    elif kind == "bool_root":
+        group.broadcast(t, True)
+    elif kind == "unknown_reduce_op":
+        group.all_reduce(t, op="bogus")  # type: ignore[arg-type]
+    else:
+        raise AssertionError(f"unknown bad input {kind!r}")
+    raise AssertionError(f"bad input {kind!r} ({BAD_INPUTS[kind]}) was accepted")
+
+
+def run_example(ctx: Any, backend_ref: str, example_json: str, op_timeout: float) -> dict[str, Any]:
+    """Run ``example_json`` on this rank; return ``{lane index: records}`` and timings."""
+    ex = Example.from_json(example_json)
+    backend = resolve_backend(backend_ref)
+    mine = [i for i, lane in enumerate(ex.lanes) if ctx.rank in lane.members]
+    results: dict[int, Any] = {}
+    start = time.monotonic()
+
+    def one(index: int) -> None:
+        try:
+            results[index] = _Lane(ctx, ex, index, backend, op_timeout).run()
+        except Exception as exc:  # forming the group or shutting it down failed
+            results[index] = _error(exc)
+
+    if len(mine) == 1:
+        one(mine[0])
+    else:
+        threads = [threading.Thread(target=one, args=(i,), name=f"conformance-lane{i}") for i in mine]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return {"lanes": results, "seconds": time.monotonic() - start}
+
+
+def run_dead_peer(ctx: Any, backend_ref: str, device_type: str, victim: int, op_timeout: float) -> dict[str, Any] | None:
+    """Rank ``victim`` dies after a first exchange; every other rank then waits on it.
+
+    Returns the error the waiting rank saw (``None`` on the victim, which never returns)."""
+    backend = resolve_backend(backend_ref)
+    group = ProcessGroup(
+        ctx.store,
+        ctx.rank,
+        ctx.size,
+        backends={device_type: backend},
+        name="conformance-dead-peer",
+        timeout=op_timeout,
+    )
+    device = _device(device_type, ctx.rank)
+    use_barrier = group.supports("barrier", device=device_type)
+    dtype = next(
+        (d for d in (torch.float32, torch.int64, torch.uint8) if group.supports("send", device_type, d)), torch.float32
+    )
+    t = torch.zeros(4, dtype=dtype, device=device)
+
+    def exchange() -> None:
+        if use_barrier:
+            group.barrier()
+        elif ctx.rank == victim:
+            for peer in range(ctx.size):
+                if peer != victim:
+                    group.send(t, peer)
+        else:
+            group.recv(t, victim)
+
+    try:
+        group._dispatch.backend(device)
+        exchange()  # the group works
+        if ctx.rank == victim:
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            exchange()
+        except Exception as exc:
+            return {**_error(exc), "seconds": time.monotonic() - start, "op": "barrier" if use_barrier else "recv"}
+        return None
+    finally:
+        group.shutdown()
