@@ -19,7 +19,7 @@ import torch
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
 from .errors import BackendNotFoundError, CollectiveMismatchError, GroupClosedError, NotSupportedError
 from .ops import ReduceOp
-from .store import HashStore, PrefixStore, Store
+from .store import PrefixStore, Store
 
 if TYPE_CHECKING:
     from .registry import Registry
@@ -198,16 +198,6 @@ class Dispatcher:
                 if slot.backend is not None:
                     backends.append(slot.backend)
         return backends
-
-    def release(self) -> Store:
-        """After :meth:`close`: drop the backends and the store connection; returns the
-        store that stands in for it (an empty in-memory one)."""
-        self._closed = True
-        for slot in self._slots.values():
-            with slot.lock:
-                slot.backend = None
-        self._store = HashStore()
-        return self._store
 
     # -- creation -------------------------------------------------------------
     def backend(self, device: torch.device) -> Backend:

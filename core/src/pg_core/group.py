@@ -35,7 +35,7 @@ from . import dispatch as _d
 from .dispatch import BackendsArg, Dispatcher
 from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from .ops import RedOpType, ReduceOp, as_reduce_op
-from .store import PrefixStore, Store, private_connection
+from .store import PrefixStore, Store, shareable
 from .work import Work
 
 if TYPE_CHECKING:
@@ -149,9 +149,9 @@ class ProcessGroup:
         self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._seq = itertools.count(1)
-        # The group's own connection: a blocking wait on a TCPStore client holds that client's
-        # lock, so groups forming at once on threads that shared one client would stall each other.
-        store = private_connection(store)
+        # A blocking wait holds a TCPStore client: groups forming at once on threads that share
+        # the user's store would stall each other. The group waits by polling instead.
+        store = self._shared_store = shareable(store)  # held here: torch calls back into it
         self._generation = _join(store, name, rank, size)
         self._uid = f"{name}#{self._generation}"
         self._store = PrefixStore(f"{_STORE_PREFIX}/{name}/{self._generation}", store)
@@ -730,7 +730,6 @@ class ProcessGroup:
         with self._exec_lock:
             errors = _close_all(self._dispatch.close(), "shutdown")
         self._mark_generation_closed()
-        self._release_store()
         if errors:
             raise errors[0]
 
@@ -756,16 +755,11 @@ class ProcessGroup:
                 if item is not None:
                     item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
         self._mark_generation_closed()
-        self._release_store()
 
     def _mark_generation_closed(self) -> None:
         # Best effort: lets a later formation of this name skip a generation that never filled up.
         with contextlib.suppress(Exception):
             self._store.set("closed", "1")
-
-    def _release_store(self) -> None:
-        # A closed group keeps no connection to the store (the socket closes with the last reference).
-        self._store = self._dispatch.release()
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -27,7 +27,7 @@ from ..backend import BackendSpec
 from ..errors import CollectiveTimeout
 from ..group import P2POp, ProcessGroup
 from ..ops import ReduceOp, RedOpType
-from ..store import private_connection
+from ..store import shareable
 from ..work import Work
 from .cases import Bufs, Call, Example, depends_on, dtype_of, prepare
 
@@ -92,8 +92,9 @@ class _Lane:
         self.op_timeout = op_timeout
         from torch.distributed import PrefixStore
 
-        # its own connection: a blocking wait holds a store client, and lanes run on threads at once
-        self.signals = PrefixStore(f"conformance/lane{index}", private_connection(ctx.store))
+        # polled: a blocking wait holds the store client, and lanes run on threads at once
+        self._shared = shareable(ctx.store)  # held here: torch calls back into it
+        self.signals = PrefixStore(f"conformance/lane{index}", self._shared)
         self.records: list[dict[str, Any]] = []
         self.works: dict[int, list[Work]] = {}
         self.bufs: dict[int, Bufs] = {}
