@@ -118,6 +118,7 @@ class BackendChannel:
         self.tag = tag
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
+        self._sends: list[Work] = []  # this operation's sends, whose errors explain a receive's timeout
 
     def remaining(self) -> float:
         """Seconds left before the deadline; raises once it has passed."""
@@ -133,18 +134,37 @@ class BackendChannel:
         self.backend.recv(tensor, peer, self.tag, timeout=self.remaining())
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Work:
-        return self.backend.isend(tensor, peer, self.tag, timeout=self.remaining())
+        work = self.backend.isend(tensor, peer, self.tag, timeout=self.remaining())
+        self._sends.append(work)
+        return work
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> Work:
         return self.backend.irecv(tensor, peer, self.tag, timeout=self.remaining())
 
     def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int) -> None:
         work = self.isend(send_tensor, dst)
-        self.recv(recv_tensor, src)
+        try:
+            self.recv(recv_tensor, src)
+        except CollectiveTimeout as exc:
+            self._raise_failed_send(exc)
+            raise
         self.wait(work)
 
     def wait(self, work: Work) -> None:
-        work.wait(self.remaining())
+        try:
+            work.wait(self.remaining())
+        except CollectiveTimeout as exc:
+            self._raise_failed_send(exc)
+            raise
+
+    def _raise_failed_send(self, timeout: CollectiveTimeout) -> None:
+        """A receive that timed out often waited on a peer whose own send failed, or on
+        this rank's send that failed: that error is the cause, so it is the one raised."""
+        for work in self._sends:
+            if work.is_completed():
+                error = work.exception(0)
+                if error is not None:
+                    raise error from timeout
 
 
 @dataclass(frozen=True)

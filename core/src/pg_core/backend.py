@@ -13,7 +13,8 @@ A backend is a class derived from :class:`Backend`, described by a
 * The (op, dtype, reduce op) combination is one the backend declared in its
   :class:`Capabilities`; anything else raised :class:`~pg_core.errors.NotSupportedError`
   in the core, and the backend never sees it.
-* Tensors are contiguous (the core stages non-contiguous ones and copies results
+* Tensors are dense: contiguous, with the strides ``torch.empty`` would give them
+  (the core stages any other layout, a strided 1-element view included, and copies results
   back). Lists are Python lists. ``timeout`` is a positive number of seconds
   already resolved from the call or the group default.
 * Calls come in the same order on every rank of the group (for collectives), one

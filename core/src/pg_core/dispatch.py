@@ -19,7 +19,7 @@ import torch
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
 from .errors import BackendNotFoundError, CollectiveMismatchError, GroupClosedError, NotSupportedError
 from .ops import ReduceOp
-from .store import PrefixStore, Store
+from .store import PrefixStore, Store, wait_for
 
 if TYPE_CHECKING:
     from .registry import Registry
@@ -247,7 +247,7 @@ class Dispatcher:
         if self._rank == 0:
             self._store.set(key, mine)
             return
-        self._store.wait([key])
+        wait_for(self._store, [key], self._timeout)  # polled: other threads may share the store client
         theirs = self._store.get(key).decode()
         if theirs != mine:
             raise CollectiveMismatchError(

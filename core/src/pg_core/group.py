@@ -35,7 +35,7 @@ from . import dispatch as _d
 from .dispatch import BackendsArg, Dispatcher
 from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from .ops import RedOpType, ReduceOp, as_reduce_op
-from .store import PrefixStore, Store, shareable
+from .store import PrefixStore, Store
 from .work import Work
 
 if TYPE_CHECKING:
@@ -61,6 +61,20 @@ def _seconds(timeout: float | timedelta | None, default: float) -> float:
     return float(timeout)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Laid out exactly as ``torch.empty(t.shape)`` would be. Stricter than
+    ``is_contiguous()``, which ignores the strides of size-1 dimensions: a backend
+    may ``view`` the tensor as bytes, and that needs the canonical strides."""
+    if not t.is_contiguous():
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 class _Staging:
     """Contiguous stand-ins for non-contiguous tensors, and the copies back."""
 
@@ -70,12 +84,12 @@ class _Staging:
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_contiguous() else t.contiguous()
+        return t if _dense(t) else t.clone(memory_format=torch.contiguous_format)
 
     def output(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_contiguous():
+        if _dense(t):
             return t
-        staged = t.contiguous()
+        staged = t.clone(memory_format=torch.contiguous_format)
         self._back.append((t, staged))
         return staged
 
@@ -149,9 +163,6 @@ class ProcessGroup:
         self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._seq = itertools.count(1)
-        # A blocking wait holds a TCPStore client: groups forming at once on threads that share
-        # the user's store would stall each other. The group waits by polling instead.
-        store = self._shared_store = shareable(store)  # held here: torch calls back into it
         self._generation = _join(store, name, rank, size)
         self._uid = f"{name}#{self._generation}"
         self._store = PrefixStore(f"{_STORE_PREFIX}/{name}/{self._generation}", store)

@@ -11,19 +11,16 @@ import ipaddress
 import os
 import socket
 import time
-from datetime import timedelta
 
 from torch.distributed import DistStoreError, FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __all__ = [
     "FileStore",
     "HashStore",
-    "PollingStore",
     "PrefixStore",
     "Store",
     "TCPStore",
     "advertise_address",
-    "shareable",
     "store_host",
     "wait_for",
 ]
@@ -33,8 +30,8 @@ def store_host(store: Store) -> str | None:
     """The host a ``TCPStore`` (possibly behind ``PrefixStore`` wrappers) connects to,
     or ``None`` for stores that live in one host's memory or file system."""
     seen = 0
-    while isinstance(store, (PrefixStore, PollingStore)) and seen < 64:
-        store = store.underlying_store if isinstance(store, PrefixStore) else store.inner
+    while isinstance(store, PrefixStore) and seen < 64:
+        store = store.underlying_store
         seen += 1
     if isinstance(store, TCPStore):
         return str(store.host)
@@ -72,73 +69,26 @@ def advertise_address(store: Store, override: str | None = None) -> str:
     return "127.0.0.1"
 
 
-class PollingStore(Store):
-    """The same store, waited on by polling, so one client can serve many threads.
-
-    A ``TCPStore`` client serves one request at a time, and its blocking ``wait``
-    (and ``get`` of a missing key) holds the client until the key appears: two
-    groups forming at once on threads that share one store would stall each
-    other until the timeout. Here ``wait`` and ``get`` poll ``check`` with a short
-    backoff (0.2 ms doubling to 10 ms), so every request is brief. Opening a new
-    connection per group instead would cost a socket each, and torch's client
-    connect sometimes takes 5 s. Everything else goes straight to ``inner``.
-    """
-
-    _FIRST_S = 0.0002
-    _MAX_S = 0.01
-
-    def __init__(self, inner: Store) -> None:
-        super().__init__()
-        self.inner = inner
-        self.set_timeout(inner.timeout)
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.inner.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        if not self.inner.check([key]):
-            self.wait([key])
-        return self.inner.get(key)
-
-    def add(self, key: str, amount: int) -> int:
-        return self.inner.add(key, amount)
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        return self.inner.compare_set(key, expected, desired)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self.inner.delete_key(key)
-
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit = (timeout if timeout is not None else self.timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        delay = self._FIRST_S
-        while not self.inner.check(keys):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {', '.join(keys)}")
-            time.sleep(min(delay, left))  # a bounded poll of the store, not a synchronisation
-            delay = min(delay * 2, self._MAX_S)
-
-
-def shareable(store: Store) -> Store:
-    """``store`` made safe to share between threads (see :class:`PollingStore`).
-
-    Stores backed by a ``TCPStore`` client are wrapped; in-memory and file stores,
-    whose waits hold nothing, are returned as they are.
-    """
-    if isinstance(store, PollingStore) or store_host(store) is None:
-        return store
-    return PollingStore(store)
+_POLL_FIRST_S = 0.0002
+_POLL_MAX_S = 0.01
 
 
 def wait_for(store: Store, keys: list[str], timeout: float) -> None:
-    """``store.wait(keys)`` bounded by ``timeout`` seconds (raises ``TimeoutError``-like
-    ``torch.distributed.DistStoreError`` past it)."""
-    store.wait(keys, timedelta(seconds=timeout))
+    """Wait until every key in ``keys`` is set, at most ``timeout`` seconds, by
+    polling ``store.check`` (0.2 ms, doubling to 10 ms); past it, raise
+    :class:`~torch.distributed.DistStoreError` naming the missing keys.
+
+    Use this rather than ``store.wait`` or a ``store.get`` of a key that may not
+    exist yet on a store other threads use: a ``TCPStore`` client serves one
+    request at a time, and those block it until the key appears, so two groups
+    forming at once on threads that share one store would stall each other.
+    """
+    deadline = time.monotonic() + timeout
+    delay = _POLL_FIRST_S
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = [k for k in keys if not store.check([k])]
+            raise DistStoreError(f"keys not set within {timeout:g} s: {', '.join(missing)}")
+        time.sleep(min(delay, left))  # a bounded poll of the store, not a synchronisation
+        delay = min(delay * 2, _POLL_MAX_S)

@@ -95,7 +95,6 @@ import struct
 import threading
 import time
 from collections import deque
-from datetime import timedelta
 from typing import Final
 
 import torch
@@ -108,7 +107,7 @@ from pg_core.errors import (
     PGError,
 )
 from pg_core.ops import COLLECTIVE_OPS, RedOpType
-from pg_core.store import advertise_address
+from pg_core.store import advertise_address, wait_for
 from pg_core.work import Work
 
 __all__ = ["Recv", "Request", "Send", "Transport", "describe_arg", "encode_arg", "tensor_bytes"]
@@ -1114,7 +1113,7 @@ def _connect_mesh(ctx: BackendContext) -> dict[int, socket.socket]:
         for rank in range(ctx.rank):
             key = f"addr/{rank}"
             try:
-                ctx.store.wait([key], timedelta(seconds=_left(deadline, ctx, rank)))
+                wait_for(ctx.store, [key], _left(deadline, ctx, rank))  # polled: the store may be shared
             except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on a store timeout
                 raise TimeoutError(f"rank {rank} did not publish its address in the store: {exc}") from exc
             peer_host, _, peer_port = ctx.store.get(key).decode().rpartition(":")

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..ops import ReduceOp, RedOpType
+from ..ops import RedOpType, ReduceOp
 
 __all__ = [
     "DTYPE_NAMES",
@@ -295,8 +295,10 @@ def _split_rows(call: Call) -> list[list[int]]:
     return splits
 
 
-def prepare(call: Call, seed: int, lane: int, step: int, rank: int, n: int) -> Bufs:
-    """The cpu tensors rank ``rank`` (of ``n``) passes to ``call``."""
+def prepare(call: Call, where: tuple[int, int, int], rank: int, n: int) -> Bufs:
+    """The cpu tensors rank ``rank`` (of ``n``) passes to ``call``; ``where`` is
+    ``(example seed, lane, step)``."""
+    seed, lane, step = where
     dtype, kind, layout = call.torch_dtype, _value_kind(call), call.layout
 
     def key(role: object) -> tuple[object, ...]:
@@ -483,7 +485,7 @@ def _fill(base_dtype: torch.dtype, bufs: Bufs, index: int, value: torch.Tensor, 
 
 def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[Expected] | None]:
     """Per rank of the lane: the expected output bases of ``call`` (``None``: unspecified)."""
-    bufs = [prepare(call, seed, lane, step, r, n) for r in range(n)]
+    bufs = [prepare(call, (seed, lane, step), r, n) for r in range(n)]
     op = call.op
     dtype = call.torch_dtype
     out: list[list[Expected] | None] = []
@@ -548,7 +550,7 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
 
 def input_bases(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[torch.Tensor]]:
     """Per rank: the input bases as they were before the call (they must come back unchanged)."""
-    return [prepare(call, seed, lane, step, r, n).in_bases for r in range(n)]
+    return [prepare(call, (seed, lane, step), r, n).in_bases for r in range(n)]
 
 
 def depends_on(call: Call, rank: int, late: int, n: int) -> bool:
@@ -561,7 +563,7 @@ def depends_on(call: Call, rank: int, late: int, n: int) -> bool:
         return True
     if op in ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor"):
         return piece > 0
-    if op == "broadcast" or op == "scatter":
+    if op in {"broadcast", "scatter"}:
         return bool(p["root"] == late and piece > 0)
     if op in ("reduce", "gather"):
         return bool(p["root"] == rank and piece > 0)

@@ -69,7 +69,7 @@ def pytest_args(args: argparse.Namespace, config_dir: str) -> list[str]:
         "-p",
         "no:cacheprovider",
         "-p",
-        "pg_core.testing.plugin",
+        "pytest_pg_core",
         "-rfEsxX",
         "--pg-backend",
         args.backend,
@@ -101,6 +101,13 @@ def main(args: argparse.Namespace) -> int:
         import pytest
     except ImportError:
         print("pg-core conformance needs pytest and hypothesis: pip install 'pg-core[testing]'", file=sys.stderr)
+        return 2
+    from .harness import resolve_spec
+
+    try:
+        resolve_spec(args.backend)
+    except Exception as exc:  # unknown, broken or unavailable: say so before pytest starts
+        print(f"pg-core conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pg-core-conformance-") as config_dir:

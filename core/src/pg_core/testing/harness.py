@@ -55,7 +55,7 @@ from .cases import Call, Example, Expected, dtype_of, expected, input_bases
 from .pool import RankPool, RanksFailed
 from .rank import resolve_backend, run_dead_peer, run_example
 
-__all__ = ["PROFILES", "Conformance", "ConformanceFailure", "Profile", "TESTS"]
+__all__ = ["PROFILES", "TESTS", "Conformance", "ConformanceFailure", "Profile"]
 
 #: Every conformance test, in the order the suite runs them.
 TESTS: tuple[str, ...] = (
@@ -104,9 +104,7 @@ PROFILES: dict[str, Profile] = {
         derandomize=True,
         per_test={"sequences": 2.0, "concurrent_groups": 1.0, "p2p": 1.5, "timeouts": 0.5, "undeclared": 0.75},
     ),
-    "thorough": Profile(
-        "thorough", max_examples=200, derandomize=False, per_test={"sequences": 2.0, "timeouts": 0.25}
-    ),
+    "thorough": Profile("thorough", max_examples=200, derandomize=False, per_test={"sequences": 2.0, "timeouts": 0.25}),
 }
 
 
@@ -151,7 +149,7 @@ class Conformance:
         self.world_sizes = tuple(sorted(set(world_sizes)))
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ValueError(f"world sizes must be >= 1, got {list(world_sizes)}")
-        self.spec = _spec(backend)
+        self.spec = resolve_spec(backend)
         usable, self.skipped_devices = _usable_devices(self.spec, devices)
         if not usable:
             reasons = "; ".join(f"{d}: {why}" for d, why in self.skipped_devices.items())
@@ -165,7 +163,7 @@ class Conformance:
         self.examples: collections.Counter[str] = collections.Counter()
         self.calls: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.sizes: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-        self.seconds: collections.Counter[str] = collections.Counter()
+        self.seconds: dict[str, float] = collections.defaultdict(float)
         self.notes: dict[str, str] = {}
 
     # -- pools ---------------------------------------------------------------------
@@ -189,9 +187,7 @@ class Conformance:
 
     # -- reproduction --------------------------------------------------------------
     def replay_command(self, test: str, example: Example) -> str:
-        return (
-            f"pg-core conformance {shlex.quote(self.backend_ref)} --replay {test} {shlex.quote(example.to_json())}"
-        )
+        return f"pg-core conformance {shlex.quote(self.backend_ref)} --replay {test} {shlex.quote(example.to_json())}"
 
     def fail(self, test: str, check: str, detail: str, example: Example) -> ConformanceFailure:
         return ConformanceFailure(check, detail, example, self.replay_command(test, example))
@@ -225,7 +221,7 @@ class Conformance:
         config = settings(
             max_examples=count,
             derandomize=self.profile.derandomize,
-            database=None if self.profile.derandomize else settings.default.database,
+            database=None if self.profile.derandomize else settings().database,
             deadline=None,
             suppress_health_check=list(HealthCheck),
             phases=phases,
@@ -315,7 +311,6 @@ class Conformance:
     # -- judging -------------------------------------------------------------------
     def judge(self, test: str, example: Example, results: list[Any]) -> None:
         for li, lane in enumerate(example.lanes):
-            n = len(lane.members)
             per_rank: list[list[dict[str, Any]]] = []
             for i, member in enumerate(lane.members):
                 got = results[member]["lanes"][li]
@@ -328,20 +323,15 @@ class Conformance:
                         example,
                     )
                 per_rank.append(got)
-            for ci, call in enumerate(lane.calls):
+            for ci in range(len(lane.calls)):
                 records = [recs[ci] if ci < len(recs) else None for recs in per_rank]
-                self._judge_call(test, example, li, ci, call, n, records)
+                self._judge_call(test, example, (li, ci), records)
 
-    def _judge_call(
-        self,
-        test: str,
-        ex: Example,
-        li: int,
-        ci: int,
-        call: Call,
-        n: int,
-        records: list[dict[str, Any] | None],
-    ) -> None:
+    def _judge_call(self, test: str, ex: Example, at: tuple[int, int], records: list[dict[str, Any] | None]) -> None:
+        """Judge call ``at = (lane, call index)`` of ``ex`` from every lane rank's record."""
+        li, ci = at
+        call = ex.lanes[li].calls[ci]
+        n = len(ex.lanes[li].members)
         where = f"lane {li} call [{ci}] {call.op}" if len(ex.lanes) > 1 else f"call [{ci}] {call.op}"
         p = call.params
         if call.op in ("undeclared", "bad_input", "timeout"):
@@ -383,7 +373,10 @@ class Conformance:
                     )
                 if p["target"] != "recv" and err.get("op") != p["target"]:
                     raise self.fail(
-                        test, "timeout", f"{where}: the CollectiveTimeout names op {err.get('op')!r}, not {p['target']!r}", ex
+                        test,
+                        "timeout",
+                        f"{where}: the CollectiveTimeout names op {err.get('op')!r}, not {p['target']!r}",
+                        ex,
                     )
             return
         errors = {r: rec["error"] for r, rec in enumerate(records) if rec is not None and rec["error"] is not None}
@@ -418,7 +411,9 @@ class Conformance:
                 continue
             outs = rec.get("outs", [])
             if len(outs) != len(exp):
-                raise self.fail(test, "reference", f"{where}: rank {r} returned {len(outs)} outputs, expected {len(exp)}", ex)
+                raise self.fail(
+                    test, "reference", f"{where}: rank {r} returned {len(outs)} outputs, expected {len(exp)}", ex
+                )
             for k, (got, e) in enumerate(zip(outs, exp, strict=True)):
                 problem = _compare(got, e)
                 if problem is not None:
@@ -536,7 +531,8 @@ class NotApplicable(Exception):
     """The backend declares nothing this test could draw; the message says why."""
 
 
-def _spec(ref: str) -> BackendSpec:
+def resolve_spec(ref: str) -> BackendSpec:
+    """The spec that a backend name, ``module:attr`` or ``file.py:attr`` names."""
     resolved = resolve_backend(ref)
     if isinstance(resolved, BackendSpec):
         return resolved
@@ -621,15 +617,19 @@ def _compare(got: torch.Tensor, exp: Expected) -> str | None:
     return f"{total} of {bad.numel()} elements wrong; first at index {list(first)}: {detail}"
 
 
-def _supports_table(ctx: Any, backend_ref: str, device: str, op_timeout: float) -> dict[tuple[str, str, str | None], bool]:
+def _supports_table(
+    ctx: Any, backend_ref: str, device: str, op_timeout: float
+) -> dict[tuple[str, str, str | None], bool]:
     """On a formed group: what ``supports()`` says for every (op, dtype, reduce op)."""
     from ..backend import DTYPES
     from ..group import ProcessGroup
-    from ..ops import COLLECTIVE_OPS, ReduceOp, RedOpType
+    from ..ops import COLLECTIVE_OPS, RedOpType, ReduceOp
     from .cases import dtype_name
 
     reducing = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
-    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends={device: resolve_backend(backend_ref)}, timeout=op_timeout)
+    group = ProcessGroup(
+        ctx.store, ctx.rank, ctx.size, backends={device: resolve_backend(backend_ref)}, timeout=op_timeout
+    )
     table: dict[tuple[str, str, str | None], bool] = {}
     try:
         for op in (*COLLECTIVE_OPS, "send", "recv"):

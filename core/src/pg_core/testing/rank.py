@@ -18,7 +18,6 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,8 +25,8 @@ import torch
 from ..backend import BackendSpec
 from ..errors import CollectiveTimeout
 from ..group import P2POp, ProcessGroup
-from ..ops import ReduceOp, RedOpType
-from ..store import shareable
+from ..ops import RedOpType, ReduceOp
+from ..store import wait_for
 from ..work import Work
 from .cases import Bufs, Call, Example, depends_on, dtype_of, prepare
 
@@ -92,9 +91,7 @@ class _Lane:
         self.op_timeout = op_timeout
         from torch.distributed import PrefixStore
 
-        # polled: a blocking wait holds the store client, and lanes run on threads at once
-        self._shared = shareable(ctx.store)  # held here: torch calls back into it
-        self.signals = PrefixStore(f"conformance/lane{index}", self._shared)
+        self.signals = PrefixStore(f"conformance/lane{index}", ctx.store)
         self.records: list[dict[str, Any]] = []
         self.works: dict[int, list[Work]] = {}
         self.bufs: dict[int, Bufs] = {}
@@ -152,7 +149,7 @@ class _Lane:
         if call.op == "timeout":
             self._timeout(group, call)
             return
-        bufs = prepare(call, self.ex.seed, self.index, ci, self.me, self.n).to(self.device)
+        bufs = prepare(call, (self.ex.seed, self.index, ci), self.me, self.n).to(self.device)
         self.bufs[ci] = bufs
         record["supports"] = _supports(group, call, self.device)
         if call.op == "p2p":
@@ -161,7 +158,7 @@ class _Lane:
         late = call.late if call.async_op and self.n > 1 else None
         if late is not None and self.me == late:
             others = [self._signal(ci, r) for r in range(self.n) if r != late]
-            self.signals.wait(others, timedelta(seconds=self.op_timeout))
+            wait_for(self.signals, others, self.op_timeout)  # polled: lanes share the store client
         work = _invoke(group, call, bufs, self.me, async_op=call.async_op)
         if work is None:
             return
@@ -203,7 +200,7 @@ class _Lane:
             self.signals.set(self._signal(ci, self.me), "1")
             dsts = sorted({dst for _, (_, dst, *_r) in sends})
             if dsts:
-                self.signals.wait([self._signal(ci, d) for d in dsts], timedelta(seconds=self.op_timeout))
+                wait_for(self.signals, [self._signal(ci, d) for d in dsts], self.op_timeout)
         for m, (_, dst, tag, *_r) in sends:
             works.append(group.isend(send_t[m], dst, tag))
         self.works[ci] = works[::-1]  # waited newest first
@@ -220,14 +217,14 @@ class _Lane:
         record["supports"] = group.supports(p["target"], device=device.type, dtype=dtype, reduce_op=rop)
         if p["caller"] != self.me:
             return
-        _call_once(group, p["target"], device, dtype, rop, self.me, self.n)
+        _call_once(group, p["target"], device, dtype, rop)
 
     def _timeout(self, group: ProcessGroup, call: Call) -> None:
         p = call.params
         done = self._signal(-1, p["caller"])
         if p["caller"] != self.me:
             # stay in the group until the caller has timed out: leaving would be a peer failure
-            self.signals.wait([done], timedelta(seconds=self.op_timeout + float(p["seconds"])))
+            wait_for(self.signals, [done], self.op_timeout + float(p["seconds"]))
             return
         try:
             self._timeout_call(group, call)
@@ -309,16 +306,9 @@ def _invoke(group: ProcessGroup, call: Call, b: Bufs, me: int, *, async_op: bool
     raise ValueError(f"unknown op {op!r}")
 
 
-def _call_once(
-    group: ProcessGroup,
-    op: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    rop: ReduceOp | None,
-    me: int,
-    n: int,
-) -> None:
+def _call_once(group: ProcessGroup, op: str, device: torch.device, dtype: torch.dtype, rop: ReduceOp | None) -> None:
     """Call ``op`` once with well-formed arguments of ``dtype`` on ``device`` (for the undeclared probe)."""
+    me, n = group.rank, group.size
     t = torch.zeros(2 * n, dtype=dtype, device=device)
     rop = rop if rop is not None else ReduceOp(RedOpType.SUM)
     peer = (me + 1) % n
@@ -439,7 +429,9 @@ def run_example(ctx: Any, backend_ref: str, example_json: str, op_timeout: float
     return {"lanes": results, "seconds": time.monotonic() - start}
 
 
-def run_dead_peer(ctx: Any, backend_ref: str, device_type: str, victim: int, op_timeout: float) -> dict[str, Any] | None:
+def run_dead_peer(
+    ctx: Any, backend_ref: str, device_type: str, victim: int, op_timeout: float
+) -> dict[str, Any] | None:
     """Rank ``victim`` dies after a first exchange; every other rank then waits on it.
 
     Returns the error the waiting rank saw (``None`` on the victim, which never returns)."""

@@ -283,7 +283,11 @@ def _undeclared(draw: Any, target: Target, device: str, n: int) -> list[Call]:
     op, dtype, kind, other_device = draw(st.sampled_from(choices))
     if n == 1 and op in ("send", "recv"):
         op, dtype, kind, other_device = "all_reduce", torch.float32, None, "meta"
-    params: dict[str, Any] = {"target": op, "caller": draw(st.integers(0, n - 1)), "reduce": kind.name if kind else None}
+    params: dict[str, Any] = {
+        "target": op,
+        "caller": draw(st.integers(0, n - 1)),
+        "reduce": kind.name if kind else None,
+    }
     if other_device:
         params["device"] = other_device
     probe = Call("undeclared", dtype_name(dtype), (), "contig", False, None, params)
@@ -315,7 +319,9 @@ def _bad(draw: Any, target: Target, device: str, n: int) -> list[Call]:
     kind = draw(st.sampled_from(kinds))
     dtypes = [d for d, _ in target.declared(needs[kind], device)] or [torch.float32]
     dtype = draw(st.sampled_from(sorted(set(dtypes), key=str)))
-    probe = Call("bad_input", dtype_name(dtype), (), "contig", False, None, {"kind": kind, "caller": draw(st.integers(0, n - 1))})
+    probe = Call(
+        "bad_input", dtype_name(dtype), (), "contig", False, None, {"kind": kind, "caller": draw(st.integers(0, n - 1))}
+    )
     return [probe, *_follow_up(draw, target, device, n)]
 
 

@@ -24,7 +24,12 @@ def test_conformance(pg_conformance: Any, test: str, request: pytest.FixtureRequ
             name, text = replay
             if name != test:
                 pytest.skip(f"replaying one example of {name}")
-            pg_conformance.execute(test, Example.from_json(text))
+            try:
+                example = Example.from_json(text)
+            except (ValueError, KeyError, TypeError) as exc:
+                failure = f"--pg-replay: not an example the suite printed ({type(exc).__name__}: {exc})"
+            else:
+                pg_conformance.execute(test, example)
         else:
             pg_conformance.check(test)
     except NotApplicable as exc:

@@ -1,8 +1,9 @@
-"""The pytest plugin of the conformance suite (entry point ``pytest11``).
+"""The pytest plugin of pg-core's conformance suite (entry point ``pytest11``).
 
-It only registers options, a marker and a fixture; importing it imports neither
-torch nor hypothesis, so it costs nothing in projects that do not use it. The
-suite itself runs with::
+A top-level module on purpose: pytest loads it in every session of every
+project that has pg-core installed, so it only registers options, a marker and
+a fixture, and imports neither pg_core nor torch nor hypothesis until a run asks
+for the suite (``--pg-backend``). The suite itself runs with::
 
     pytest --pg-backend NAME --pyargs pg_core.testing
 
@@ -27,16 +28,26 @@ _SUITE = pytest.StashKey[Any]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pg-core", "pg-core conformance suite")
-    group.addoption("--pg-backend", metavar="NAME", help="backend to certify: a registered name or module:attr of a spec")
+    group.addoption(
+        "--pg-backend", metavar="NAME", help="backend to certify: a registered name or module:attr of a spec"
+    )
     group.addoption(
         "--pg-world-sizes", metavar="LIST", default="1,2,3,4", help="comma-separated world sizes (default 1,2,3,4)"
     )
-    group.addoption("--pg-max-examples", metavar="N", type=int, default=None, help="examples per test (default: profile)")
-    group.addoption("--pg-profile", choices=("ci", "thorough"), default="ci", help="ci: derandomized, bounded (default)")
+    group.addoption(
+        "--pg-max-examples", metavar="N", type=int, default=None, help="examples per test (default: profile)"
+    )
+    group.addoption(
+        "--pg-profile", choices=("ci", "thorough"), default="ci", help="ci: derandomized, bounded (default)"
+    )
     group.addoption("--pg-xfail", metavar="FILE", default=None, help="the backend's known gaps (strict xfail)")
     group.addoption("--pg-device", metavar="TYPE", action="append", default=None, help="only this device type")
     group.addoption(
-        "--pg-replay", nargs=2, metavar=("TEST", "EXAMPLE"), default=None, help="run exactly one example (from a failure)"
+        "--pg-replay",
+        nargs=2,
+        metavar=("TEST", "EXAMPLE"),
+        default=None,
+        help="run exactly one example (from a failure)",
     )
 
 
@@ -57,7 +68,9 @@ def _xfails(path: str) -> list[tuple[str, str]]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     replay = config.getoption("pg_replay")
     if replay is not None:  # run exactly the replayed test
-        keep = [i for i in items if (m := i.get_closest_marker("pg_conformance")) is not None and m.args[0] == replay[0]]
+        keep = [
+            i for i in items if (m := i.get_closest_marker("pg_conformance")) is not None and m.args[0] == replay[0]
+        ]
         if not keep:
             raise pytest.UsageError(f"--pg-replay: no conformance test named {replay[0]!r}")
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
@@ -92,7 +105,7 @@ def pg_conformance(request: pytest.FixtureRequest) -> Iterator[Any]:
         import hypothesis  # noqa: F401
     except ImportError:
         raise pytest.UsageError("the conformance suite needs hypothesis: pip install 'pg-core[testing]'") from None
-    from .harness import Conformance
+    from pg_core.testing.harness import Conformance
 
     sizes = [int(s) for s in str(config.getoption("pg_world_sizes")).split(",") if s.strip()]
     suite = Conformance(
@@ -114,7 +127,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if suite is None:
         return
     terminalreporter.write_sep("=", f"pg-core conformance: {suite.backend_ref} ({suite.profile.name} profile)")
-    terminalreporter.write_line(f"world sizes {', '.join(map(str, suite.world_sizes))}; devices {', '.join(suite.devices)}")
+    terminalreporter.write_line(
+        f"world sizes {', '.join(map(str, suite.world_sizes))}; devices {', '.join(suite.devices)}"
+    )
     for device, why in suite.skipped_devices.items():
         terminalreporter.write_line(f"device {device} not tested: {why}")
     terminalreporter.write_line(suite.summary())

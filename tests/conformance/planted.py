@@ -1,0 +1,380 @@
+"""Planted bugs: pg-tcp with one realistic mistake each, for proving the conformance suite catches them.
+
+Every buggy backend is a small subclass of the reference :class:`~pg_tcp.backend.TCPBackend` that
+overrides one operation (two where the mistake needs it), wrapped in a :class:`~pg_core.backend.BackendSpec`
+that the suite loads by path (``"tests/conformance/planted.py:BROADCAST_WRONG_ROOT"``), so nothing needs
+installing. Some specs declare a narrower set of capabilities than pg-tcp: what a bug needs (say, AVG on
+floating point) is then drawn in most examples instead of one in eighty, and the suite finds it in a few
+examples. Each narrowed declaration has a ``CONTROL_*`` twin on the unmodified ``TCPBackend``: the same
+examples must pass there, so a planted bug is never "caught" by a harness that fails everything.
+
+The bugs, one line each (the test file says which conformance test and check catch each):
+
+1.  BROADCAST_WRONG_ROOT: broadcast from ``(src + 1) % size`` instead of ``src``.
+2.  ALL_GATHER_RING_BLOCK: a ring all_gather_into_tensor receiving into block ``rank + step + 1`` instead of
+    ``rank - step - 1`` (the same block modulo 2, so only world sizes above 2 go wrong).
+3.  AVG_WRONG_COUNT: AVG divides the sum by ``size - 1``.
+4.  FLOAT64_AS_FLOAT32: float64 all_reduce computed in float32 (silent precision loss).
+5.  TAGS_IGNORED: send and recv drop the tag (every message travels as tag 0).
+6.  BARRIER_NO_WAIT: barrier returns at once.
+7.  RANK_ORDER_SUM: all_reduce SUM folds the contributions starting from the rank's own (results differ in
+    the last bits between ranks from world size 3).
+8.  COMPLEX128_P2P_RAISES: send/recv raise TypeError for complex128, which the spec declares.
+9.  IRECV_EARLY: irecv's Work says ``is_completed()`` as soon as the receive is posted (its ``wait()`` is
+    honest).
+10. SCATTER_REVERSED: the root of scatter hands out its list in reverse order.
+11. A2A_SINGLE_EVEN_SPLITS: all_to_all_single ignores the split sizes and cuts the tensors evenly.
+12. STALE_ACCUMULATOR: all_reduce accumulates into a grow-only scratch buffer it never clears between calls.
+13. PREMUL_FACTOR_IGNORED: PREMUL_SUM reduces as a plain SUM.
+14. INT_MIN_MAX_SWAPPED: MIN and MAX swapped for integer dtypes.
+15. LEAKED_THREAD: a keep-alive thread started at construction that shutdown() never stops.
+16. ALL_GATHER_ZEROES_INPUT: all_gather zeroes its input once it has been sent.
+17. BARRIER_HANGS_AT_3: barrier at world size 3 waits for a release message nobody sends, with an hour's
+    timeout instead of the call's.
+18. RECV_SWALLOWS_TIMEOUT: recv returns normally when its timeout passes (the buffer left as it was).
+19. BARRIER_HIDES_PEER_FAILURE: barrier re-raises a peer's failure as a plain RuntimeError.
+20. REDUCE_SCATTER_NEXT_BLOCK: reduce_scatter_tensor gives each rank block ``(rank + 1) % size`` when the
+    size is above 2.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from pg_core import algorithms
+from pg_core.backend import DTYPES, BackendContext, BackendSpec, Capabilities
+from pg_core.errors import CollectiveTimeout, PeerFailureError
+from pg_core.ops import OPS, RedOpType, ReduceOp
+from pg_core.work import Work
+from pg_tcp.backend import TCPBackend
+from pg_tcp.plugin import CAPABILITIES
+
+_FLOATS = (torch.float32, torch.float64)
+_INTS = (torch.uint8, torch.int32, torch.int64)
+
+#: Floating point reductions only: SUM, AVG, PREMUL_SUM on float32 and float64.
+FLOAT_REDUCE_CAPS = Capabilities(
+    ops=frozenset(OPS),
+    dtypes=frozenset(_FLOATS),
+    reduce_ops={d: frozenset({RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM}) for d in _FLOATS},
+)
+#: Integer MIN and MAX only.
+INT_MIN_MAX_CAPS = Capabilities(
+    ops=frozenset(OPS),
+    dtypes=frozenset(_INTS),
+    reduce_ops={d: frozenset({RedOpType.MIN, RedOpType.MAX}) for d in _INTS},
+)
+#: Point to point only, on float32 and complex128 (so every timeout probe is a recv).
+P2P_CAPS = Capabilities(ops=frozenset({"send", "recv"}), dtypes=frozenset({torch.float32, torch.complex128}))
+#: all_reduce SUM only (so a sequence is all_reduce after all_reduce).
+ALL_REDUCE_SUM_CAPS = Capabilities(
+    ops=frozenset({"all_reduce"}),
+    dtypes=frozenset({torch.float32, torch.int64}),
+    reduce_ops={torch.float32: frozenset({RedOpType.SUM}), torch.int64: frozenset({RedOpType.SUM})},
+)
+#: barrier only (so every timeout probe is a barrier).
+BARRIER_CAPS = Capabilities(ops=frozenset({"barrier"}), dtypes=frozenset(DTYPES))
+
+
+def _spec(name: str, factory: type[TCPBackend], caps: Capabilities = CAPABILITIES) -> BackendSpec:
+    return BackendSpec(name=f"planted-{name}", factory=factory, devices=("cpu",), capabilities=caps)
+
+
+def _blocks(flat: torch.Tensor, size: int) -> list[torch.Tensor]:
+    k = flat.numel() // size
+    return [flat[i * k : (i + 1) * k] for i in range(size)]
+
+
+def _gathered(backend: TCPBackend, tensor: torch.Tensor, timeout: float) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (flat), by pg-tcp's own all_gather."""
+    flat = tensor.reshape(-1)
+    parts = [torch.empty_like(flat) for _ in range(backend.size)]
+    TCPBackend.all_gather(backend, parts, flat, timeout=timeout)
+    return parts
+
+
+# -- 1 ---------------------------------------------------------------------------------------------------
+
+
+class BroadcastWrongRoot(TCPBackend):
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        super().broadcast(tensor, (src + 1) % self.size, timeout=timeout)
+
+
+# -- 2 ---------------------------------------------------------------------------------------------------
+
+
+class AllGatherRingBlock(TCPBackend):
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+        ch = self._channel("all_gather_into_tensor", timeout)
+        size, rank = self.size, self.rank
+        blocks = _blocks(output.view(-1), size)
+        blocks[rank].copy_(input.reshape(-1))
+        right, left = (rank + 1) % size, (rank - 1) % size
+        for step in range(size - 1):
+            # bug: should be (rank - step - 1) % size; the two agree when size is 2
+            ch.sendrecv(blocks[(rank - step) % size], right, blocks[(rank + step + 1) % size], left)
+
+
+# -- 3, 4, 13, 14 ----------------------------------------------------------------------------------------
+
+
+class AvgWrongCount(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if op.type is not RedOpType.AVG:
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        super().all_reduce(tensor, ReduceOp(RedOpType.SUM), timeout=timeout)
+        tensor.div_(max(self.size - 1, 1))  # bug: the group has `size` contributions
+
+
+class Float64AsFloat32(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if tensor.dtype is not torch.float64:
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        narrow = tensor.to(torch.float32)  # bug: "float32 is precise enough"
+        super().all_reduce(narrow, op, timeout=timeout)
+        tensor.copy_(narrow)
+
+
+class PremulFactorIgnored(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if op.type is RedOpType.PREMUL_SUM:
+            op = ReduceOp(RedOpType.SUM)  # bug: the factor is dropped
+        super().all_reduce(tensor, op, timeout=timeout)
+
+
+class IntMinMaxSwapped(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        integer = not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype is torch.bool)
+        if integer and op.type in (RedOpType.MIN, RedOpType.MAX):
+            # bug: a lookup table keyed the wrong way round for the integer path
+            op = ReduceOp(RedOpType.MAX if op.type is RedOpType.MIN else RedOpType.MIN)
+        super().all_reduce(tensor, op, timeout=timeout)
+
+
+# -- 5 ---------------------------------------------------------------------------------------------------
+
+
+class TagsIgnored(TCPBackend):
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        super().send(tensor, dst, 0, timeout=timeout)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        super().recv(tensor, src, 0, timeout=timeout)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        return super().isend(tensor, dst, 0, timeout=timeout)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        return super().irecv(tensor, src, 0, timeout=timeout)
+
+
+# -- 6, 17, 19 -------------------------------------------------------------------------------------------
+
+
+class BarrierNoWait(TCPBackend):
+    def barrier(self, *, timeout: float) -> None:
+        return  # bug: "nothing to exchange"
+
+
+_RELEASE_TAG = 2**50 + 17  # a user tag no conformance example uses
+
+
+class BarrierHangsAt3(TCPBackend):
+    def barrier(self, *, timeout: float) -> None:
+        super().barrier(timeout=timeout)
+        if self.size == 3:
+            # bug: an odd-size "release" round that waits for a message nobody sends, and with its own
+            # hour-long timeout rather than the call's
+            super().recv(torch.empty(1, dtype=torch.uint8), (self.rank + 1) % 3, _RELEASE_TAG, timeout=3600.0)
+
+
+class BarrierHidesPeerFailure(TCPBackend):
+    def barrier(self, *, timeout: float) -> None:
+        try:
+            super().barrier(timeout=timeout)
+        except PeerFailureError as exc:
+            raise RuntimeError(f"barrier failed: {exc}") from None  # bug: the contract's error type is lost
+
+
+# -- 7, 12 -----------------------------------------------------------------------------------------------
+
+
+class RankOrderSum(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if op.type is not RedOpType.SUM or not tensor.is_floating_point():
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        parts = _gathered(self, tensor, timeout)
+        acc = parts[self.rank].clone()
+        for k in range(1, self.size):  # bug: the fold order depends on the rank
+            acc.add_(parts[(self.rank + k) % self.size])
+        tensor.view(-1).copy_(acc)
+
+
+class StaleAccumulator(TCPBackend):
+    _acc: torch.Tensor | None = None
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if op.type is not RedOpType.SUM:
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        parts = _gathered(self, tensor, timeout)
+        n = tensor.numel()
+        if self._acc is None or self._acc.dtype != tensor.dtype or self._acc.numel() < n:
+            self._acc = torch.zeros(n, dtype=tensor.dtype)
+        acc = self._acc[:n]  # bug: reused without zeroing, so it still holds the previous call's result
+        for part in parts:
+            acc.add_(part)
+        tensor.view(-1).copy_(acc)
+
+
+# -- 8, 9, 18 --------------------------------------------------------------------------------------------
+
+
+def _no_complex128(tensor: torch.Tensor) -> None:
+    if tensor.dtype is torch.complex128:
+        raise TypeError("complex128 is not supported by the wire format")  # bug: but the spec declares it
+
+
+class Complex128P2PRaises(TCPBackend):
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        _no_complex128(tensor)
+        super().send(tensor, dst, tag, timeout=timeout)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        _no_complex128(tensor)
+        super().recv(tensor, src, tag, timeout=timeout)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        _no_complex128(tensor)
+        return super().isend(tensor, dst, tag, timeout=timeout)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        _no_complex128(tensor)
+        return super().irecv(tensor, src, tag, timeout=timeout)
+
+
+class _PostedWork(Work):
+    """A Work that answers ``is_completed()`` with "the request is posted"; ``wait()`` is honest."""
+
+    __slots__ = ()
+
+    def is_completed(self) -> bool:
+        return True  # bug: posted is not completed
+
+
+class IrecvEarly(TCPBackend):
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        inner = super().irecv(tensor, src, tag, timeout=timeout)
+        outer = _PostedWork("irecv")
+
+        def done(work: Work) -> None:
+            error = work.exception(0)
+            if error is None:
+                outer.set_result(None)
+            else:
+                outer.set_exception(error)
+
+        inner.add_done_callback(done)
+        return outer
+
+
+class RecvSwallowsTimeout(TCPBackend):
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        try:
+            super().recv(tensor, src, tag, timeout=timeout)
+        except CollectiveTimeout:
+            return  # bug: "nothing arrived" is not an error
+
+
+# -- 10, 11, 20 ------------------------------------------------------------------------------------------
+
+
+class ScatterReversed(TCPBackend):
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
+    ) -> None:
+        if scatter_list is not None:
+            scatter_list = scatter_list[::-1]  # bug
+        super().scatter(tensor, scatter_list, src, timeout=timeout)
+
+
+class A2ASingleEvenSplits(TCPBackend):
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        *,
+        timeout: float,
+    ) -> None:
+        # bug: the split sizes are assumed even
+        out_even = [output.shape[0] // self.size] * self.size
+        in_even = [input.shape[0] // self.size] * self.size
+        super().all_to_all_single(output, input, out_even, in_even, timeout=timeout)
+
+
+class ReduceScatterNextBlock(TCPBackend):
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if self.size <= 2:
+            super().reduce_scatter_tensor(output, input, op, timeout=timeout)
+            return
+        # bug: an "optimised" path for bigger groups rotates the blocks by one
+        blocks = _blocks(input.view(-1), self.size)
+        rotated = torch.cat(blocks[1:] + blocks[:1])
+        super().reduce_scatter_tensor(output, rotated, op, timeout=timeout)
+
+
+# -- 15, 16 ----------------------------------------------------------------------------------------------
+
+
+class LeakedThread(TCPBackend):
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self._stop = threading.Event()
+        # bug: shutdown() never sets the event, so the thread outlives the backend
+        threading.Thread(target=self._stop.wait, name=f"planted keep-alive rank {self.rank}", daemon=True).start()
+
+
+class AllGatherZeroesInput(TCPBackend):
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+        super().all_gather(output_list, tensor, timeout=timeout)
+        tensor.zero_()  # bug: "scrub the send buffer"
+
+
+# -- the specs -------------------------------------------------------------------------------------------
+
+BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
+ALL_GATHER_RING_BLOCK = _spec("all-gather-ring-block", AllGatherRingBlock)
+AVG_WRONG_COUNT = _spec("avg-wrong-count", AvgWrongCount, FLOAT_REDUCE_CAPS)
+FLOAT64_AS_FLOAT32 = _spec("float64-as-float32", Float64AsFloat32, FLOAT_REDUCE_CAPS)
+TAGS_IGNORED = _spec("tags-ignored", TagsIgnored, P2P_CAPS)
+BARRIER_NO_WAIT = _spec("barrier-no-wait", BarrierNoWait, BARRIER_CAPS)
+RANK_ORDER_SUM = _spec("rank-order-sum", RankOrderSum, FLOAT_REDUCE_CAPS)
+COMPLEX128_P2P_RAISES = _spec("complex128-p2p-raises", Complex128P2PRaises, P2P_CAPS)
+IRECV_EARLY = _spec("irecv-early", IrecvEarly, P2P_CAPS)
+SCATTER_REVERSED = _spec("scatter-reversed", ScatterReversed)
+A2A_SINGLE_EVEN_SPLITS = _spec("a2a-single-even-splits", A2ASingleEvenSplits)
+STALE_ACCUMULATOR = _spec("stale-accumulator", StaleAccumulator, ALL_REDUCE_SUM_CAPS)
+PREMUL_FACTOR_IGNORED = _spec("premul-factor-ignored", PremulFactorIgnored, FLOAT_REDUCE_CAPS)
+INT_MIN_MAX_SWAPPED = _spec("int-min-max-swapped", IntMinMaxSwapped, INT_MIN_MAX_CAPS)
+LEAKED_THREAD = _spec("leaked-thread", LeakedThread)
+ALL_GATHER_ZEROES_INPUT = _spec("all-gather-zeroes-input", AllGatherZeroesInput)
+BARRIER_HANGS_AT_3 = _spec("barrier-hangs-at-3", BarrierHangsAt3)
+RECV_SWALLOWS_TIMEOUT = _spec("recv-swallows-timeout", RecvSwallowsTimeout, P2P_CAPS)
+BARRIER_HIDES_PEER_FAILURE = _spec("barrier-hides-peer-failure", BarrierHidesPeerFailure)
+REDUCE_SCATTER_NEXT_BLOCK = _spec("reduce-scatter-next-block", ReduceScatterNextBlock)
+
+# -- the unmodified backend under each declaration above ---------------------------------------------------
+
+CONTROL = _spec("control", TCPBackend)
+CONTROL_FLOAT_REDUCE = _spec("control-float-reduce", TCPBackend, FLOAT_REDUCE_CAPS)
+CONTROL_INT_MIN_MAX = _spec("control-int-min-max", TCPBackend, INT_MIN_MAX_CAPS)
+CONTROL_P2P = _spec("control-p2p", TCPBackend, P2P_CAPS)
+CONTROL_ALL_REDUCE_SUM = _spec("control-all-reduce-sum", TCPBackend, ALL_REDUCE_SUM_CAPS)
+CONTROL_BARRIER = _spec("control-barrier", TCPBackend, BARRIER_CAPS)

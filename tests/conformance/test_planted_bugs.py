@@ -1,0 +1,148 @@
+"""The conformance suite against planted bugs: it must catch every one, with the right check.
+
+Each bug of ``planted.py`` (pg-tcp with one realistic mistake) runs only the conformance test meant to
+catch it, and must fail it with the check that names the mistake. The example it fails on must then pass
+on the unmodified backend under the same declaration (so the failure is the bug's, not the harness's),
+and the controls run the same conformance tests, with the same draws, on the unmodified backend: they
+must pass, so none of these tests can pass by a harness that fails everything.
+
+Examples are derandomized (every run draws the same ones) and most runs skip shrinking: the suite only
+has to report the bug. Two keep it, and must shrink to the world size where the bug first shows.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pg_core.testing.cases import Example
+from pg_core.testing.harness import Conformance, ConformanceFailure, Profile
+
+PLANTED = Path(__file__).resolve().with_name("planted.py")
+
+#: Small and derandomized; a short op timeout, so a timeout probe or a hang costs little.
+PROFILE = Profile("planted", max_examples=12, derandomize=True, op_timeout=3.0, deadline=20.0, max_hangs=1)
+
+#: Examples per conformance test (bug runs stop at the first failure; controls run them all).
+EXAMPLES = {"all_reduce": 25, "p2p": 30, "timeouts": 6, "barrier": 2}
+
+ALL_SIZES = (1, 2, 3, 4)
+
+
+def ref(attr: str) -> str:
+    return f"{PLANTED}:{attr}"
+
+
+@dataclass(frozen=True)
+class Bug:
+    spec: str  # the BackendSpec in planted.py
+    test: str  # the conformance test that must catch it
+    checks: tuple[str, ...]  # the check that must report it (two where either legitimately does)
+    control: str = "CONTROL"  # the unmodified backend under the same declaration
+    world_sizes: tuple[int, ...] = ALL_SIZES
+    shrink_to: int | None = None  # shrink, and expect this world size
+
+
+BUGS = {
+    "broadcast-wrong-root": Bug("BROADCAST_WRONG_ROOT", "broadcast", ("reference",), shrink_to=2),
+    "all-gather-ring-block": Bug("ALL_GATHER_RING_BLOCK", "all_gather_into_tensor", ("reference",), shrink_to=3),
+    "avg-wrong-count": Bug("AVG_WRONG_COUNT", "all_reduce", ("reference",), "CONTROL_FLOAT_REDUCE"),
+    "float64-as-float32": Bug("FLOAT64_AS_FLOAT32", "all_reduce", ("reference",), "CONTROL_FLOAT_REDUCE"),
+    # a message matched to the wrong receive: wrong data, or a size/dtype mismatch that fails the receive
+    "tags-ignored": Bug("TAGS_IGNORED", "p2p", ("reference", "declared-must-pass"), "CONTROL_P2P"),
+    "barrier-no-wait": Bug("BARRIER_NO_WAIT", "timeouts", ("timeout",), "CONTROL_BARRIER"),
+    "rank-order-sum": Bug("RANK_ORDER_SUM", "all_reduce", ("ranks-agree",), "CONTROL_FLOAT_REDUCE"),
+    "complex128-p2p-raises": Bug("COMPLEX128_P2P_RAISES", "p2p", ("declared-must-pass",), "CONTROL_P2P"),
+    "irecv-early": Bug("IRECV_EARLY", "p2p", ("early-completion",), "CONTROL_P2P"),
+    "scatter-reversed": Bug("SCATTER_REVERSED", "scatter", ("reference",)),
+    # uneven splits cut evenly: wrong rows, or pieces whose sizes do not match (the call fails)
+    "a2a-single-even-splits": Bug(
+        "A2A_SINGLE_EVEN_SPLITS", "all_to_all_single", ("reference", "declared-must-pass")
+    ),
+    "stale-accumulator": Bug("STALE_ACCUMULATOR", "sequences", ("reference",), "CONTROL_ALL_REDUCE_SUM"),
+    "premul-factor-ignored": Bug("PREMUL_FACTOR_IGNORED", "all_reduce", ("reference",), "CONTROL_FLOAT_REDUCE"),
+    "int-min-max-swapped": Bug("INT_MIN_MAX_SWAPPED", "all_reduce", ("reference",), "CONTROL_INT_MIN_MAX"),
+    "leaked-thread": Bug("LEAKED_THREAD", "barrier", ("leak",), world_sizes=(1,)),
+    "all-gather-zeroes-input": Bug("ALL_GATHER_ZEROES_INPUT", "all_gather", ("inputs-unchanged",)),
+    "recv-swallows-timeout": Bug("RECV_SWALLOWS_TIMEOUT", "timeouts", ("timeout",), "CONTROL_P2P"),
+    "barrier-hides-peer-failure": Bug("BARRIER_HIDES_PEER_FAILURE", "dead_peer", ("dead-peer",), world_sizes=(2,)),
+    "reduce-scatter-next-block": Bug("REDUCE_SCATTER_NEXT_BLOCK", "reduce_scatter_tensor", ("reference",)),
+}
+
+#: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.
+CONTROLS = sorted({(bug.control, bug.test, bug.world_sizes) for bug in BUGS.values()})
+
+
+def suite(attr: str, world_sizes: tuple[int, ...], test: str, pools, *, shrink: bool = False) -> Conformance:
+    return Conformance(
+        ref(attr),
+        world_sizes=world_sizes,
+        profile=PROFILE,
+        max_examples=EXAMPLES.get(test),
+        pools=pools,
+        shrink=shrink,
+    )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(BUGS))
+def test_planted_bug_is_caught(name: str, rank_pools) -> None:
+    bug = BUGS[name]
+    buggy = suite(bug.spec, bug.world_sizes, bug.test, rank_pools, shrink=bug.shrink_to is not None)
+    with pytest.raises(ConformanceFailure) as caught:
+        buggy.check(bug.test)
+    failure = caught.value
+    assert failure.check in bug.checks, f"{name}: caught by {failure.check!r}, expected {bug.checks}:\n{failure}"
+
+    control = suite(bug.control, bug.world_sizes, bug.test, rank_pools)
+    if failure.example is None:  # dead_peer is not drawn: the whole check must pass on the control
+        control.check(bug.test)
+        return
+    # the failure names its example and a command that replays exactly that one
+    assert failure.replay is not None
+    assert f"--replay {bug.test} " in failure.replay and failure.replay in str(failure)
+    assert Example.from_json(shlex.split(failure.replay)[-1]) == failure.example
+    if bug.shrink_to is not None:
+        assert failure.example.world_size == bug.shrink_to, failure.example.describe()
+    # the example that caught the bug passes on the unmodified backend
+    control.execute(bug.test, failure.example)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("control", "test", "world_sizes"), CONTROLS, ids=[f"{c}-{t}" for c, t, _ in CONTROLS])
+def test_control_passes(control: str, test: str, world_sizes: tuple[int, ...], rank_pools) -> None:
+    """The unmodified backend, declared as the bugs are, passes the same conformance runs."""
+    checker = suite(control, world_sizes, test, rank_pools)
+    checker.check(test)
+    assert checker.examples[test] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_state_is_invisible_to_single_calls(rank_pools) -> None:
+    """The stale accumulator passes every single-call example: only a sequence of calls can catch it."""
+    single = suite("STALE_ACCUMULATOR", ALL_SIZES, "all_reduce", rank_pools)
+    single.check("all_reduce")
+    assert single.examples["all_reduce"] == EXAMPLES["all_reduce"]
+
+
+@pytest.mark.timeout(240)
+def test_hang_is_cut_off_with_stacks_and_the_suite_goes_on(rank_pools) -> None:
+    """A barrier that ignores its timeout at world size 3: the example is cut off at its deadline, the
+    failure carries every rank's stacks, and the pool serves the next check."""
+    profile = Profile("planted-hang", max_examples=3, derandomize=True, op_timeout=2.0, deadline=6.0, max_hangs=1)
+    hung = Conformance(ref("BARRIER_HANGS_AT_3"), world_sizes=(3,), profile=profile, pools=rank_pools, shrink=False)
+    with pytest.raises(ConformanceFailure) as caught:
+        hung.check("barrier")
+    failure = caught.value
+    text = str(failure)
+    assert failure.check == "deadline", text
+    assert failure.example is not None and failure.example.world_size == 3
+    for rank in range(3):
+        assert f"=== rank {rank}: did not finish" in text, text
+    assert "File " in text and "planted.py" in text and "in barrier" in text, text  # the stuck frame is named
+
+    control = Conformance(ref("CONTROL"), world_sizes=(3,), profile=profile, pools=rank_pools, shrink=False)
+    control.check("barrier")
+    assert control.examples["barrier"] == 3
