@@ -66,32 +66,30 @@ def _xfails(path: str) -> list[tuple[str, str]]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    replay = config.getoption("pg_replay")
-    if replay is not None:  # run exactly the replayed test
-        keep = [
-            i for i in items if (m := i.get_closest_marker("pg_conformance")) is not None and m.args[0] == replay[0]
-        ]
-        if not keep:
-            raise pytest.UsageError(f"--pg-replay: no conformance test named {replay[0]!r}")
-        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-        items[:] = keep
-    path = config.getoption("pg_xfail")
-    if not path:
-        return
-    entries = _xfails(path)
     names = {}
     for item in items:
         marker = item.get_closest_marker("pg_conformance")
         if marker is not None and marker.args:
             names[item] = str(marker.args[0])
-    for pattern, _ in entries:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names.values()):
-            raise pytest.UsageError(f"{path}: {pattern!r} matches no conformance test ({', '.join(names.values())})")
-    for item, name in names.items():
-        for pattern, reason in entries:
-            if fnmatch.fnmatchcase(name, pattern):
-                item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
-                break
+    path = config.getoption("pg_xfail")
+    if path:
+        entries = _xfails(path)
+        for pattern, _ in entries:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names.values()):
+                known = ", ".join(sorted(set(names.values())))
+                raise pytest.UsageError(f"{path}: {pattern!r} matches no conformance test ({known})")
+        for item, name in names.items():
+            for pattern, reason in entries:
+                if fnmatch.fnmatchcase(name, pattern):
+                    item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+                    break
+    replay = config.getoption("pg_replay")
+    if replay is not None:  # run exactly the replayed test
+        keep = [item for item, name in names.items() if name == replay[0]]
+        if not keep:
+            raise pytest.UsageError(f"--pg-replay: no conformance test named {replay[0]!r}")
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,12 @@ A backend is a class derived from :class:`Backend`, described by a
   whether or not an override calls ``super()``.) Pending operations are drained
   by the core before ``shutdown`` is called.
 
+``ctx.store`` may be shared with other groups forming on other threads at the
+same moment. A ``TCPStore`` client serves one request at a time, and ``store.wait``
+(or ``store.get`` of a key that is not set yet) holds it until the key appears,
+stalling every other user of that client. Wait for keys with
+:func:`pg_core.store.wait_for`, which polls ``check``; ``get`` only keys that are set.
+
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.

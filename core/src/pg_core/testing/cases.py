@@ -398,8 +398,9 @@ _TINY = {
 def tolerance_note() -> str:
     return (
         "float and complex results of SUM, AVG, PREMUL_SUM and PRODUCT must be within "
-        "2 * (n + 2) * eps(dtype) * scale + tiny(dtype) of a float64 reference, elementwise, where n is the "
-        "world size and scale is the sum of the inputs' magnitudes (the product of them for PRODUCT); "
+        "2 * (n + 2) * eps(dtype) * scale + eps(dtype) * |reference| + tiny(dtype) of a float64 reference, "
+        "elementwise, where n is the world size and scale is the sum of the inputs' magnitudes (the product of "
+        "them for PRODUCT); "
         "everything else (integers, bool, MIN, MAX, bitwise ops, and every copy) must be exact"
     )
 
@@ -493,7 +494,8 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
         value, tol = reduce_reference([b.outs[0] for b in bufs], call)
         for r in range(n):
             if op == "reduce" and r != call.params["root"]:
-                out.append(None)
+                # pg-core's decision (docs/decisions.md): non-root inputs are left unchanged
+                out.append([_fill(dtype, bufs[r], 0, bufs[r].outs[0], None)])
             else:
                 out.append([_fill(dtype, bufs[r], 0, value, tol)])
     elif op == "broadcast":

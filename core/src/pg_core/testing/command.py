@@ -37,7 +37,9 @@ def add_parser(subparsers: Any) -> None:
         description=textwrap.fill(_DESCRIPTION, 88),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("backend", metavar="NAME", help="backend name, or module:attr of a BackendSpec")
+    parser.add_argument(
+        "backend", metavar="NAME", help="backend name, or module:attr / path/file.py:attr of a BackendSpec"
+    )
     parser.add_argument("--world-sizes", default="1,2,3,4", metavar="LIST", help="comma-separated (default 1,2,3,4)")
     parser.add_argument("--max-examples", type=int, default=None, metavar="N", help="examples per test")
     parser.add_argument("--profile", choices=("ci", "thorough"), default="ci", help="ci (default): derandomized")

@@ -177,10 +177,14 @@ class _Lane:
         recv_t = dict(zip((m for m, _ in recvs), bufs.outs, strict=True))
         order = [m for m in call.params["recv_order"] if m in recv_t]
         if mode == "blocking":
-            for m, (_, dst, tag, *_r) in sends:
-                group.send(send_t[m], dst, tag)
-            for m in order:
-                group.recv(recv_t[m], msgs[m][0], msgs[m][2])
+            # Every rank takes the messages in list order, so a send that waits for its
+            # receiver (which the contract allows) cannot deadlock; out-of-order receives
+            # are the async and batch modes' business.
+            for m, (src, dst, tag, *_r) in enumerate(msgs):
+                if src == self.me:
+                    group.send(send_t[m], dst, tag)
+                elif dst == self.me:
+                    group.recv(recv_t[m], src, tag)
             return
         works: list[Work] = []
         if mode == "batch":

@@ -3,7 +3,8 @@
 Everything drawn is declared (the undeclared probe draws the complement), so a
 backend is never asked for what it did not promise. Draws are ordered so that
 Hypothesis shrinks toward the simplest case: the smallest world size, small
-contiguous float32 tensors, blocking calls, the first root.
+contiguous tensors of the first declared dtype (in ``DTYPES`` order), blocking
+calls, the first root.
 """
 
 from __future__ import annotations
