@@ -32,7 +32,7 @@ The bugs, one line each (the test file says which conformance test and check cat
 17. BARRIER_HANGS_AT_3: barrier at world size 3 waits for a release message nobody sends, with an hour's
     timeout instead of the call's.
 18. RECV_SWALLOWS_TIMEOUT: recv returns normally when its timeout passes (the buffer left as it was).
-19. BARRIER_HIDES_PEER_FAILURE: barrier re-raises a peer's failure as a plain RuntimeError.
+19. BARRIER_HIDES_PEER_FAILURE: barrier re-raises a peer's failure (or its timeout) as a plain RuntimeError.
 20. REDUCE_SCATTER_NEXT_BLOCK: reduce_scatter_tensor gives each rank block ``(rank + 1) % size`` when the
     size is above 2.
 """
@@ -42,7 +42,6 @@ from __future__ import annotations
 import threading
 
 import torch
-from pg_core import algorithms
 from pg_core.backend import DTYPES, BackendContext, BackendSpec, Capabilities
 from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.ops import OPS, RedOpType, ReduceOp
@@ -196,8 +195,8 @@ class BarrierHidesPeerFailure(TCPBackend):
     def barrier(self, *, timeout: float) -> None:
         try:
             super().barrier(timeout=timeout)
-        except PeerFailureError as exc:
-            raise RuntimeError(f"barrier failed: {exc}") from None  # bug: the contract's error type is lost
+        except (PeerFailureError, CollectiveTimeout) as exc:
+            raise RuntimeError(f"barrier failed: {exc}") from None  # bug: the contract's error types are lost
 
 
 # -- 7, 12 -----------------------------------------------------------------------------------------------

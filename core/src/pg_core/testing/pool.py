@@ -279,7 +279,8 @@ class RankPool:
                 lines = [f"{fn.__qualname__} failed on {len(outcomes)} of {self.world_size} ranks (job {job}):"]
                 for rank in sorted(outcomes):
                     lines.append(f"=== rank {rank}: {outcomes[rank]}")
-                tails = self._tails(sorted(outcomes)) if self._logs else ""
+                told = set(pending)  # a hung rank's output tail is the stack dump already shown
+                tails = self._tails(sorted(set(outcomes) - told)) if self._logs else ""
                 raise RanksFailed("\n".join(lines) + ("\n" + tails if tails else ""), outcomes)
             return [results.get(r) for r in range(self.world_size)]
 
