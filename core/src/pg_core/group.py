@@ -740,7 +740,11 @@ class ProcessGroup:
             self._closed = "shut down"
         with self._exec_lock:
             errors = _close_all(self._dispatch.close(), "shutdown")
-        self._mark_generation_closed()
+        if self._broken is not None or errors:
+            # Only a group that failed marks its generation closed. After a clean shutdown,
+            # members still joining (slower than this one, which needed nothing from them)
+            # must find the generation, not skip it and wait alone in the next one.
+            self._mark_generation_closed()
         if errors:
             raise errors[0]
 
