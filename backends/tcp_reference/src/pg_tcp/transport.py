@@ -943,7 +943,10 @@ class Transport:
             if self._broken is not None:
                 raise self._broken_error(op, seq)
             for peer in self._peers:
-                if peer is not None and peer.closed is not None:
+                # A crashed peer fails every collective. One that shut down cleanly finished all of
+                # its collectives, this one included: it needed nothing more from this rank, and what
+                # it sent is already here; a receive that still needs it fails when it is posted.
+                if peer is not None and peer.closed is not None and peer.crashed:
                     raise PeerFailureError(
                         f"{self.label}: {op} (collective #{seq}) needs every rank, but {peer.closed}",
                         peers=(peer.rank,),
