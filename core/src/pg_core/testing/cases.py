@@ -29,7 +29,6 @@ from ..ops import RedOpType, ReduceOp
 
 __all__ = [
     "DTYPE_NAMES",
-    "LATE_CHECK_OPS",
     "Bufs",
     "Call",
     "Example",
@@ -63,26 +62,6 @@ def dtype_of(name: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-#: Collectives where, with ``async_op=True``, a rank cannot have finished before a
-#: rank it depends on has even called the operation (see :func:`depends_on`).
-LATE_CHECK_OPS = frozenset(
-    {
-        "all_reduce",
-        "broadcast",
-        "reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "all_to_all",
-        "all_to_all_single",
-        "gather",
-        "scatter",
-        "barrier",
-    }
-)
 
 
 @dataclass
