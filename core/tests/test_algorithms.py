@@ -100,6 +100,8 @@ class Fabric:
         self.messages = [0] * size  # sent, per rank
         self.max_message_bytes = 0
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when a rank starts or stops waiting
+        self.waiting: set[int] = set()  # ranks blocked in a receive right now
 
     def leftovers(self) -> dict[tuple[int, int], int]:
         return {pair: q.qsize() for pair, q in self.queues.items() if not q.empty()}
@@ -131,6 +133,21 @@ class ThreadChannel:
 
     def _take(self, peer: int) -> torch.Tensor:
         q = self.fabric.queues[(peer, self.rank)]
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            pass
+        with self.fabric.changed:
+            self.fabric.waiting.add(self.rank)
+            self.fabric.changed.notify_all()
+        try:
+            return self._wait(q, peer)
+        finally:
+            with self.fabric.changed:
+                self.fabric.waiting.discard(self.rank)
+                self.fabric.changed.notify_all()
+
+    def _wait(self, q: queue.SimpleQueue[torch.Tensor], peer: int) -> torch.Tensor:
         deadline = time.monotonic() + WAIT_S
         while True:
             if self.fabric.failed.is_set():
@@ -762,16 +779,25 @@ def test_all_to_all_single_in_place_and_even() -> None:
 @pytest.mark.parametrize("size", SIZES)
 def test_barrier_waits_for_the_last_rank(size: int) -> None:
     for late in {0, size - 1, size // 2}:
+        fabric = Fabric(size)
         entered = [False] * size
+        done: set[int] = set()
 
-        def body(ch: ThreadChannel, late: int = late, entered: list[bool] = entered) -> bool:
+        def body(ch: ThreadChannel, late: int = late, entered: list[bool] = entered, done: set[int] = done) -> bool:
             if ch.rank == late:
-                time.sleep(0.03)
+                # enter only once every other rank is blocked in the barrier or has (wrongly) left it
+                others = set(range(size)) - {late}
+                with fabric.changed:
+                    fabric.changed.wait_for(lambda: others <= fabric.waiting | done, timeout=WAIT_S)
             entered[ch.rank] = True
             algorithms.barrier(ch)
-            return all(entered)
+            left_after_late = all(entered)
+            with fabric.changed:
+                done.add(ch.rank)
+                fabric.changed.notify_all()
+            return left_after_late
 
-        assert all(run_ranks(size, body)), f"a rank left the barrier before rank {late} entered"
+        assert all(run_ranks(size, body, fabric=fabric)), f"a rank left the barrier before rank {late} entered"
 
 
 # -- tuning, hypothesis, and the Backend defaults ---------------------------------------------------

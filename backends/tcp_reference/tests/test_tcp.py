@@ -689,10 +689,19 @@ def abort_from_another_thread(ctx: RankContext) -> float | None:
         b.shutdown()
         return None
 
+    posted = threading.Event()
+    post_recv = b._transport.post_recv
+
+    def post_and_tell(req: Any) -> Any:
+        try:
+            return post_recv(req)
+        finally:
+            posted.set()
+
+    b._transport.post_recv = post_and_tell  # type: ignore[method-assign]
+
     def abort_when_blocked() -> None:
-        deadline = time.monotonic() + 30
-        while not b._transport._posted and time.monotonic() < deadline:
-            time.sleep(0.001)  # poll for the receive to be posted
+        posted.wait(30)  # the receive is posted: abort it from this thread
         b.abort()
 
     thread = threading.Thread(target=abort_when_blocked)

@@ -414,17 +414,7 @@ class Transport:
             frame, payload = queue.popleft()
             if not queue:
                 del self._unexpected[key]
-        # An early frame: check it, copy it in (outside the lock: it may be large), complete.
-        error = self._check(req, frame)
-        if error is None:
-            if req.buf is None:
-                req.result = payload
-            else:
-                req.buf[:] = payload
-        with self._lock:
-            self._complete(req, error)
-            if error is not None and req.seq is not None:
-                self._break_collectives(CollectiveMismatchError, str(error), (req.peer,), req.seq, notify=True)
+        self._deliver(req, frame, payload, req.peer, req.seq)  # an early frame
         self._settle()
         return req
 
@@ -771,16 +761,22 @@ class Transport:
                 queue.append((frame, target))
                 return
             req = posted.popleft()  # posted while the payload was in flight
+        self._deliver(req, frame, target, peer.rank, seq if kind == COLL else None)
+
+    def _deliver(self, req: Recv, frame: Frame, payload: bytearray, peer: int, seq: int | None) -> None:
+        """Check ``frame`` against ``req``, copy its payload in (outside the lock: it may be
+        large) and complete ``req``; a collective frame that does not match (``seq`` given)
+        stops the group's collectives."""
         error = self._check(req, frame)
         if error is None:
             if req.buf is None:
-                req.result = target
+                req.result = payload
             else:
-                req.buf[:] = target
+                req.buf[:] = payload
         with self._lock:
             self._complete(req, error)
-            if error is not None and kind == COLL:
-                self._break_collectives(CollectiveMismatchError, str(error), (peer.rank,), seq, notify=True)
+            if error is not None and seq is not None:
+                self._break_collectives(CollectiveMismatchError, str(error), (peer,), seq, notify=True)
 
     def _check(self, req: Recv, frame: Frame) -> PGError | None:
         """``None`` if ``frame`` is what ``req`` expects, else the error saying how they differ."""
