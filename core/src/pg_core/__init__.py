@@ -17,7 +17,7 @@ from .errors import (
     PluginLoadError,
     PluginVersionError,
 )
-from .group import P2POp, ProcessGroup
+from .group import P2POp, ProcessGroup, rendezvous
 from .ops import RedOpType, ReduceOp
 from .registry import PluginEntry, Registry, default_registry, register_backend
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
@@ -57,4 +57,5 @@ __all__ = [
     "Work",
     "default_registry",
     "register_backend",
+    "rendezvous",
 ]

@@ -69,7 +69,7 @@ from __future__ import annotations
 import importlib
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
@@ -96,7 +96,7 @@ __all__ = [
 
 #: The version of this contract, ``"MAJOR.MINOR"``. A plugin declaring another
 #: major version is refused with :class:`~pg_core.errors.PluginVersionError`.
-API_VERSION: Final[str] = "1.0"
+API_VERSION: Final[str] = "1.1"
 
 #: Every dtype a backend may declare.
 DTYPES: Final[tuple[torch.dtype, ...]] = (
@@ -333,12 +333,27 @@ class Backend:
         return self._helper("recv", src, tag).submit("recv", lambda: self.recv(tensor, src, tag, timeout=timeout))
 
     # -- optional: variable-size messages --------------------------------------
-    def send_bytes(self, data: bytes | bytearray | memoryview, dst: int, tag: int, *, timeout: float) -> None:
-        """Send a message whose size the receiver does not know. Optional."""
+    def send_bytes(
+        self,
+        data: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
+        dst: int,
+        tag: int,
+        *,
+        timeout: float,
+    ) -> None:
+        """Send one message whose size the receiver does not know. Optional.
+
+        ``data`` is a list of buffers that form the message back to back (API 1.1: the
+        core hands over a message's parts, views of the user's tensors among them, without
+        joining them; a backend that can write them with one gather call copies nothing).
+        A backend whose spec declares ``api_version`` ``"1.0"`` receives one ``bytes``
+        object instead. Like ``send``, it must not wait for the receiver.
+        """
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
-        """Receive a message sent with ``send_bytes``. Optional."""
+        """Receive the next message sent with ``send_bytes`` from ``src`` with ``tag``, as a
+        ``bytearray`` of exactly its size (the core builds tensors as views into it). Optional."""
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
     @property
@@ -439,16 +454,17 @@ class Backend:
 
 
 class _Helper:
-    """One daemon thread running submitted calls in order, each completing a Work."""
+    """One daemon thread running submitted calls in order, each completing a Work with
+    the call's return value (or its exception)."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Work, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, op: str, fn: Callable[[], None]) -> Work:
+    def submit(self, op: str, fn: Callable[[], Any]) -> Work:
         work = Work(op)
         with self._lock:
             if self._stopped:
@@ -460,8 +476,7 @@ class _Helper:
         while (item := self._queue.get()) is not None:
             work, fn = item
             try:
-                fn()
-                work.set_result(None)
+                work.set_result(fn())
             except BaseException as exc:
                 work.set_exception(exc)
 

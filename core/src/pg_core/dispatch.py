@@ -182,6 +182,18 @@ class Dispatcher:
             raise NotSupportedError(f"backend {spec.name!r} on {device_type}: {reason}")
         self._allowed.add(key)
 
+    def config(self) -> dict[str, BackendSpec]:
+        """Device type -> the resolved spec: what a subgroup inherits."""
+        return {device: slot.spec for device, slot in self._slots.items()}
+
+    def device(self, device_type: str) -> torch.device:
+        """Where tensors of ``device_type`` live for this group: its backend's device once
+        created, else the type's current device."""
+        slot = self._slots.get(device_type)
+        if slot is not None and slot.backend is not None:
+            return slot.backend.ctx.device
+        return torch.device(device_type)
+
     def created(self) -> list[Backend]:
         return [slot.backend for slot in self._slots.values() if slot.backend is not None]
 
@@ -258,6 +270,21 @@ class Dispatcher:
 
 
 # -- local validation -------------------------------------------------------------
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Laid out exactly as ``torch.empty(t.shape)`` would be, with no lazy conjugation or
+    negation. Stricter than ``is_contiguous()``, which ignores the strides of size-1
+    dimensions: a backend may ``view`` the tensor as bytes, and that needs the canonical
+    strides and the values as they are in memory."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:

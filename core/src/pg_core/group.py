@@ -19,9 +19,7 @@ import contextlib
 import itertools
 import os
 import queue
-import socket
 import threading
-import uuid
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import dispatch as _d
+from . import messages
+from .backend import _Helper
 from .dispatch import BackendsArg, Dispatcher
 from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
+from .membership import ROOT_NAMESPACE, Membership, check_name, join, wait_until_full
 from .ops import RedOpType, ReduceOp, as_reduce_op
 from .store import PrefixStore, Store
 from .work import Work
@@ -46,7 +47,6 @@ __all__ = ["DEFAULT_TIMEOUT", "P2POp", "ProcessGroup"]
 
 #: Default per-operation timeout in seconds.
 DEFAULT_TIMEOUT = 300.0
-_STORE_PREFIX = "pg-core"
 
 
 def _seconds(timeout: float | timedelta | None, default: float) -> float:
@@ -61,20 +61,6 @@ def _seconds(timeout: float | timedelta | None, default: float) -> float:
     return float(timeout)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Laid out exactly as ``torch.empty(t.shape)`` would be. Stricter than
-    ``is_contiguous()``, which ignores the strides of size-1 dimensions: a backend
-    may ``view`` the tensor as bytes, and that needs the canonical strides."""
-    if not t.is_contiguous():
-        return False
-    expected = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class _Staging:
     """Contiguous stand-ins for non-contiguous tensors, and the copies back."""
 
@@ -84,10 +70,10 @@ class _Staging:
         self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def input(self, t: torch.Tensor) -> torch.Tensor:
-        return t if _dense(t) else t.clone(memory_format=torch.contiguous_format)
+        return t if _d.dense(t) else t.clone(memory_format=torch.contiguous_format)
 
     def output(self, t: torch.Tensor) -> torch.Tensor:
-        if _dense(t):
+        if _d.dense(t):
             return t
         staged = t.clone(memory_format=torch.contiguous_format)
         self._back.append((t, staged))
@@ -150,36 +136,102 @@ class ProcessGroup:
         registry: Registry | None = None,
     ) -> None:
         rank, size = _rank_and_size(rank, size)
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"group name must be a non-empty string without '/', got {name!r}")
-        self._rank, self._size, self._name = rank, size, name
-        self._timeout = _seconds(timeout, DEFAULT_TIMEOUT)
+        check_name(name)
+        seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+        membership = join(store, ROOT_NAMESPACE, name, rank, size)
+        self._setup(
+            store,
+            membership,
+            name=name,
+            uid=f"{name}#{membership.generation}",
+            backends=backends,
+            timeout=seconds,
+            options=options or {},
+            registry=registry,
+        )
+
+    @classmethod
+    def _formed(
+        cls,
+        store: Store,
+        membership: Membership,
+        *,
+        name: str,
+        uid: str,
+        backends: BackendsArg,
+        timeout: float,
+        options: Mapping[str, Mapping[str, Any]],
+        registry: Registry | None,
+        parent_ranks: tuple[int, ...] | None = None,
+    ) -> ProcessGroup:
+        """A group for a place already taken in the store (rendezvous, subgroups)."""
+        group = cls.__new__(cls)
+        group._setup(
+            store,
+            membership,
+            name=name,
+            uid=uid,
+            backends=backends,
+            timeout=timeout,
+            options=options,
+            registry=registry,
+            parent_ranks=parent_ranks,
+        )
+        return group
+
+    def _setup(
+        self,
+        store: Store,
+        membership: Membership,
+        *,
+        name: str,
+        uid: str,
+        backends: BackendsArg,
+        timeout: float,
+        options: Mapping[str, Mapping[str, Any]],
+        registry: Registry | None,
+        parent_ranks: tuple[int, ...] | None = None,
+    ) -> None:
+        self._rank, self._size, self._name = membership.rank, membership.size, name
+        self._timeout = timeout
         self._closed: str | None = None
         self._closing = False  # shutdown() started: no new operations, queued ones drain
         self._broken: tuple[type[PGError], str] | None = None  # a collective failed: later ones refuse
-        self._lock = threading.Lock()  # guards _queue/_pending/_worker/_closed
+        self._lock = threading.Lock()  # guards _queue/_pending/_worker/_closed/_helpers/_subgroups
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
         self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._seq = itertools.count(1)
-        self._generation = _join(store, name, rank, size)
-        self._uid = f"{name}#{self._generation}"
-        self._store = PrefixStore(f"{_STORE_PREFIX}/{name}/{self._generation}", store)
+        self._current_seq = 0  # of the collective running now (collectives run one at a time)
+        self._membership = membership
+        self._generation = membership.generation
+        self._uid = uid
+        self._root_store = store
+        self._store = PrefixStore(membership.prefix, store)
+        self._options, self._registry = options, registry
+        self._parent_ranks = parent_ranks
+        self._subgroups: dict[tuple[int, ...], int] = {}  # new_group(ranks) calls so far, per ranks
+        self._splits = 0
+        self._endpoint: messages.Endpoint | None = None
+        self._endpoint_lock = threading.Lock()
+        self._helpers: dict[tuple[str, int, int], _Helper] = {}  # async object/tensor messages
         self._dispatch = Dispatcher(
             backends,
             registry=registry,
             store=self._store,
-            rank=rank,
-            size=size,
+            rank=self._rank,
+            size=self._size,
             timeout=self._timeout,
             group_name=name,
             group_uid=self._uid,
-            options=options or {},
+            options=options,
         )
-        # where barrier (an op without tensors) runs: the cpu backend, else the first configured one
+        # where barrier (an op without tensors) and messages go: the cpu backend, else the first configured one
         names = self._dispatch.names
         self._barrier_device = torch.device("cpu" if "cpu" in names or not names else next(iter(names)))
+        # tensors on these device types travel on their own backend, after a message that describes them
+        self._separate_devices = frozenset(d for d in names if d != "cpu")
 
     # -- properties -------------------------------------------------------------
     @property
@@ -193,6 +245,12 @@ class ProcessGroup:
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def parent_ranks(self) -> tuple[int, ...] | None:
+        """For a subgroup (``new_group``, ``split``): ``parent_ranks[i]`` is the rank in the
+        parent group of this group's rank ``i``. ``None`` for a group formed on its own."""
+        return self._parent_ranks
 
     @property
     def timeout(self) -> float:
@@ -242,12 +300,16 @@ class ProcessGroup:
         async_op: bool,
         timeout: float | timedelta | None,
         staging: _Staging | None = None,
-    ) -> Work | None:
-        """Validate, check capabilities, then run ``call(backend, timeout)`` in order."""
+        checked: bool = False,
+    ) -> Any:
+        """Validate, check capabilities (unless ``checked``), then run ``call(backend, timeout)``
+        in order. Blocking: returns what ``call`` returned; ``async_op``: a ``Work`` whose
+        ``result()`` it is."""
         self._check_open()
         device = _d.one_device(tensors, op) if tensors else self._barrier_device
         dtype = _d.same_dtype(tensors, op) if tensors and dtype_check else (tensors[0].dtype if tensors else None)
-        self._dispatch.check(op, device.type, dtype, reduce_op)
+        if not checked:
+            self._dispatch.check(op, device.type, dtype, reduce_op)
         seconds = _seconds(timeout, self._timeout)
 
         def invoke(backend: Backend, seq: int) -> Any:
@@ -271,7 +333,7 @@ class ProcessGroup:
 
         def run() -> Any:
             backend = self._dispatch.backend(device)
-            seq = next(self._seq)
+            seq = self._current_seq = next(self._seq)
             if torch.is_grad_enabled():  # communication is not differentiable; skip the context when off
                 with torch.no_grad():
                     return invoke(backend, seq)
@@ -288,8 +350,7 @@ class ProcessGroup:
             if inline:
                 with self._exec_lock:
                     self._check_open()
-                    run()
-                return None
+                    return run()
         work = Work(op)
         with self._lock:
             self._check_open()
@@ -302,8 +363,7 @@ class ProcessGroup:
             self._queue.put((work, run))
         if async_op:
             return work
-        work.wait()
-        return None
+        return work.result()
 
     def _run_queued(self, work: Work, fn: Callable[[], Any]) -> None:
         """Run one queued operation on the progress thread and complete its work."""
@@ -723,6 +783,510 @@ class ProcessGroup:
             works.append(start(p.tensor, p.peer, p.tag))
         return works
 
+    # -- objects and tensors the receiver knows nothing about ------------------------------
+    #
+    # Layers over the backend contract, written once here (see pg_core.messages): one
+    # message per value where the backend carries variable-size messages, the eager
+    # emulation otherwise; tensors ride in the message without a copy.
+
+    def send_object(
+        self, obj: Any, dst: int, *, tag: int = 0, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Work | None:
+        """Send a picklable ``obj`` to group rank ``dst`` (pickle protocol 5; tensors and
+        buffers inside it travel out of band, not copied into the pickle stream).
+
+        Trusted peers only: the receiver unpickles what arrives. Object messages have their
+        own tags, apart from tensor ``send``/``recv``. With ``async_op`` the object is encoded
+        now; its tensors are read as the message goes, so leave them alone until the ``Work``
+        completes.
+        """
+        return self._send_value(
+            "send_object", messages.OBJECT, obj, dst=dst, tag=tag, async_op=async_op, timeout=timeout
+        )
+
+    def recv_object(
+        self, src: int, *, tag: int = 0, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Any:
+        """Receive the next object (or tensor, or tensor dict) that ``src`` sent with ``tag``."""
+        return self._recv_value("recv_object", None, src=src, tag=tag, device=None, async_op=async_op, timeout=timeout)
+
+    def send_tensor(
+        self,
+        tensor: torch.Tensor,
+        dst: int,
+        *,
+        tag: int = 0,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        """Send ``tensor`` to a receiver that does not know its shape or dtype
+        (:meth:`recv_tensor`). Shape, dtype and data travel in one message where the
+        backend can carry one; see :mod:`pg_core.messages`."""
+        tensor = _d.check_tensor(tensor)
+        return self._send_value(
+            "send_tensor", messages.TENSOR, tensor, dst=dst, tag=tag, async_op=async_op, timeout=timeout
+        )
+
+    def recv_tensor(
+        self,
+        src: int,
+        device: str | torch.device | None = None,
+        *,
+        tag: int = 0,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Any:
+        """Receive a tensor sent with :meth:`send_tensor`, with the sender's shape and dtype,
+        on ``device`` (default: the sender's device type; a CPU tensor is a view into the
+        received message, not a copy)."""
+        return self._recv_value(
+            "recv_tensor", messages.TENSOR, src=src, tag=tag, device=device, async_op=async_op, timeout=timeout
+        )
+
+    def send_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any],
+        dst: int,
+        *,
+        tag: int = 0,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        """Send a dict of tensors and plain values, nested as deep as needed (a kv-cache
+        transfer's metadata and blocks), in one message; tensors on a device with a backend
+        of their own (``cuda``) follow on that backend, described by the message."""
+        _check_dict(tensor_dict, "send_tensor_dict")
+        return self._send_value(
+            "send_tensor_dict", messages.TENSOR_DICT, tensor_dict, dst=dst, tag=tag, async_op=async_op, timeout=timeout
+        )
+
+    def recv_tensor_dict(
+        self,
+        src: int,
+        device: str | torch.device | None = None,
+        *,
+        tag: int = 0,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Any:
+        """Receive a dict sent with :meth:`send_tensor_dict`; its tensors on ``device``
+        (default: each tensor's sender device type)."""
+        return self._recv_value(
+            "recv_tensor_dict",
+            messages.TENSOR_DICT,
+            src=src,
+            tag=tag,
+            device=device,
+            async_op=async_op,
+            timeout=timeout,
+        )
+
+    def broadcast_object(
+        self, obj: Any, src: int = 0, *, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Any:
+        """Every rank returns ``src``'s ``obj`` (other ranks pass anything, usually ``None``).
+        ``src`` gets its own object back; the others a copy, decoded from one message that
+        travelled down a binomial tree."""
+        _d.check_rank(src, self._size, "src")
+        out = messages.encode(messages.OBJECT, obj) if self._rank == src else None
+        return self._message_collective(
+            "broadcast_object",
+            lambda seconds: self._broadcast_value("broadcast_object", obj, out, src=src, device=None, seconds=seconds),
+            async_op,
+            timeout,
+        )
+
+    def broadcast_tensor_dict(
+        self,
+        tensor_dict: Mapping[Any, Any] | None = None,
+        src: int = 0,
+        *,
+        device: str | torch.device | None = None,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Any:
+        """Every rank returns ``src``'s dict of tensors and plain values; other ranks pass
+        ``None``. Where the message backend carries variable-size messages, CPU tensors ride
+        in the one message; tensors on another device follow as that device backend's
+        ``broadcast``."""
+        _d.check_rank(src, self._size, "src")
+        if self._rank == src:
+            _check_dict(tensor_dict, "broadcast_tensor_dict")
+            out = messages.encode(messages.TENSOR_DICT, tensor_dict, separate_devices=self._separate_devices)
+            self._check_separate(out, "broadcast")
+        elif tensor_dict is not None:
+            raise ValueError(f"broadcast_tensor_dict: tensor_dict is only passed on the source rank ({src})")
+        else:
+            out = None
+        where = _device_arg(device)
+        return self._message_collective(
+            "broadcast_tensor_dict",
+            lambda seconds: self._broadcast_value(
+                "broadcast_tensor_dict", tensor_dict, out, src=src, device=where, seconds=seconds
+            ),
+            async_op,
+            timeout,
+        )
+
+    def all_gather_object(self, obj: Any, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Any:
+        """A list of every rank's ``obj``, in rank order (copies, this rank's included)."""
+        out = messages.encode(messages.OBJECT, obj)
+
+        def call(seconds: float) -> list[Any]:
+            op, tag = "all_gather_object", messages.COLLECTIVE_MESSAGE_TAG
+            deadline, ep, parts = self._collective_message(op, out, seconds)
+            n, me = self._size, self._rank
+            for i in range(1, n):
+                ep.send(parts, (me + i) % n, tag, deadline)
+            values: list[Any] = [None] * n
+            for i in range(1, n):
+                peer = (me - i) % n
+                values[peer] = self._collective_value(op, ep.recv(peer, tag, deadline), peer)
+            values[me] = _copy(parts, me)
+            return values
+
+        return self._message_collective("all_gather_object", call, async_op, timeout)
+
+    def gather_object(
+        self, obj: Any, dst: int = 0, *, async_op: bool = False, timeout: float | timedelta | None = None
+    ) -> Any:
+        """On ``dst``: a list of every rank's ``obj`` in rank order (copies); elsewhere ``None``."""
+        _d.check_rank(dst, self._size, "dst")
+        out = messages.encode(messages.OBJECT, obj)
+
+        def call(seconds: float) -> list[Any] | None:
+            op, tag = "gather_object", messages.COLLECTIVE_MESSAGE_TAG
+            deadline, ep, parts = self._collective_message(op, out, seconds)
+            if self._rank != dst:
+                ep.send(parts, dst, tag, deadline)
+                return None
+            values: list[Any] = [None] * self._size
+            for peer in range(self._size):
+                if peer != dst:
+                    values[peer] = self._collective_value(op, ep.recv(peer, tag, deadline), peer)
+            values[dst] = _copy(parts, dst)
+            return values
+
+        return self._message_collective("gather_object", call, async_op, timeout)
+
+    def scatter_object(
+        self,
+        objs: Sequence[Any] | None,
+        src: int = 0,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Any:
+        """Rank ``i`` returns ``objs[i]`` of ``src`` (a copy); ``objs`` is a list of one
+        object per rank on ``src`` and ``None`` elsewhere."""
+        _d.check_rank(src, self._size, "src")
+        outs: list[messages.Outgoing] = []
+        if self._rank == src:
+            if not isinstance(objs, (list, tuple)):
+                raise TypeError(f"scatter_object: objs must be a list on the source rank, got {type(objs).__name__}")
+            if len(objs) != self._size:
+                raise ValueError(f"scatter_object: objs must have one object per rank ({self._size}), got {len(objs)}")
+            outs = [messages.encode(messages.OBJECT, o) for o in objs]
+        elif objs is not None:
+            raise ValueError(f"scatter_object: objs is only passed on the source rank ({src})")
+
+        def call(seconds: float) -> Any:
+            op, tag = "scatter_object", messages.COLLECTIVE_MESSAGE_TAG
+            if self._rank != src:
+                deadline, ep, _ = self._collective_message(op, None, seconds)
+                return self._collective_value(op, ep.recv(src, tag, deadline), src)
+            code, seq = _MESSAGE_OPS[op], self._current_seq
+            deadline, ep, _ = self._collective_message(op, None, seconds)
+            for peer in range(self._size):
+                if peer != src:
+                    ep.send(outs[peer].parts(op=code, seq=seq), peer, tag, deadline)
+            return _copy(outs[src].parts(op=code, seq=seq), src)
+
+        return self._message_collective("scatter_object", call, async_op, timeout)
+
+    # -- how messages move -------------------------------------------------------------------
+    def _message_endpoint(self) -> messages.Endpoint:
+        """The group's message device backend, as a message endpoint (created on first use)."""
+        ep = self._endpoint
+        if ep is None:
+            with self._endpoint_lock:
+                ep = self._endpoint
+                if ep is None:
+                    backend = self._dispatch.backend(self._barrier_device)
+                    api = self._dispatch.spec(self._barrier_device.type).api_version
+                    ep = self._endpoint = messages.Endpoint(
+                        backend, self._barrier_device, scatter_gather=_api_at_least(api, 1, 1)
+                    )
+        return ep
+
+    def _check_messages(self, direction: str) -> None:
+        """Messages need the message device backend's ``send``/``recv`` (of ``uint8`` where
+        they are emulated on tensors). Creates that backend if this is its first use."""
+        ep = self._message_endpoint()
+        self._dispatch.check(direction, ep.device.type, None if ep.native else torch.uint8)
+
+    def _check_separate(self, out: messages.Outgoing, op: str) -> None:
+        for t in out.separate:
+            self._dispatch.check(op, t.device.type, t.dtype)
+
+    def _send_value(
+        self,
+        op: str,
+        kind: int,
+        value: Any,
+        *,
+        dst: int,
+        tag: int,
+        async_op: bool,
+        timeout: float | timedelta | None,
+    ) -> Work | None:
+        self._check_open()
+        _d.check_rank(dst, self._size, "dst")
+        if dst == self._rank:
+            raise ValueError(f"{op}: dst={dst} is this rank; a rank cannot send to itself")
+        _d.check_tag(tag)
+        seconds = _seconds(timeout, self._timeout)
+        self._check_messages("send")
+        out = messages.encode(kind, value, separate_devices=self._separate_devices)
+        self._check_separate(out, "send")
+        wire = messages.message_tag(tag)
+
+        def run() -> None:
+            self._check_open()
+            deadline = messages.Deadline(op, seconds)
+            ep = self._message_endpoint()
+            with ep.lock("send", dst, wire):
+                ep.send(out.parts(), dst, wire, deadline)
+                for t in out.separate:
+                    self._dispatch.backend(t.device).send(t, dst, wire, timeout=deadline.left())
+
+        if async_op:
+            return self._helper("send", dst, tag).submit(op, run)
+        run()
+        return None
+
+    def _recv_value(
+        self,
+        op: str,
+        kind: int | None,
+        *,
+        src: int,
+        tag: int,
+        device: str | torch.device | None,
+        async_op: bool,
+        timeout: float | timedelta | None,
+    ) -> Any:
+        self._check_open()
+        _d.check_rank(src, self._size, "src")
+        if src == self._rank:
+            raise ValueError(f"{op}: src={src} is this rank; a rank cannot receive from itself")
+        _d.check_tag(tag)
+        where = _device_arg(device)
+        seconds = _seconds(timeout, self._timeout)
+        self._check_messages("recv")
+        wire = messages.message_tag(tag)
+
+        def run() -> Any:
+            self._check_open()
+            deadline = messages.Deadline(op, seconds)
+            ep = self._message_endpoint()
+            with ep.lock("recv", src, wire):
+                incoming = messages.parse(ep.recv(src, wire, deadline), src=src)
+                separate = self._recv_separate(incoming, src, wire, deadline)
+            if kind is not None and incoming.kind != kind:
+                raise CollectiveMismatchError(
+                    f"{op}: rank {src} sent {messages.KIND_NAMES.get(incoming.kind, 'an unknown message')} with "
+                    f"tag {tag}, where this rank expected {messages.KIND_NAMES[kind]}",
+                    peers=(src,),
+                )
+            return incoming.value(separate, where)
+
+        if async_op:
+            return self._helper("recv", src, tag).submit(op, run)
+        return run()
+
+    def _recv_separate(
+        self, incoming: messages.Incoming, src: int, tag: int, deadline: messages.Deadline
+    ) -> dict[int, torch.Tensor]:
+        """Receive the tensors that followed a message on their own device backends."""
+        separate = {}
+        for index, spec in incoming.separate_specs():
+            device = self._dispatch.device(spec.device)
+            tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+            self._dispatch.backend(device).recv(tensor, src, tag, timeout=deadline.left())
+            separate[index] = tensor
+        return separate
+
+    def _helper(self, kind: str, peer: int, tag: int) -> _Helper:
+        """The thread that runs this group's asynchronous messages to/from (peer, tag), in order."""
+        with self._lock:
+            self._check_open()
+            key = (kind, peer, tag)
+            helper = self._helpers.get(key)
+            if helper is None:
+                helper = self._helpers[key] = _Helper(f"pg-core-{self._name}-{kind}-msg-{peer}-{tag}")
+            return helper
+
+    def _message_collective(
+        self, op: str, call: Callable[[float], Any], async_op: bool, timeout: float | timedelta | None
+    ) -> Any:
+        self._check_messages("send")
+        self._check_messages("recv")
+        return self._collective(
+            op,
+            [],
+            lambda _backend, seconds: call(seconds),
+            reduce_op=None,
+            dtype_check=False,
+            async_op=async_op,
+            timeout=timeout,
+            checked=True,
+        )
+
+    def _collective_message(
+        self, op: str, out: messages.Outgoing | None, seconds: float
+    ) -> tuple[messages.Deadline, messages.Endpoint, list[messages.Buffer]]:
+        """Inside a message collective: its deadline, the endpoint, and ``out`` stamped with
+        the collective's op and sequence number (the receivers check them)."""
+        parts = [] if out is None else out.parts(op=_MESSAGE_OPS[op], seq=self._current_seq)
+        return messages.Deadline(op, seconds), self._message_endpoint(), parts
+
+    def _collective_value(self, op: str, data: bytearray, src: int) -> Any:
+        incoming = messages.parse(data, src=src)
+        messages.check_collective(
+            incoming, op=_MESSAGE_OPS[op], seq=self._current_seq, src=src, what=op, names=_MESSAGE_OP_NAMES
+        )
+        return incoming.value({}, None)
+
+    def _broadcast_value(
+        self,
+        op: str,
+        value: Any,
+        out: messages.Outgoing | None,
+        *,
+        src: int,
+        device: torch.device | None,
+        seconds: float,
+    ) -> Any:
+        deadline, ep, parts = self._collective_message(op, out, seconds)
+        tag = messages.COLLECTIVE_MESSAGE_TAG
+        got = messages.tree_broadcast(
+            parts if self._rank == src else None,
+            rank=self._rank,
+            size=self._size,
+            src=src,
+            send=lambda p, peer: ep.send(p, peer, tag, deadline),
+            recv=lambda peer: ep.recv(peer, tag, deadline),
+        )
+        if out is not None:  # the source: its tensors on other devices follow, broadcast by their backends
+            for t in out.separate:
+                self._dispatch.backend(t.device).broadcast(t, src, timeout=deadline.left())
+            return value
+        data = got[0]
+        assert isinstance(data, bytearray)
+        incoming = messages.parse(data, src=src)
+        messages.check_collective(
+            incoming, op=_MESSAGE_OPS[op], seq=self._current_seq, src=src, what=op, names=_MESSAGE_OP_NAMES
+        )
+        separate = {}
+        for index, spec in incoming.separate_specs():
+            target = self._dispatch.device(spec.device)
+            self._dispatch.check("broadcast", target.type, spec.dtype)
+            tensor = torch.empty(spec.shape, dtype=spec.dtype, device=target)
+            self._dispatch.backend(target).broadcast(tensor, src, timeout=deadline.left())
+            separate[index] = tensor
+        return incoming.value(separate, device)
+
+    # -- subgroups ------------------------------------------------------------------------------
+    def new_group(
+        self,
+        ranks: Sequence[int],
+        name: str | None = None,
+        backends: BackendsArg = None,
+        *,
+        timeout: float | timedelta | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> ProcessGroup:
+        """A group of the ranks ``ranks`` of this group; called by those members only
+        (the others never call it). This rank's rank in it is its index in ``ranks``.
+
+        ``backends``, ``timeout`` and ``options`` default to this group's. The subgroup
+        lives in this group's store namespace: the same ``ranks`` (or ``name``) formed
+        again, while the first is alive or after it shut down, is a new formation.
+        Members must call ``new_group`` for the same ``ranks`` in the same order.
+        """
+        self._check_open()
+        members = _check_members(ranks, self._size)
+        if self._rank not in members:
+            raise ValueError(f"new_group: rank {self._rank} is not in ranks {members}; only the members call new_group")
+        if name is None:
+            with self._lock:
+                count = self._subgroups.get(tuple(members), 0)
+                self._subgroups[tuple(members)] = count + 1
+            key = "[" + ",".join(map(str, members)) + "]" + (f"#{count}" if count else "")
+            display = f"{self._name}{key}"
+        else:
+            key = display = check_name(name, "new_group name")
+        return self._subgroup(key, display, members, backends=backends, timeout=timeout, options=options)
+
+    def split(
+        self,
+        color: int | None,
+        key: int = 0,
+        *,
+        name: str | None = None,
+        backends: BackendsArg = None,
+        timeout: float | timedelta | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> ProcessGroup | None:
+        """Collective over this group, with ``MPI_Comm_split`` semantics: ranks passing the
+        same ``color`` (an int ``>= 0``) form one subgroup, ranked by ``key`` and then by
+        their rank here; ``color=None`` joins none and returns ``None``."""
+        self._check_open()
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ValueError(f"split: color must be an int >= 0 or None, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, int):
+            raise TypeError(f"split: key must be an int, got {key!r}")
+        if name is not None:
+            check_name(name, "split name")
+        with self._lock:
+            number = self._splits
+            self._splits += 1
+        chosen = self.all_gather_object((color, key), timeout=timeout)
+        if color is None:
+            return None
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(chosen) if c == color)]
+        store_key = f"split{number}.{color}"
+        display = name or f"{self._name}.{store_key}"
+        return self._subgroup(store_key, display, members, backends=backends, timeout=timeout, options=options)
+
+    def _subgroup(
+        self,
+        key: str,
+        display: str,
+        members: list[int],
+        *,
+        backends: BackendsArg,
+        timeout: float | timedelta | None,
+        options: Mapping[str, Mapping[str, Any]] | None,
+    ) -> ProcessGroup:
+        seconds = _seconds(timeout, self._timeout)
+        config: BackendsArg = self._dispatch.config() if backends is None else backends
+        membership = join(
+            self._root_store, f"{self._membership.prefix}/groups", key, members.index(self._rank), len(members)
+        )
+        return ProcessGroup._formed(
+            self._root_store,
+            membership,
+            name=display,
+            uid=f"{self._uid}/{key}#{membership.generation}",
+            backends=config,
+            timeout=seconds,
+            options=self._options if options is None else options,
+            registry=self._registry,
+            parent_ranks=tuple(members),
+        )
+
     # -- life ----------------------------------------------------------------------
     def shutdown(self) -> None:
         """Finish queued operations (bounded by the group timeout), then release every
@@ -740,6 +1304,7 @@ class ProcessGroup:
             self._closed = "shut down"
         with self._exec_lock:
             errors = _close_all(self._dispatch.close(), "shutdown")
+        self._stop_helpers()
         if self._broken is not None or errors:
             # Only a group that failed marks its generation closed. After a clean shutdown,
             # members still joining (slower than this one, which needed nothing from them)
@@ -757,6 +1322,7 @@ class ProcessGroup:
             self._closed = "aborted"
             worker, self._worker = self._worker, None
         _close_all(self._dispatch.close(), "abort")
+        self._stop_helpers()
         if worker is not None:
             self._queue.put(None)
             if worker is not threading.current_thread():
@@ -770,6 +1336,13 @@ class ProcessGroup:
                 if item is not None:
                     item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
         self._mark_generation_closed()
+
+    def _stop_helpers(self) -> None:
+        """Stop the threads of asynchronous messages (their backends are closed: nothing blocks)."""
+        with self._lock:
+            helpers, self._helpers = list(self._helpers.values()), {}
+        for helper in helpers:
+            helper.stop()
 
     def _mark_generation_closed(self) -> None:
         # Best effort: lets a later formation of this name skip a generation that never filled up.
@@ -891,35 +1464,112 @@ def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:
     return rank, size
 
 
-def _join(store: Store, name: str, rank: int, size: int) -> int:
-    """Claim ``rank`` in the current generation of group ``name``; return the generation.
+# -- module-level helpers of the message and subgroup methods ----------------------------------
 
-    Each generation admits exactly ``size`` members (first come); the last one to
-    join opens the next generation, so forming the same name again later (after
-    a shutdown, or by survivors of a failure) never meets stale keys.
+#: The message collectives, as their messages name them (appended to, never renumbered).
+_MESSAGE_OPS: dict[str, int] = {
+    name: i + 1
+    for i, name in enumerate(
+        ("broadcast_object", "all_gather_object", "gather_object", "scatter_object", "broadcast_tensor_dict")
+    )
+}
+_MESSAGE_OP_NAMES = {code: name for name, code in _MESSAGE_OPS.items()}
+
+
+def _api_at_least(version: str, major: int, minor: int) -> bool:
+    try:
+        got = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
+
+
+def _check_dict(value: object, op: str) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{op}: expected a dict of tensors and values, got {type(value).__name__}")
+
+
+def _device_arg(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    return torch.device(device)
+
+
+def _copy(parts: Sequence[messages.Buffer], rank: int) -> Any:
+    """What this rank's own message decodes to: the copy its peers get."""
+    return messages.parse(bytearray().join(parts), src=rank).value({}, None)
+
+
+def _check_members(ranks: object, size: int) -> list[int]:
+    if not isinstance(ranks, (list, tuple, range)):
+        raise TypeError(f"new_group: ranks must be a list of group ranks, got {type(ranks).__name__}")
+    members = [_d.check_rank(r, size, "new_group rank") for r in ranks]
+    if not members:
+        raise ValueError("new_group: ranks is empty")
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks {members} lists a rank twice")
+    return members
+
+
+def rendezvous(
+    store: Store,
+    name: str,
+    size: int,
+    *,
+    backends: BackendsArg = None,
+    timeout: float | timedelta | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    registry: Registry | None = None,
+) -> ProcessGroup:
+    """Form group ``name`` of ``size`` processes that know nothing of each other but the
+    store; ranks are given in arrival order. Returns once all ``size`` have arrived and the
+    group's message backend is connected, so any operation (point to point included) may
+    come first.
+
+    The processes need no common parent group: a decode worker started later joins by
+    calling this with the name its peers use. A process that arrives after the group is
+    full waits for the *next* formation of the name (its next ``size`` arrivals) and, if
+    nobody comes, fails at ``timeout`` with :class:`~pg_core.errors.CollectiveTimeout` saying
+    so; a rendezvous that times out closes its generation, so the others waiting in it
+    fail at once with :class:`~pg_core.errors.PeerFailureError` instead of at their own
+    timeouts. Do not mix ``rendezvous`` and ``ProcessGroup(store, rank, size, name=...)``
+    on one name.
     """
-    base = f"{_STORE_PREFIX}/{name}"
-    generation = int(store.add(f"{base}/generation", 0))
-    for _ in range(1 << 16):
-        # a generation some member closed (it never filled: a member died before joining) is skipped
-        if not store.check([f"{base}/{generation}/closed"]):
-            joined = int(store.add(f"{base}/{generation}/joined", 1))
-            if joined <= size:
-                break
-        generation += 1
-    else:  # pragma: no cover - needs 65536 concurrent formations of one name
-        raise RuntimeError(f"could not join group {name!r}")
-    gen = f"{base}/{generation}"
-    if joined == size:
-        store.add(f"{base}/generation", 1)
-    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
-    claimed = store.compare_set(f"{gen}/rank/{rank}", "", token).decode()
-    if claimed != token:
-        raise ValueError(
-            f"group {name!r} (generation {generation}) already has a rank {rank} ({claimed}); each member must "
-            "pass a distinct rank, and two groups alive at once need distinct names"
-        )
-    sizes = store.compare_set(f"{gen}/size", "", str(size)).decode()
-    if sizes != str(size):
-        raise ValueError(f"group {name!r}: other members passed size={sizes}, this one size={size}")
-    return generation
+    check_name(name)
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"size must be an int, got {size!r}")
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    seconds = _seconds(timeout, DEFAULT_TIMEOUT)
+    # resolve the backends before taking a place: a wrong name fails here, not in the others' wait
+    Dispatcher(
+        backends,
+        registry=registry,
+        store=store,
+        rank=0,
+        size=size,
+        timeout=seconds,
+        group_name=name,
+        group_uid="",
+        options=options or {},
+    )
+    membership = join(store, ROOT_NAMESPACE, name, None, size)
+    wait_until_full(store, membership, seconds, f"rendezvous {name!r}")
+    group = ProcessGroup._formed(
+        store,
+        membership,
+        name=name,
+        uid=f"{name}#{membership.generation}",
+        backends=backends,
+        timeout=seconds,
+        options=options or {},
+        registry=registry,
+    )
+    try:
+        group._message_endpoint()  # connect now: every member is here
+    except BaseException:
+        group.abort()
+        raise
+    return group

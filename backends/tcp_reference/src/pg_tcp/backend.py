@@ -34,7 +34,7 @@ What this file shows a plugin author
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
 import torch
@@ -67,6 +67,11 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 #: beat 0.5, 1 and 4 MiB (small segments pay per-message overhead, large ones
 #: leave the wire idle while a segment is folded).
 _SEGMENT_BYTES: Final = 2 * 1024 * 1024
+
+
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _arg(*, root: int = -1, op: ReduceOp | None = None) -> int:
@@ -204,13 +209,21 @@ class TCPBackend(Backend):
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
         return self._transport.post_async(self._recv_request("irecv", tensor, src, tag, timeout))
 
-    def send_bytes(self, data: bytes | bytearray | memoryview, dst: int, tag: int, *, timeout: float) -> None:
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+    def send_bytes(
+        self,
+        data: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
+        dst: int,
+        tag: int,
+        *,
+        timeout: float,
+    ) -> None:
+        """One frame whose payload is ``data``, or the parts of a list back to back (written
+        with one ``sendmsg``, never joined)."""
+        single = isinstance(data, (bytes, bytearray, memoryview))
+        parts = _byte_view(data) if single else [_byte_view(d) for d in data]  # type: ignore[union-attr, arg-type]
         self._transport.wait(
             self._transport.post_send(
-                Send("send_bytes", BYTES, dst, view, dtype=RAW, tag=tag, timeout=timeout, keep=data)
+                Send("send_bytes", BYTES, dst, parts, dtype=RAW, tag=tag, timeout=timeout, keep=data)
             )
         )
 

@@ -160,6 +160,7 @@ _ABORT_CODE: Final[dict[type[PGError], int]] = {cls: code for code, cls in _ABOR
 _POLLIN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 _POLLOUT: Final = select.POLLOUT
 _DISCARD_CHUNK: Final = 1 << 16
+_IOV_MAX: Final = 512  # buffers per sendmsg (the kernel's limit is 1024)
 _EMPTY: Final = memoryview(b"")
 
 
@@ -211,14 +212,17 @@ class Request:
 
 
 class Send(Request):
-    __slots__ = ("header", "payload", "sent", "total")
+    """A frame to write: the header, then the payload, which is one buffer or a list of
+    buffers written back to back (scatter-gather: a message's parts are never joined)."""
+
+    __slots__ = ("header", "parts", "sent", "total")
 
     def __init__(
         self,
         name: str,
         kind: int,
         peer: int,
-        payload: memoryview,
+        payload: memoryview | list[memoryview],
         *,
         opcode: int = 0,
         dtype: int = 0,
@@ -230,27 +234,46 @@ class Send(Request):
         wire_seq: int = 0,
     ) -> None:
         super().__init__(name, kind, peer, seq=seq, timeout=timeout, deadline=deadline, keep=keep)
-        nbytes = payload.nbytes
+        self.parts = payload if isinstance(payload, list) else [payload]
+        nbytes = sum(p.nbytes for p in self.parts)
         # ``seq`` makes this part of a collective; control frames carry ``wire_seq`` without being one.
         self.header = HEADER.pack(MAGIC, kind, opcode, dtype, tag, wire_seq if seq is None else seq, nbytes)
-        self.payload = payload
         self.sent = 0
         self.total = HEADER_SIZE + nbytes
 
     def pending(self) -> list[bytes | memoryview]:
-        """What is left to write, as ``sendmsg`` buffers."""
+        """What is left to write, as ``sendmsg`` buffers (at most :data:`_IOV_MAX`)."""
         if self.sent < HEADER_SIZE:
-            return [self.header[self.sent :], self.payload]
-        return [self.payload[self.sent - HEADER_SIZE :]]
+            if len(self.parts) == 1:
+                return [self.header[self.sent :], self.parts[0]]
+            return [self.header[self.sent :], *self.parts[: _IOV_MAX - 1]]
+        skip = self.sent - HEADER_SIZE
+        if len(self.parts) == 1:
+            return [self.parts[0][skip:]]
+        out: list[bytes | memoryview] = []
+        for part in self.parts:
+            if skip >= part.nbytes:
+                skip -= part.nbytes
+                continue
+            out.append(part[skip:] if skip else part)
+            skip = 0
+            if len(out) == _IOV_MAX:
+                break
+        return out
 
     def detach(self) -> None:
-        """Copy the unsent rest of the payload, so the caller's tensor is free although
+        """Copy the unsent rest of the payload, so the caller's tensors are free although
         the frame must still be finished on the wire (a started frame cannot be withdrawn)."""
-        if self.sent > HEADER_SIZE:
-            start = self.sent - HEADER_SIZE
-            self.payload = memoryview(bytearray(start) + bytes(self.payload[start:]))
-        else:
-            self.payload = memoryview(bytes(self.payload))
+        start = max(self.sent - HEADER_SIZE, 0)
+        rest = bytearray(start)  # placeholders for what was written, so offsets stay as they were
+        skip = start
+        for part in self.parts:
+            if skip >= part.nbytes:
+                skip -= part.nbytes
+                continue
+            rest += part[skip:]
+            skip = 0
+        self.parts = [memoryview(rest)]
         self.keep = None
 
 

@@ -1,0 +1,572 @@
+"""Messages: objects, tensors of unknown shape and tensor dicts, written once for every backend.
+
+A *message* is what ``send_object``, ``send_tensor``, ``send_tensor_dict`` and the
+object collectives move: a value the receiver knows nothing about in advance.
+This module turns a value into one message and back, and moves messages over a
+backend, whatever the backend can carry:
+
+* **Encoding.** A message is a 32-byte head, a table describing every tensor
+  (dtype, shape, device, where its bytes are), a body, and the tensors' bytes::
+
+      head | table | body | pad | tensor 0 bytes | pad | tensor 1 bytes | ... | buffers
+
+  For a single tensor (``send_tensor``) the body is empty: the table says it all,
+  packed with :mod:`struct`, no pickle. For an object or a tensor dict the body is
+  a pickle stream, protocol 5, in which every tensor is a *persistent id* (an
+  index into the table) and every protocol-5 buffer (a NumPy array, a
+  ``PickleBuffer``) is out of band. So no tensor byte is ever copied into the
+  pickle stream: on the sending side the message's parts point into the tensors'
+  own memory (scatter-gather), and on the receiving side every CPU tensor is a
+  view into the one buffer the message arrived in. Each tensor's bytes start at
+  a 64-byte offset, so the views are aligned for vectorised kernels.
+
+* **Where tensors travel.** A CPU tensor rides *inline*, in the message. A tensor
+  on another device type for which the group has a backend (``cuda`` with NCCL)
+  is *separate*: the table describes it, and after the message it is sent by its
+  own device's backend with a plain ``send`` of known shape, straight into a
+  buffer the receiver allocated from the table. A tensor on a device the group
+  has no backend for is copied to the CPU, rides inline, and is restored to its
+  device type on arrival (as ``pickle`` would do).
+
+* **Moving bytes.** A message goes to the backend of the group's message device
+  (its ``cpu`` backend, else the first one configured). Where that backend
+  carries variable-size messages (``send_bytes``/``recv_bytes``, as pg-tcp does),
+  a message is exactly one backend message, its parts handed over as a list
+  (scatter-gather, no concatenation). Otherwise it is emulated on ``send``/``recv``
+  of ``uint8`` tensors the eager way MPI libraries send small messages: a first
+  chunk of fixed size (:data:`EAGER_BYTES`) carries the length and the start of
+  the message, and only a message that does not fit sends the rest as a second
+  tensor whose size the first chunk announced. Never the three steps (size,
+  metadata, data) that ``torch.distributed`` users write by hand.
+
+The message tags are the core's own (negative) tags, so object and tensor
+messages never mix with a user's ``send``/``recv`` traffic on the same tag.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from .dispatch import dense
+from .errors import CollectiveMismatchError, CollectiveTimeout
+
+if TYPE_CHECKING:
+    from .backend import Backend
+
+__all__ = [
+    "COLLECTIVE_MESSAGE_TAG",
+    "EAGER_BYTES",
+    "KIND_NAMES",
+    "OBJECT",
+    "TENSOR",
+    "TENSOR_DICT",
+    "Deadline",
+    "Endpoint",
+    "Incoming",
+    "Outgoing",
+    "encode",
+    "message_tag",
+    "parse",
+]
+
+#: A part of a message, as backends receive them in ``send_bytes``.
+Buffer = bytes | bytearray | memoryview
+
+# -- tags ---------------------------------------------------------------------------------
+
+#: The tag of the object collectives' messages (collectives run one at a time per group).
+COLLECTIVE_MESSAGE_TAG: Final = -2
+_P2P_BASE: Final = -(2**62)
+
+
+def message_tag(tag: int) -> int:
+    """The core tag that carries point-to-point messages sent with user ``tag`` (``>= 0``):
+    a namespace of its own, apart from tensor ``send``/``recv`` and the collectives."""
+    return _P2P_BASE - tag
+
+
+# -- the wire format --------------------------------------------------------------------------
+
+MAGIC: Final = b"PGm\x01"
+#: magic, kind, op, flags, seq (the collective's sequence number; 0 for point to point),
+#: tensors in the table, out-of-band buffers, table bytes, body bytes
+_HEAD: Final = struct.Struct("<4sBBHQHHII")
+_SPEC: Final = struct.Struct("<BBBB")  # dtype code, ndim, flags, length of the device string
+_DIM: Final = struct.Struct("<q")
+_BUFLEN: Final = struct.Struct("<Q")
+_ALIGN: Final = 64
+_ZEROS: Final = bytes(_ALIGN)
+
+OBJECT: Final = 1
+TENSOR: Final = 2
+TENSOR_DICT: Final = 3
+KIND_NAMES: Final = {OBJECT: "an object", TENSOR: "a tensor", TENSOR_DICT: "a tensor dict"}
+
+_SEPARATE: Final = 1  # sent after the message by the tensor's own device backend
+_REQUIRES_GRAD: Final = 2
+_PARAMETER: Final = 4
+
+#: Every dtype a message can carry, by code. The order is the wire format: append only.
+_DTYPE_NAMES: Final = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex32",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+_DTYPE_CODE: Final[dict[torch.dtype, int]] = {
+    getattr(torch, name): i + 1
+    for i, name in enumerate(_DTYPE_NAMES)
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_CODE_DTYPE: Final[dict[int, torch.dtype]] = {code: dtype for dtype, code in _DTYPE_CODE.items()}
+
+#: The first chunk of an emulated message (a backend without ``send_bytes``): the length
+#: and the start of the message. Messages up to ``EAGER_BYTES - 8`` bytes take one send.
+EAGER_BYTES: Final = 1024
+_LENGTH: Final = struct.Struct("<Q")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a dense CPU tensor, without a copy (the caller keeps the tensor alive)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, lazy conjugation/negation applied, laid out densely: what its
+    bytes must look like on the wire."""
+    t = tensor.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if dense(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+# -- sending side ---------------------------------------------------------------------------
+
+
+@dataclass
+class _TensorEntry:
+    tensor: torch.Tensor  # what goes on the wire (cpu for inline entries)
+    flags: int
+    device: str  # where it came from / lands: "cpu", "cuda", ...
+
+
+class _Pickler(pickle.Pickler):
+    """Protocol 5 with every tensor as a persistent id and buffers out of band."""
+
+    def __init__(self, file: io.BytesIO, out: Outgoing) -> None:
+        super().__init__(file, protocol=5, buffer_callback=out._buffer)
+        self._out = out
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._out._tensor_id(obj)
+        return None
+
+
+@dataclass
+class Outgoing:
+    """One encoded message: its parts (a head packed at send time, then zero-copy
+    views of the tensors) and the tensors that travel separately after it."""
+
+    kind: int
+    separate_devices: frozenset[str]
+    entries: list[_TensorEntry] = field(default_factory=list)
+    buffers: list[memoryview] = field(default_factory=list)
+    body: bytes = b""
+    _ids: dict[int, int] = field(default_factory=dict)
+
+    # pickling hooks
+    def _tensor_id(self, obj: torch.Tensor) -> int | None:
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            return None  # subclasses pickle themselves, in band
+        if obj.layout != torch.strided or obj.is_quantized or obj.is_nested or obj.device.type == "meta":
+            return None
+        if obj.dtype not in _DTYPE_CODE:
+            return None
+        known = self._ids.get(id(obj))
+        if known is not None:
+            return known
+        index = self.add_tensor(obj)
+        self._ids[id(obj)] = index
+        return index
+
+    def _buffer(self, buf: pickle.PickleBuffer) -> bool:
+        try:
+            view = buf.raw()
+        except BufferError:  # not contiguous: let pickle copy it in band
+            return True
+        self.buffers.append(view)
+        return False
+
+    def add_tensor(self, tensor: torch.Tensor) -> int:
+        """Describe ``tensor`` in the table; returns its index."""
+        if tensor.dtype not in _DTYPE_CODE:
+            raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent as a message")
+        if tensor.dim() > 255:
+            raise ValueError(f"a tensor with {tensor.dim()} dimensions cannot be sent as a message (at most 255)")
+        flags = (_REQUIRES_GRAD if tensor.requires_grad else 0) | (
+            _PARAMETER if isinstance(tensor, torch.nn.Parameter) else 0
+        )
+        device = tensor.device.type
+        t = _plain(tensor)
+        if device != "cpu":
+            if device in self.separate_devices:
+                flags |= _SEPARATE
+            else:
+                t = t.cpu()  # no backend for it: ride inline, restored to its device type on arrival
+        self.entries.append(_TensorEntry(t, flags, device))
+        return len(self.entries) - 1
+
+    @property
+    def separate(self) -> list[torch.Tensor]:
+        return [e.tensor for e in self.entries if e.flags & _SEPARATE]
+
+    def parts(self, *, op: int = 0, seq: int = 0) -> list[Buffer]:
+        """The message as a list of buffers, head first; tensor parts are views of the tensors."""
+        table = bytearray()
+        for e in self.entries:
+            dev = e.device.encode()
+            table += _SPEC.pack(_DTYPE_CODE[e.tensor.dtype], e.tensor.dim(), e.flags, len(dev))
+            table += dev
+            for size in e.tensor.shape:
+                table += _DIM.pack(size)
+        for b in self.buffers:
+            table += _BUFLEN.pack(b.nbytes)
+        head = _HEAD.pack(
+            MAGIC, self.kind, op, 0, seq, len(self.entries), len(self.buffers), len(table), len(self.body)
+        )
+        parts: list[Buffer] = [head, table, self.body]
+        offset = len(head) + len(table) + len(self.body)
+        for view in self._payloads():
+            if not view.nbytes:
+                continue
+            pad = _aligned(offset) - offset
+            if pad:
+                parts.append(_ZEROS[:pad])
+            parts.append(view)
+            offset += pad + view.nbytes
+        return parts
+
+    def _payloads(self) -> Iterator[memoryview]:
+        for e in self.entries:
+            if not e.flags & _SEPARATE:
+                yield _raw(e.tensor)
+        yield from self.buffers
+
+
+def encode(kind: int, value: Any, *, separate_devices: frozenset[str] = frozenset()) -> Outgoing:
+    """Encode ``value`` (a tensor for :data:`TENSOR`, anything picklable otherwise).
+
+    Raises what pickling raises (``TypeError``, ``pickle.PicklingError``, ...)
+    before anything is sent.
+    """
+    out = Outgoing(kind, separate_devices)
+    if kind == TENSOR:
+        out.add_tensor(value)
+        return out
+    f = io.BytesIO()
+    _Pickler(f, out).dump(value)
+    out.body = f.getvalue()
+    return out
+
+
+# -- receiving side ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    flags: int
+    device: str
+    offset: int  # of its bytes in the message (inline tensors)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def separate(self) -> bool:
+        return bool(self.flags & _SEPARATE)
+
+
+@dataclass
+class Incoming:
+    """A received message, parsed: its head fields, its tensor table and its buffers."""
+
+    kind: int
+    op: int
+    seq: int
+    specs: list[TensorSpec]
+    data: bytearray
+    body: memoryview
+    buffers: list[memoryview]
+
+    def separate_specs(self) -> list[tuple[int, TensorSpec]]:
+        return [(i, s) for i, s in enumerate(self.specs) if s.separate]
+
+    def value(self, separate: dict[int, torch.Tensor], device: torch.device | None) -> Any:
+        """Decode: every inline CPU tensor is a view into the message (no copy)."""
+        tensors = [self._tensor(i, spec, separate, device) for i, spec in enumerate(self.specs)]
+        if self.kind == TENSOR:
+            return tensors[0]
+        unpickler = _Unpickler(io.BytesIO(self.body), tensors, self.buffers)
+        return unpickler.load()
+
+    def _tensor(
+        self, index: int, spec: TensorSpec, separate: dict[int, torch.Tensor], device: torch.device | None
+    ) -> torch.Tensor:
+        if spec.separate:
+            t = separate[index]
+        elif spec.nbytes == 0:
+            t = torch.empty(spec.shape, dtype=spec.dtype)
+        else:
+            raw = torch.frombuffer(self.data, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset)
+            t = raw.view(spec.dtype).view(spec.shape)
+        target = device if device is not None else (None if spec.separate else torch.device(spec.device))
+        if target is not None and t.device != target:
+            t = t.to(target)
+        if spec.flags & _PARAMETER:
+            return torch.nn.Parameter(t, requires_grad=bool(spec.flags & _REQUIRES_GRAD))
+        if spec.flags & _REQUIRES_GRAD:
+            t.requires_grad_(True)
+        return t
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], buffers: list[memoryview]) -> None:
+        super().__init__(file, buffers=buffers)
+        self._tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, int) or not 0 <= pid < len(self._tensors):
+            raise pickle.UnpicklingError(f"message refers to tensor {pid!r}, which its table does not have")
+        return self._tensors[pid]
+
+
+def parse(data: bytearray, *, src: int) -> Incoming:
+    """Parse a received message (``ValueError`` if it is not one)."""
+    view = memoryview(data)
+    if len(data) < _HEAD.size or bytes(view[:4]) != MAGIC:
+        raise ValueError(f"rank {src} sent {len(data)} bytes that are not a pg-core message (a foreign sender?)")
+    _, kind, op, _, seq, ntensors, nbuffers, table_len, body_len = _HEAD.unpack_from(data)
+    pos = _HEAD.size
+    end_table = pos + table_len
+    shapes: list[tuple[torch.dtype, tuple[int, ...], int, str]] = []
+    for _ in range(ntensors):
+        code, ndim, flags, devlen = _SPEC.unpack_from(data, pos)
+        pos += _SPEC.size
+        device = bytes(view[pos : pos + devlen]).decode()
+        pos += devlen
+        shape = struct.unpack_from(f"<{ndim}q", data, pos)
+        pos += 8 * ndim
+        dtype = _CODE_DTYPE.get(code)
+        if dtype is None:
+            raise ValueError(f"rank {src} sent a tensor of dtype code {code}, unknown to this torch")
+        shapes.append((dtype, shape, flags, device))
+    buflens = []
+    for _ in range(nbuffers):
+        buflens.append(_BUFLEN.unpack_from(data, pos)[0])
+        pos += _BUFLEN.size
+    if pos != end_table:
+        raise ValueError(f"rank {src} sent a message whose table is malformed")
+    body = view[pos : pos + body_len]
+    offset = pos + body_len
+    specs = []
+    for dtype, shape, flags, device in shapes:
+        spec = TensorSpec(dtype, shape, flags, device, 0)
+        if not flags & _SEPARATE and spec.nbytes:
+            offset = _aligned(offset)
+            spec = TensorSpec(dtype, shape, flags, device, offset)
+            offset += spec.nbytes
+        specs.append(spec)
+    buffers = []
+    for n in buflens:
+        if n:
+            offset = _aligned(offset)
+        buffers.append(view[offset : offset + n])
+        offset += n
+    if offset > len(data):
+        raise ValueError(f"rank {src} sent a truncated message ({len(data)} bytes, its table needs {offset})")
+    return Incoming(kind, op, seq, specs, data, body, buffers)
+
+
+# -- moving messages ----------------------------------------------------------------------------
+
+
+class Deadline:
+    """One timeout for an operation made of several steps."""
+
+    __slots__ = ("at", "op", "seconds")
+
+    def __init__(self, op: str, seconds: float) -> None:
+        self.op = op
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left; raises :class:`CollectiveTimeout` once none are."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(f"{self.op} exceeded its timeout of {self.seconds:g} s", op=self.op)
+        return left
+
+
+class Endpoint:
+    """How messages travel over one backend: one ``send_bytes`` each where the backend
+    has it, the eager emulation on ``send``/``recv`` otherwise.
+
+    ``scatter_gather``: the backend's ``send_bytes`` takes a list of buffers (contract
+    1.1); otherwise a message's parts are joined before they are handed over.
+    """
+
+    def __init__(self, backend: Backend, device: torch.device, *, scatter_gather: bool) -> None:
+        self.backend = backend
+        self.device = device
+        self.native = backend.supports_bytes
+        self.scatter_gather = scatter_gather
+        self._locks: dict[tuple[str, int, int], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, direction: str, peer: int, tag: int) -> threading.Lock:
+        """Serialises the transmissions of one message against other threads' on the same
+        (direction, peer, tag): a message of several sends must not interleave with another."""
+        key = (direction, peer, tag)
+        with self._locks_guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
+    def send(self, parts: Sequence[Buffer], peer: int, tag: int, deadline: Deadline) -> None:
+        if self.native:
+            data: Any = list(parts) if self.scatter_gather else b"".join(parts)
+            self.backend.send_bytes(data, peer, tag, timeout=deadline.left())
+            return
+        joined = bytearray().join(parts)
+        total = len(joined)
+        cap = EAGER_BYTES - _LENGTH.size
+        first = bytearray(EAGER_BYTES)
+        _LENGTH.pack_into(first, 0, total)
+        first[_LENGTH.size : _LENGTH.size + min(total, cap)] = memoryview(joined)[:cap]
+        self.backend.send(self._tensor(first, 0), peer, tag, timeout=deadline.left())
+        if total > cap:
+            self.backend.send(self._tensor(joined, cap), peer, tag, timeout=deadline.left())
+
+    def recv(self, peer: int, tag: int, deadline: Deadline) -> bytearray:
+        if self.native:
+            return self.backend.recv_bytes(peer, tag, timeout=deadline.left())
+        first = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
+        self.backend.recv(first, peer, tag, timeout=deadline.left())
+        head = _to_bytes(first)
+        (total,) = _LENGTH.unpack_from(head)
+        cap = EAGER_BYTES - _LENGTH.size
+        data = bytearray(total)
+        data[: min(total, cap)] = head[_LENGTH.size : _LENGTH.size + min(total, cap)]
+        if total > cap:
+            rest = total - cap
+            if self.device.type == "cpu":
+                self.backend.recv(
+                    torch.frombuffer(data, dtype=torch.uint8, count=rest, offset=cap),
+                    peer,
+                    tag,
+                    timeout=deadline.left(),
+                )
+            else:
+                tail = torch.empty(rest, dtype=torch.uint8, device=self.device)
+                self.backend.recv(tail, peer, tag, timeout=deadline.left())
+                data[cap:] = _to_bytes(tail)
+        return data
+
+    def _tensor(self, data: bytearray, offset: int) -> torch.Tensor:
+        """``data[offset:]`` as a uint8 tensor on the endpoint's device (a view on the cpu)."""
+        t = torch.frombuffer(data, dtype=torch.uint8, offset=offset)
+        return t if self.device.type == "cpu" else t.to(self.device)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    t = t.cpu()
+    return bytes(_raw(t))
+
+
+# -- collectives of messages ------------------------------------------------------------------
+
+
+def tree_broadcast(
+    root_parts: Sequence[Buffer] | None,
+    *,
+    rank: int,
+    size: int,
+    src: int,
+    send: Callable[[Sequence[Buffer], int], None],
+    recv: Callable[[int], bytearray],
+) -> Sequence[Buffer]:
+    """Binomial-tree broadcast of one message from ``src``; returns what this rank has.
+
+    A rank forwards the message exactly as it arrived (no re-encoding), so every rank
+    ends with the same bytes.
+    """
+    vrank = (rank - src) % size
+    parts: Sequence[Buffer] | None = root_parts if vrank == 0 else None
+    mask = 1
+    while mask < size:
+        if vrank & mask:
+            parts = [recv((vrank - mask + src) % size)]
+            break
+        mask <<= 1
+    assert parts is not None
+    mask >>= 1
+    while mask > 0:
+        if vrank + mask < size:
+            send(parts, (vrank + mask + src) % size)
+        mask >>= 1
+    return parts
+
+
+def check_collective(incoming: Incoming, *, op: int, seq: int, src: int, what: str, names: dict[int, str]) -> None:
+    """A collective's message must be the collective this rank is in."""
+    if (incoming.op, incoming.seq) != (op, seq):
+        theirs = names.get(incoming.op, f"op#{incoming.op}")
+        raise CollectiveMismatchError(
+            f"{what} (collective #{seq}): rank {src} sent a message of {theirs} (collective #{incoming.seq}); every "
+            "rank must call the same collectives in the same order",
+            peers=(src,),
+        )
