@@ -244,11 +244,10 @@ class Outgoing:
         )
         device = tensor.device.type
         t = _plain(tensor)
-        if device != "cpu":
-            if device in self.separate_devices:
-                flags |= _SEPARATE
-            else:
-                t = t.cpu()  # no backend for it: ride inline, restored to its device type on arrival
+        if device in self.separate_devices:
+            flags |= _SEPARATE
+        elif device != "cpu":
+            t = t.cpu()  # no backend for it: ride inline, restored to its device type on arrival
         self.entries.append(_TensorEntry(t, flags, device))
         return len(self.entries) - 1
 
