@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from pg_core import registry as registry_module
-from pg_core.backend import Backend, BackendSpec
+from pg_core.backend import API_VERSION, Backend, BackendSpec
 from pg_core.cli import main
 from pg_core.registry import Registry
 
@@ -87,7 +87,7 @@ def test_json_lists_every_plugin_with_its_status(runs: dict[str, subprocess.Comp
         "distribution": "pg-good-plugin",
         "version": "0.1.0",
         "entry_point": "good = pg_good_plugin.plugin",
-        "api_version": "1.0",
+        "api_version": API_VERSION,
         "devices": ["cpu"],
         "priority": 7,
         "status": "available",
@@ -119,7 +119,7 @@ def test_table_shows_name_distribution_api_devices_priority_status(
     lines = run.stdout.splitlines()
     assert lines[0].split() == ["NAME", "DISTRIBUTION", "API", "DEVICES", "PRIORITY", "STATUS"]
     rows = {line.split()[0]: line for line in lines[1:] if line and not line.startswith(("Conflicts", "No "))}
-    assert rows["good"].split() == ["good", "pg-good-plugin==0.1.0", "1.0", "cpu", "7", "available"]
+    assert rows["good"].split() == ["good", "pg-good-plugin==0.1.0", API_VERSION, "cpu", "7", "available"]
     assert "unavailable: no unicorn in this machine" in rows["unicorn"]
     assert "broken: ImportError: pg_bad_plugin needs libunicorn.so" in rows["bad"]
     assert "broken: PluginVersionError:" in rows["api2"]
@@ -191,8 +191,8 @@ def test_in_process_registration_is_listed(isolated: Registry, capsys: pytest.Ca
     isolated.register(BackendSpec("off", Backend, devices=("cpu",), is_available=lambda: "no MPI launch"))
     assert main(["backends"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["mine", "(in-process)", "1.0", "cpu,cuda", "2", "available"]
-    assert lines[2].split()[:5] == ["off", "(in-process)", "1.0", "cpu", "0"]
+    assert lines[1].split() == ["mine", "(in-process)", API_VERSION, "cpu,cuda", "2", "available"]
+    assert lines[2].split()[:5] == ["off", "(in-process)", API_VERSION, "cpu", "0"]
     assert lines[2].endswith("unavailable: no MPI launch")
 
 

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -1055,8 +1055,8 @@ class ProcessGroup:
             self._check_open()
             deadline = messages.Deadline(op, seconds)
             ep = self._message_endpoint()
-            with ep.lock("send", dst, wire):
-                ep.send(out.parts(), dst, wire, deadline)
+            with _named(op), ep.stream("send", dst, wire, op) as progress:
+                ep.send(out.parts(), dst, wire, deadline, progress)
                 for t in out.separate:
                     self._dispatch.backend(t.device).send(t, dst, wire, timeout=deadline.left())
 
@@ -1090,8 +1090,8 @@ class ProcessGroup:
             self._check_open()
             deadline = messages.Deadline(op, seconds)
             ep = self._message_endpoint()
-            with ep.lock("recv", src, wire):
-                incoming = messages.parse(ep.recv(src, wire, deadline), src=src)
+            with _named(op), ep.stream("recv", src, wire, op) as progress:
+                incoming = messages.parse(ep.recv(src, wire, deadline, progress), src=src)
                 separate = self._recv_separate(incoming, src, wire, deadline)
             if kind is not None and incoming.kind != kind:
                 raise CollectiveMismatchError(
@@ -1476,6 +1476,16 @@ _MESSAGE_OPS: dict[str, int] = {
 _MESSAGE_OP_NAMES = {code: name for name, code in _MESSAGE_OPS.items()}
 
 
+@contextlib.contextmanager
+def _named(op: str) -> Iterator[None]:
+    """A timeout raised by the backend names the user's operation (not ``recv_bytes``)."""
+    try:
+        yield
+    except CollectiveTimeout as exc:
+        exc.op = op
+        raise
+
+
 def _api_at_least(version: str, major: int, minor: int) -> bool:
     try:
         got = tuple(int(x) for x in version.split(".")[:2])
@@ -1494,7 +1504,10 @@ def _device_arg(device: str | torch.device | None) -> torch.device | None:
         return None
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device={device!r} is not a device: {exc}") from None
 
 
 def _copy(parts: Sequence[messages.Buffer], rank: int) -> Any:

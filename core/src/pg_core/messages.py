@@ -45,6 +45,7 @@ messages never mix with a user's ``send``/``recv`` traffic on the same tag.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import pickle
@@ -449,6 +450,15 @@ class Deadline:
         return left
 
 
+class Progress:
+    """Whether a message's first transmission happened (see :meth:`Endpoint.stream`)."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False
+
+
 class Endpoint:
     """How messages travel over one backend: one ``send_bytes`` each where the backend
     has it, the eager emulation on ``send``/``recv`` otherwise.
@@ -463,22 +473,45 @@ class Endpoint:
         self.native = backend.supports_bytes
         self.scatter_gather = scatter_gather
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
+        self._broken: dict[tuple[str, int, int], str] = {}
+        self._guard = threading.Lock()
 
-    def lock(self, direction: str, peer: int, tag: int) -> threading.Lock:
-        """Serialises the transmissions of one message against other threads' on the same
-        (direction, peer, tag): a message of several sends must not interleave with another."""
+    @contextlib.contextmanager
+    def stream(self, direction: str, peer: int, tag: int, op: str) -> Iterator[Progress]:
+        """One point-to-point message on (direction, peer, tag): its transmissions do not
+        interleave with another thread's on the same stream, and a message that fails after
+        its first transmission (a timeout halfway) stops the stream, whose next bytes would
+        otherwise be read as the start of a message."""
         key = (direction, peer, tag)
-        with self._locks_guard:
+        with self._guard:
             lock = self._locks.get(key)
             if lock is None:
                 lock = self._locks[key] = threading.Lock()
-            return lock
+        with lock:
+            why = self._broken.get(key)
+            if why is not None:
+                way = "to" if direction == "send" else "from"
+                raise CollectiveMismatchError(
+                    f"{op}: messages {way} rank {peer} on this tag stopped after one failed halfway ({why}); the two "
+                    "ranks are out of step there, so form the group again (other tags and peers still work)",
+                    peers=(peer,),
+                )
+            progress = Progress()
+            try:
+                yield progress
+            except BaseException as exc:
+                if progress.started:
+                    self._broken[key] = f"{type(exc).__name__}: {exc}"
+                raise
 
-    def send(self, parts: Sequence[Buffer], peer: int, tag: int, deadline: Deadline) -> None:
+    def send(
+        self, parts: Sequence[Buffer], peer: int, tag: int, deadline: Deadline, progress: Progress | None = None
+    ) -> None:
         if self.native:
             data: Any = list(parts) if self.scatter_gather else b"".join(parts)
             self.backend.send_bytes(data, peer, tag, timeout=deadline.left())
+            if progress is not None:
+                progress.started = True
             return
         joined = bytearray().join(parts)
         total = len(joined)
@@ -487,14 +520,21 @@ class Endpoint:
         _LENGTH.pack_into(first, 0, total)
         first[_LENGTH.size : _LENGTH.size + min(total, cap)] = memoryview(joined)[:cap]
         self.backend.send(self._tensor(first, 0), peer, tag, timeout=deadline.left())
+        if progress is not None:
+            progress.started = True
         if total > cap:
             self.backend.send(self._tensor(joined, cap), peer, tag, timeout=deadline.left())
 
-    def recv(self, peer: int, tag: int, deadline: Deadline) -> bytearray:
+    def recv(self, peer: int, tag: int, deadline: Deadline, progress: Progress | None = None) -> bytearray:
         if self.native:
-            return self.backend.recv_bytes(peer, tag, timeout=deadline.left())
+            data = self.backend.recv_bytes(peer, tag, timeout=deadline.left())
+            if progress is not None:
+                progress.started = True
+            return data
         first = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
         self.backend.recv(first, peer, tag, timeout=deadline.left())
+        if progress is not None:
+            progress.started = True
         head = _to_bytes(first)
         (total,) = _LENGTH.unpack_from(head)
         cap = EAGER_BYTES - _LENGTH.size
