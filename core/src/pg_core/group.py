@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -980,7 +980,7 @@ class ProcessGroup:
         """Rank ``i`` returns ``objs[i]`` of ``src`` (a copy); ``objs`` is a list of one
         object per rank on ``src`` and ``None`` elsewhere."""
         _d.check_rank(src, self._size, "src")
-        outs: list[messages.Outgoing] = []
+        outs: list[messages.Encoded] = []
         if self._rank == src:
             if not isinstance(objs, (list, tuple)):
                 raise TypeError(f"scatter_object: objs must be a list on the source rank, got {type(objs).__name__}")
@@ -1019,13 +1019,16 @@ class ProcessGroup:
                     )
         return ep
 
-    def _check_messages(self, direction: str) -> None:
+    def _check_messages(self, direction: str) -> messages.Endpoint:
         """Messages need the message device backend's ``send``/``recv`` (of ``uint8`` where
         they are emulated on tensors). Creates that backend if this is its first use."""
         ep = self._message_endpoint()
-        self._dispatch.check(direction, ep.device.type, None if ep.native else torch.uint8)
+        if direction not in ep.checked:
+            self._dispatch.check(direction, ep.device.type, None if ep.native else torch.uint8)
+            ep.checked.add(direction)
+        return ep
 
-    def _check_separate(self, out: messages.Outgoing, op: str) -> None:
+    def _check_separate(self, out: messages.Encoded, op: str) -> None:
         for t in out.separate:
             self._dispatch.check(op, t.device.type, t.dtype)
 
@@ -1046,24 +1049,31 @@ class ProcessGroup:
             raise ValueError(f"{op}: dst={dst} is this rank; a rank cannot send to itself")
         _d.check_tag(tag)
         seconds = _seconds(timeout, self._timeout)
-        self._check_messages("send")
+        ep = self._check_messages("send")
         out = messages.encode(kind, value, separate_devices=self._separate_devices)
         self._check_separate(out, "send")
         wire = messages.message_tag(tag)
 
-        def run() -> None:
-            self._check_open()
-            deadline = messages.Deadline(op, seconds)
-            ep = self._message_endpoint()
-            with _named(op), ep.stream("send", dst, wire, op) as progress:
+        if async_op:
+            return self._helper("send", dst, tag).submit(
+                op, lambda: self._send_now(op, ep, out, dst=dst, wire=wire, seconds=seconds)
+            )
+        self._send_now(op, ep, out, dst=dst, wire=wire, seconds=seconds)
+        return None
+
+    def _send_now(
+        self, op: str, ep: messages.Endpoint, out: messages.Encoded, *, dst: int, wire: int, seconds: float
+    ) -> None:
+        self._check_open()
+        deadline = messages.Deadline(op, seconds)
+        try:
+            with ep.stream("send", dst, wire, op) as progress:
                 ep.send(out.parts(), dst, wire, deadline, progress)
                 for t in out.separate:
                     self._dispatch.backend(t.device).send(t, dst, wire, timeout=deadline.left())
-
-        if async_op:
-            return self._helper("send", dst, tag).submit(op, run)
-        run()
-        return None
+        except CollectiveTimeout as exc:
+            exc.op = op  # the user's operation, not the backend's send_bytes
+            raise
 
     def _recv_value(
         self,
@@ -1083,16 +1093,22 @@ class ProcessGroup:
         _d.check_tag(tag)
         where = _device_arg(device)
         seconds = _seconds(timeout, self._timeout)
-        self._check_messages("recv")
+        ep = self._check_messages("recv")
         wire = messages.message_tag(tag)
 
         def run() -> Any:
             self._check_open()
             deadline = messages.Deadline(op, seconds)
-            ep = self._message_endpoint()
-            with _named(op), ep.stream("recv", src, wire, op) as progress:
-                incoming = messages.parse(ep.recv(src, wire, deadline, progress), src=src)
-                separate = self._recv_separate(incoming, src, wire, deadline)
+            try:
+                with ep.stream("recv", src, wire, op) as progress:
+                    data = ep.recv(src, wire, deadline, progress)
+                    if kind == messages.TENSOR and (tensor := messages.parse_tensor(data)) is not None:
+                        return tensor if where is None or where == tensor.device else tensor.to(where)
+                    incoming = messages.parse(data, src=src)
+                    separate = self._recv_separate(incoming, src, wire, deadline)
+            except CollectiveTimeout as exc:
+                exc.op = op  # the user's operation, not the backend's recv_bytes
+                raise
             if kind is not None and incoming.kind != kind:
                 raise CollectiveMismatchError(
                     f"{op}: rank {src} sent {messages.KIND_NAMES.get(incoming.kind, 'an unknown message')} with "
@@ -1144,7 +1160,7 @@ class ProcessGroup:
         )
 
     def _collective_message(
-        self, op: str, out: messages.Outgoing | None, seconds: float
+        self, op: str, out: messages.Encoded | None, seconds: float
     ) -> tuple[messages.Deadline, messages.Endpoint, list[messages.Buffer]]:
         """Inside a message collective: its deadline, the endpoint, and ``out`` stamped with
         the collective's op and sequence number (the receivers check them)."""
@@ -1162,7 +1178,7 @@ class ProcessGroup:
         self,
         op: str,
         value: Any,
-        out: messages.Outgoing | None,
+        out: messages.Encoded | None,
         *,
         src: int,
         device: torch.device | None,
@@ -1474,16 +1490,6 @@ _MESSAGE_OPS: dict[str, int] = {
     )
 }
 _MESSAGE_OP_NAMES = {code: name for name, code in _MESSAGE_OPS.items()}
-
-
-@contextlib.contextmanager
-def _named(op: str) -> Iterator[None]:
-    """A timeout raised by the backend names the user's operation (not ``recv_bytes``)."""
-    try:
-        yield
-    except CollectiveTimeout as exc:
-        exc.op = op
-        raise
 
 
 def _api_at_least(version: str, major: int, minor: int) -> bool:

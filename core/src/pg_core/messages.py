@@ -45,7 +45,6 @@ messages never mix with a user's ``send``/``recv`` traffic on the same tag.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import pickle
@@ -54,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import torch
 
@@ -289,12 +288,62 @@ class Outgoing:
         yield from self.buffers
 
 
-def encode(kind: int, value: Any, *, separate_devices: frozenset[str] = frozenset()) -> Outgoing:
+class Encoded(Protocol):
+    """What :func:`encode` returns: the message's parts, and the tensors sent after it."""
+
+    @property
+    def separate(self) -> list[torch.Tensor]: ...
+
+    def parts(self, *, op: int = 0, seq: int = 0) -> list[Buffer]: ...
+
+
+class _CpuTensor:
+    """The fast path of :func:`encode` for the common case of ``send_tensor``: one dense
+    CPU tensor without autograd flags. The same bytes as the general path, packed with
+    one precompiled ``struct`` per number of dimensions."""
+
+    __slots__ = ("_code", "_tensor")
+    separate: list[torch.Tensor] = []
+
+    def __init__(self, tensor: torch.Tensor, code: int) -> None:
+        self._tensor = tensor
+        self._code = code
+
+    def parts(self, *, op: int = 0, seq: int = 0) -> list[Buffer]:
+        t = self._tensor
+        ndim = t.dim()
+        packer = _CPU_TENSOR_HEADS.get(ndim)
+        if packer is None:
+            table = _SPEC.size + 3 + 8 * ndim
+            pad = _aligned(_HEAD.size + table) - _HEAD.size - table
+            packer = _CPU_TENSOR_HEADS[ndim] = (struct.Struct(f"<4sBBHQHHII4B3s{ndim}q{pad}x"), table)
+        head, table = packer
+        data = head.pack(MAGIC, TENSOR, op, 0, seq, 1, 0, table, 0, self._code, ndim, 0, 3, b"cpu", *t.shape)
+        return [data, _raw(t)] if t.numel() else [data]
+
+
+_CPU_TENSOR_HEADS: dict[int, tuple[struct.Struct, int]] = {}
+
+
+def encode(kind: int, value: Any, *, separate_devices: frozenset[str] = frozenset()) -> Encoded:
     """Encode ``value`` (a tensor for :data:`TENSOR`, anything picklable otherwise).
 
     Raises what pickling raises (``TypeError``, ``pickle.PicklingError``, ...)
     before anything is sent.
     """
+    if kind == TENSOR:
+        code = _DTYPE_CODE.get(value.dtype)
+        if (
+            code is not None
+            and type(value) is torch.Tensor
+            and value.device.type == "cpu"
+            and "cpu" not in separate_devices
+            and not value.requires_grad
+            and value.is_contiguous()  # contiguous memory is all _raw needs (any strides of size-1 dims)
+            and not value.is_conj()
+            and not value.is_neg()
+        ):
+            return _CpuTensor(value, code)
     out = Outgoing(kind, separate_devices)
     if kind == TENSOR:
         out.add_tensor(value)
@@ -382,6 +431,38 @@ class _Unpickler(pickle.Unpickler):
         return self._tensors[pid]
 
 
+_ONE_CPU_HEAD: Final = struct.Struct("<4sBBHQHHII4B3s")  # the head, then the spec of one cpu tensor
+_ONE_CPU_SPEC_SIZE: Final = _ONE_CPU_HEAD.size - _HEAD.size
+_SHAPES: Final = tuple(f"<{n}q" for n in range(9))
+
+
+def parse_tensor(data: bytearray) -> torch.Tensor | None:
+    """The fast path of :func:`parse` and :meth:`Incoming.value` for what
+    :class:`_CpuTensor` sends (``None`` for anything else): one ``frombuffer``."""
+    if len(data) < _ONE_CPU_HEAD.size:
+        return None
+    magic, kind, _, _, _, ntensors, nbuffers, table_len, body_len, code, ndim, flags, devlen, dev = (
+        _ONE_CPU_HEAD.unpack_from(data)
+    )
+    if magic != MAGIC or kind != TENSOR or ntensors != 1 or nbuffers or body_len:
+        return None
+    dtype = _CODE_DTYPE.get(code)
+    if flags or devlen != 3 or dev != b"cpu" or dtype is None or table_len != _ONE_CPU_SPEC_SIZE + 8 * ndim:
+        return None
+    shape = struct.unpack_from(_SHAPES[ndim], data, _ONE_CPU_HEAD.size) if ndim < len(_SHAPES) else None
+    if shape is None:
+        shape = struct.unpack_from(f"<{ndim}q", data, _ONE_CPU_HEAD.size)
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    offset = _aligned(_HEAD.size + table_len)
+    if offset + numel * dtype.itemsize != len(data):
+        return None
+    return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape)
+
+
 def parse(data: bytearray, *, src: int) -> Incoming:
     """Parse a received message (``ValueError`` if it is not one)."""
     view = memoryview(data)
@@ -450,13 +531,10 @@ class Deadline:
         return left
 
 
-class Progress:
+class Progress(Protocol):
     """Whether a message's first transmission happened (see :meth:`Endpoint.stream`)."""
 
-    __slots__ = ("started",)
-
-    def __init__(self) -> None:
-        self.started = False
+    started: bool
 
 
 class Endpoint:
@@ -475,34 +553,20 @@ class Endpoint:
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._broken: dict[tuple[str, int, int], str] = {}
         self._guard = threading.Lock()
+        self.checked: set[str] = set()  # directions whose capabilities the group checked
 
-    @contextlib.contextmanager
-    def stream(self, direction: str, peer: int, tag: int, op: str) -> Iterator[Progress]:
-        """One point-to-point message on (direction, peer, tag): its transmissions do not
-        interleave with another thread's on the same stream, and a message that fails after
-        its first transmission (a timeout halfway) stops the stream, whose next bytes would
-        otherwise be read as the start of a message."""
+    def stream(self, direction: str, peer: int, tag: int, op: str) -> _Stream:
+        """One point-to-point message on (direction, peer, tag), as a context manager that
+        yields its :class:`Progress`: its transmissions do not interleave with another
+        thread's on the same stream, and a message that fails after its first transmission
+        (a timeout halfway) stops the stream, whose next bytes would otherwise be read as
+        the start of a message."""
         key = (direction, peer, tag)
-        with self._guard:
-            lock = self._locks.get(key)
-            if lock is None:
-                lock = self._locks[key] = threading.Lock()
-        with lock:
-            why = self._broken.get(key)
-            if why is not None:
-                way = "to" if direction == "send" else "from"
-                raise CollectiveMismatchError(
-                    f"{op}: messages {way} rank {peer} on this tag stopped after one failed halfway ({why}); the two "
-                    "ranks are out of step there, so form the group again (other tags and peers still work)",
-                    peers=(peer,),
-                )
-            progress = Progress()
-            try:
-                yield progress
-            except BaseException as exc:
-                if progress.started:
-                    self._broken[key] = f"{type(exc).__name__}: {exc}"
-                raise
+        lock = self._locks.get(key)
+        if lock is None:
+            with self._guard:
+                lock = self._locks.setdefault(key, threading.Lock())
+        return _Stream(self, key, lock, op)
 
     def send(
         self, parts: Sequence[Buffer], peer: int, tag: int, deadline: Deadline, progress: Progress | None = None
@@ -559,6 +623,37 @@ class Endpoint:
         """``data[offset:]`` as a uint8 tensor on the endpoint's device (a view on the cpu)."""
         t = torch.frombuffer(data, dtype=torch.uint8, offset=offset)
         return t if self.device.type == "cpu" else t.to(self.device)
+
+
+class _Stream:
+    """The context manager of :meth:`Endpoint.stream`; it is also the message's progress."""
+
+    __slots__ = ("_endpoint", "_key", "_lock", "_op", "started")
+
+    def __init__(self, endpoint: Endpoint, key: tuple[str, int, int], lock: threading.Lock, op: str) -> None:
+        self._endpoint, self._key, self._lock, self._op = endpoint, key, lock, op
+        self.started = False
+
+    def __enter__(self) -> _Stream:
+        self._lock.acquire()
+        why = self._endpoint._broken.get(self._key)
+        if why is not None:
+            self._lock.release()
+            direction, peer, _ = self._key
+            way = "to" if direction == "send" else "from"
+            raise CollectiveMismatchError(
+                f"{self._op}: messages {way} rank {peer} on this tag stopped after one failed halfway ({why}); the "
+                "two ranks are out of step there, so form the group again (other tags and peers still work)",
+                peers=(peer,),
+            )
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        try:
+            if exc is not None and self.started:
+                self._endpoint._broken[self._key] = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._lock.release()
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
