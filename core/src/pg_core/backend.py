@@ -62,6 +62,17 @@ messages may still be in flight; point to point keeps working.
 Only ``send`` and ``recv`` are required: every collective has a default in
 :mod:`pg_core.algorithms` written on them, so two methods make a complete,
 correct backend. Override what your hardware does better.
+
+Objects, tensors of unknown shape and tensor dicts (:mod:`pg_core.messages`) are the
+core's, written on this contract: one ``send_bytes`` per message where the backend
+implements ``send_bytes``/``recv_bytes`` (it receives the message's parts as a list, API
+1.1), otherwise at most two ``send`` calls of ``uint8`` tensors; tensors on a device
+with a backend of its own follow as that backend's ``send``/``broadcast``.
+
+Tags: user tags are ``>= 0``. The core uses negative ones, which a backend carries like
+any other: ``-1`` for the default collectives, ``-2`` for the object collectives, and
+``-(2**62) - t`` for object and tensor messages with user tag ``t`` (so every tag fits a
+signed 64-bit field).
 """
 
 from __future__ import annotations
