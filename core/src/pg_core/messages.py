@@ -312,17 +312,20 @@ class _CpuTensor:
     def parts(self, *, op: int = 0, seq: int = 0) -> list[Buffer]:
         t = self._tensor
         ndim = t.dim()
-        packer = _CPU_TENSOR_HEADS.get(ndim)
-        if packer is None:
-            table = _SPEC.size + 3 + 8 * ndim
-            pad = _aligned(_HEAD.size + table) - _HEAD.size - table
-            packer = _CPU_TENSOR_HEADS[ndim] = (struct.Struct(f"<4sBBHQHHII4B3s{ndim}q{pad}x"), table)
-        head, table = packer
+        head, table = _CPU_TENSOR_HEADS[ndim] if ndim < len(_CPU_TENSOR_HEADS) else _cpu_tensor_head(ndim)
         data = head.pack(MAGIC, TENSOR, op, 0, seq, 1, 0, table, 0, self._code, ndim, 0, 3, b"cpu", *t.shape)
         return [data, _raw(t)] if t.numel() else [data]
 
 
-_CPU_TENSOR_HEADS: dict[int, tuple[struct.Struct, int]] = {}
+def _cpu_tensor_head(ndim: int) -> tuple[struct.Struct, int]:
+    """The head, the table of one cpu tensor of ``ndim`` dimensions and the padding to the
+    payload, as one struct; and the table's length."""
+    table = _SPEC.size + 3 + 8 * ndim
+    pad = _aligned(_HEAD.size + table) - _HEAD.size - table
+    return struct.Struct(f"<4sBBHQHHII4B3s{ndim}q{pad}x"), table
+
+
+_CPU_TENSOR_HEADS: Final = tuple(_cpu_tensor_head(n) for n in range(9))
 
 
 def encode(kind: int, value: Any, *, separate_devices: frozenset[str] = frozenset()) -> Encoded:
