@@ -19,17 +19,9 @@ from pg_core import (
     ProcessGroup,
     ReduceOp,
 )
-from pg_core.registry import default_registry
+from pg_core.testing import unavailable
 
-
-def _tcp_available() -> str | None:
-    for entry in default_registry().entries():
-        if entry.name == "tcp" and entry.status == "available":
-            return None
-    return "pg-tcp (the reference backend distribution) is not installed or not available"
-
-
-pytestmark = pytest.mark.skipif(_tcp_available() is not None, reason=str(_tcp_available()))
+pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int64, torch.uint8]
 

@@ -24,17 +24,9 @@ from pg_core import (
     rendezvous,
 )
 from pg_core.backend import Backend
-from pg_core.registry import default_registry
+from pg_core.testing import unavailable
 
-
-def _tcp_available() -> str | None:
-    for entry in default_registry().entries():
-        if entry.name == "tcp" and entry.status == "available":
-            return None
-    return "pg-tcp (the reference backend distribution) is not installed or not available"
-
-
-pytestmark = pytest.mark.skipif(_tcp_available() is not None, reason=str(_tcp_available()))
+pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
 
 FLAVORS = ["bytes", "emulated", "separate"]
 

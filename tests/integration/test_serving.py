@@ -46,17 +46,9 @@ from typing import Any
 import pytest
 import torch
 from pg_core import CollectiveTimeout, ProcessGroup, TCPStore, rendezvous
-from pg_core.registry import default_registry
+from pg_core.testing import unavailable
 
-
-def _tcp_available() -> str | None:
-    for entry in default_registry().entries():
-        if entry.name == "tcp" and entry.status == "available":
-            return None
-    return "pg-tcp (the reference backend distribution) is not installed or not available"
-
-
-pytestmark = pytest.mark.skipif(_tcp_available() is not None, reason=str(_tcp_available()))
+pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
 
 OP_TIMEOUT_S = 20.0  # every group operation in the processes
 LONE_TIMEOUT_S = 2.0  # the latecomer that nobody joins

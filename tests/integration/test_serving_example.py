@@ -8,16 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from pg_core.registry import default_registry
+from pg_core.testing import unavailable
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serving_pattern.py"
 
 
-def _tcp_available() -> bool:
-    return any(e.name == "tcp" and e.status == "available" for e in default_registry().entries())
-
-
-@pytest.mark.skipif(not _tcp_available(), reason="pg-tcp (the default backend) is not installed or not available")
+@pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
 @pytest.mark.timeout(180)
 def test_serving_pattern_example_runs() -> None:
     try:
