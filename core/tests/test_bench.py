@@ -3,7 +3,8 @@ the program itself, run for real (rank processes, torch's Gloo, pg-core groups).
 
 The pg-core side runs on backends defined in this file (``--backends test_bench:NAME``,
 with this folder on the ranks' PYTHONPATH): one correct, one that corrupts a result,
-one that crashes on rank 1. pg-tcp is benchmarked too once it is installed and available.
+one that corrupts bytes in transit, one that crashes on rank 1. pg-tcp is benchmarked
+too once it is installed and available.
 """
 
 from __future__ import annotations
@@ -76,6 +77,29 @@ class WrongSumBackend(StoreBackend):
             tensor.view(-1)[-1] += 1
 
 
+class ManglingBackend(StoreBackend):
+    """Corrupts what it receives: the first run of the benchmark's float32 input in a
+    message ([1, 2, 3, 1, 2, 3] becomes [1, 2, 3, 1, 2, 5]) and the first 16 bytes of
+    request_object's payload (all 0xff), wherever they fall in the bytes, whatever
+    the message format around them. Lengths stay, so messages still parse."""
+
+    MANGLED = {
+        bench.input_values(0, 6, torch.float32).numpy().tobytes(): torch.tensor([1, 2, 3, 1, 2, 5], dtype=torch.float32)
+        .numpy()
+        .tobytes(),
+        bytes(bench.request_object(16)["payload"]): b"\xff" * 16,
+    }
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        super().recv(tensor, src, tag, timeout=timeout)
+        view = tensor.reshape(-1).view(torch.uint8)
+        data = view.numpy().tobytes()
+        for pattern, replacement in self.MANGLED.items():
+            at = data.find(pattern)
+            if at >= 0:
+                view[at : at + len(pattern)] = torch.frombuffer(bytearray(replacement), dtype=torch.uint8)
+
+
 class CrashOnRank1Backend(StoreBackend):
     """Rank 1 raises in all_reduce; rank 0 is left waiting for it."""
 
@@ -107,10 +131,12 @@ def simulate(op: str, n: int, count: int, dtype: torch.dtype) -> list[torch.Tens
         return [torch.cat([big[q].chunk(n)[r] for q in range(n)]) for r in range(n)]
     if op == "send_recv":
         return [big[0], big[0]] + [None] * (n - 2)
+    if op == "send_tensor":  # the same, in the shape only the sender knows
+        return [big[0].reshape(bench.tensor_shape(count))] * 2 + [None] * (n - 2)
     raise AssertionError(op)
 
 
-@pytest.mark.parametrize("op", bench.OPS)
+@pytest.mark.parametrize("op", bench.TENSOR_OPS)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_expected_output_agrees_with_a_simulation_of_the_op(op: str, n: int) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -120,8 +146,8 @@ def test_expected_output_agrees_with_a_simulation_of_the_op(op: str, n: int) -> 
             assert (expected is None) == (out is None)
             if out is not None:
                 assert expected is not None
-                assert torch.equal(expected, out), (op, n, rank, dtype)
-                assert bench.check_output(op, rank, n, count, out.to(dtype)) is None
+                assert torch.equal(expected, out.reshape(-1)), (op, n, rank, dtype)
+                assert bench.check_output(op, rank, n, count, out.to(dtype), dtype=dtype) is None
 
 
 def test_expected_output_by_hand_for_two_ranks() -> None:
@@ -148,6 +174,7 @@ def test_expected_output_by_hand_for_two_ranks() -> None:
         ("reduce_scatter_tensor", 1, lambda t: t.fill_(-1), "4 of 4 elements wrong"),  # the poison left in place
         ("all_to_all_single", 1, lambda t: t.view(-1)[7].fill_(float("nan")), "at index 7: got nan"),
         ("send_recv", 1, lambda t: t.view(-1)[0].sub_(1e-3), "1 of 8 elements wrong; first at index 0"),
+        ("send_tensor", 0, lambda t: t[0, 6].add_(1), "1 of 8 elements wrong; first at index 6: got 2, expected 1"),
     ],
 )
 def test_check_output_reports_a_wrong_result(op: str, rank: int, corrupt: Any, message: str) -> None:
@@ -177,6 +204,62 @@ def test_check_output_reports_a_wrong_shape_and_a_missing_output() -> None:
     assert "shape (3,), expected (4,)" in str(bench.check_output("all_reduce", 0, 2, 4, torch.ones(3)))
     assert "no output" in str(bench.check_output("reduce", 0, 2, 4, None))
     assert bench.check_output("reduce", 1, 2, 4, None) is None  # nothing is defined on a non-root
+
+
+def test_send_tensor_is_checked_for_its_shape_and_dtype() -> None:
+    assert bench.tensor_shape(1024) == (16, 64)  # 4 KiB of float32
+    assert bench.tensor_shape(96) == (3, 32)
+    assert bench.tensor_shape(1) == (1, 1)
+    right = bench.input_values(0, 96, torch.float32).reshape(3, 32)
+    assert bench.check_output("send_tensor", 1, 2, 96, right, dtype=torch.float32) is None
+    flat = bench.check_output("send_tensor", 1, 2, 96, right.reshape(-1), dtype=torch.float32)
+    assert flat == "send_tensor: rank 1 output has shape (96,), expected (3, 32)"
+    assert "shape (32, 3)" in str(bench.check_output("send_tensor", 1, 2, 96, right.reshape(32, 3)))
+    as_double = bench.check_output("send_tensor", 0, 2, 96, right.double(), dtype=torch.float32)
+    assert as_double == "send_tensor: rank 0 output has dtype torch.float64, expected torch.float32"
+    assert "no output" in str(bench.check_output("send_tensor", 0, 2, 96, None))
+    assert bench.check_output("send_tensor", 2, 3, 96, None) is None  # rank 2 takes no part
+
+
+def test_request_object_is_a_serving_request_with_a_payload_of_the_size_asked() -> None:
+    for payload in (1, 4, 250, 251, 4096, 100_003):
+        obj = bench.request_object(payload)
+        assert isinstance(obj["payload"], bytes) and len(obj["payload"]) == payload
+        assert obj == bench.request_object(payload)  # the same on every rank
+        assert {"request_id", "prompt_token_ids", "sampling"} <= obj.keys()
+    assert len(set(bench.request_object(4096)["payload"])) == 251  # not one repeated byte
+    assert 100 < bench.object_size(4) < 400
+    assert 4092 <= bench.object_size(4096) - bench.object_size(4) < 4092 + 8  # the payload, pickled in-band
+    assert bench.element_count("send_object", 4096, 2, 4) == 4096  # object ops count payload bytes
+
+
+def test_check_object_reports_a_wrong_object() -> None:
+    def check(op: str, rank: int, obj: object) -> str | None:
+        return bench.check_object(op, rank, 3, 300, obj)
+
+    right = bench.request_object(300)
+    for op in bench.OBJECT_OPS:
+        assert check(op, 1, bench.request_object(300)) is None
+    corrupt = dict(right, payload=right["payload"][:7] + b"\xff" + right["payload"][8:])
+    assert check("send_object", 0, corrupt) == (
+        "send_object: rank 0: the object['payload'] differs first at index 7: got 255, expected 49"
+    )
+    short = dict(right, payload=right["payload"][:-1])
+    assert (
+        check("broadcast_object", 2, short)
+        == "broadcast_object: rank 2: the object['payload'] has length 299, expected 300"
+    )
+    nested = dict(right, sampling=dict(right["sampling"], top_p=0.9))
+    assert "the object['sampling']['top_p'] is 0.9, expected 0.95" in str(check("send_object", 1, nested))
+    fewer = {k: v for k, v in right.items() if k != "priority"}
+    assert "lacks keys ['priority'] and has extra keys []" in str(check("broadcast_object", 0, fewer))
+    assert "the object is a NoneType, expected a dict" in str(check("broadcast_object", 1, None))
+    assert "no object received" in str(check("send_object", 1, bench._NOTHING))
+    assert check("send_object", 2, None) is None  # rank 2 takes no part in the echo
+    with pytest.raises(ValueError, match="not an object op"):
+        bench.check_object("send_recv", 0, 2, 4, right)
+    with pytest.raises(ValueError, match="no tensor output"):
+        bench.expected_output("broadcast_object", 0, 2, 4)
 
 
 # -- sizes, counts, bandwidth, planning -----------------------------------------------------------------
@@ -219,7 +302,7 @@ def test_busbw_factors_are_nccl_tests() -> None:
     assert bench.busbw_factor("all_reduce", 4) == 1.5
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
         assert bench.busbw_factor(op, 4) == 0.75
-    for op in ("broadcast", "reduce", "send_recv"):
+    for op in ("broadcast", "reduce", "send_recv", "send_tensor", "send_object", "broadcast_object"):
         assert bench.busbw_factor(op, 4) == 1.0
 
 
@@ -234,9 +317,9 @@ def test_plan_iterations_respects_the_budget_and_the_bounds() -> None:
     assert bench.plan_iterations(3_000_000_000, 5, 2, 3, 1.0) == (0, 3)
 
 
-def _row(backend: str, median: float, *, baseline: bool = False) -> bench.Row:
+def _row(backend: str, median: float, *, baseline: bool = False, op: str = "all_reduce") -> bench.Row:
     return bench.Row(
-        op="all_reduce",
+        op=op,
         backend=backend,
         baseline=baseline,
         size=1024,
@@ -265,6 +348,30 @@ def test_reports() -> None:
     assert json.loads(bench.format_json(rows))[1]["ratio"] == pytest.approx(0.85)
     lines = bench.format_csv(rows).splitlines()
     assert lines[0].startswith("op,backend,baseline,size,") and len(lines) == 3
+    assert "vs " not in table  # all_reduce has no reference op
+
+
+def test_send_tensor_is_compared_with_send_recv_on_the_same_backend() -> None:
+    rows = [
+        _row(bench.BASELINE, 300.0, baseline=True, op="send_tensor"),
+        _row("tcp", 60.0, op="send_tensor"),
+        _row(bench.BASELINE, 50.0, baseline=True, op="send_recv"),
+        _row("tcp", 48.0, op="send_recv"),
+        _row("other", 10.0, op="send_tensor"),  # no send_recv row of its own: no comparison
+    ]
+    bench._add_ratios(rows)
+    st_base, st_tcp, sr_base, sr_tcp, other = rows
+    assert st_base.ref_ratio == pytest.approx(6.0) and st_base.ref_op == "send_recv"
+    assert st_tcp.ref_ratio == pytest.approx(1.25) and st_tcp.ratio == pytest.approx(0.2)
+    assert sr_base.ref_ratio is None and sr_tcp.ref_ratio is None and other.ref_ratio is None
+    table = bench.format_table(rows)
+    send_tensor = table.split("\n\n")[0].splitlines()
+    assert send_tensor[0].startswith("# send_tensor (world size 2, float32, shape unknown to the receiver")
+    assert send_tensor[1].split()[-2:] == ["send_recv", "check"]  # the "vs send_recv" column
+    assert send_tensor[3].split()[-4:] == ["0.20x", "torch-gloo", "1.25x", "ok"]
+    assert send_tensor[4].split()[-2:] == ["-", "ok"]
+    assert "# send_tensor vs send_recv is the cost of a shape the receiver does not know" in table
+    assert json.loads(bench.format_json(rows))[1]["ref_ratio"] == pytest.approx(1.25)
 
 
 def _args(*argv: str) -> Any:
@@ -342,6 +449,19 @@ def _commands(tmp: Path) -> dict[str, list[str]]:
             "20",
             *TINY,
         ],
+        # the object and unknown-shape ops through pg-core's messages on a backend without
+        # send_bytes, beside one that corrupts bytes in transit (its rows must be WRONG);
+        # with the ranks pinned to CPUs where the platform can
+        "objects": [
+            "--backends",
+            "test_bench:StoreBackend,test_bench:ManglingBackend",
+            "--no-baseline",
+            *(["--pin-ranks"] if hasattr(os, "sched_setaffinity") else []),
+            "--ops",
+            "send_object,broadcast_object,send_tensor,send_recv",
+            "--json",
+            *TINY,
+        ],
     }
     if _tcp_reason() is None:
         commands["tcp"] = ["--backends", "tcp", "--json", *TINY]
@@ -388,26 +508,40 @@ def _rows(run: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _well_formed(rows: list[dict[str, Any]], ops: tuple[str, ...], backends: list[str]) -> None:
+def _well_formed(
+    rows: list[dict[str, Any]], ops: tuple[str, ...], backends: list[str], sizes: list[int] = SIZES
+) -> None:
     fields = {f.name for f in bench.dataclasses.fields(bench.Row)}
-    wanted = {(op, size, b) for op, size, b in itertools.product(ops, SIZES, backends)}
+    wanted = {(op, size, b) for op, size, b in itertools.product(ops, sizes, backends)}
     assert {(r["op"], r["requested_size"], r["backend"]) for r in rows} == wanted
     assert len(rows) == len(wanted)
+    baseline = bench.BASELINE in backends
     for r in rows:
         assert set(r) == fields
         assert r["status"] == "ok", r
-        assert r["world_size"] == 2 and r["dtype"] == "float32"
+        assert r["world_size"] == 2
         assert r["iters"] == 5 and r["warmup"] >= 1
         assert 0 < r["min_us"] <= r["median_us"] <= r["max_us"], r
-        assert r["size"] == r["count"] * 4 and r["size"] >= 4
+        if r["op"] in bench.OBJECT_OPS:  # count: the payload's bytes; size: the object pickled
+            assert r["dtype"] == "object" and r["count"] == r["requested_size"]
+            assert r["size"] == bench.object_size(r["count"])
+        else:
+            assert r["dtype"] == "float32"
+            assert r["size"] == r["count"] * 4 and r["size"] >= 4
         assert r["algbw_gbps"] == pytest.approx(r["size"] / r["median_us"] / 1e3)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.busbw_factor(r["op"], 2))
-        if r["baseline"]:
-            assert r["backend"] == bench.BASELINE and r["ratio"] is None
+        if r["baseline"] or not baseline:
+            assert r["backend"] in (bench.BASELINE if baseline else backends) and r["ratio"] is None
         else:
             base = next(b for b in rows if b["baseline"] and (b["op"], b["size"]) == (r["op"], r["size"]))
             assert r["ratio"] == pytest.approx(r["median_us"] / base["median_us"])
             assert r["ratio_to"] == bench.BASELINE
+        ref_op = bench.REFERENCE_OPS.get(r["op"])
+        ref = [b for b in rows if (b["op"], b["size"], b["backend"]) == (ref_op, r["size"], r["backend"])]
+        if ref:  # send_tensor beside send_recv of the same size on the same backend
+            assert r["ref_op"] == ref_op and r["ref_ratio"] == pytest.approx(r["median_us"] / ref[0]["median_us"])
+        else:
+            assert r["ref_op"] is None and r["ref_ratio"] is None
 
 
 @pytest.mark.slow
@@ -424,9 +558,11 @@ def test_baseline_alone(runs: dict[str, subprocess.CompletedProcess[str]]) -> No
         r.update(
             baseline=r["baseline"] == "True", ratio=None, ratio_to=r["ratio_to"] or None, detail=r["detail"] or None
         )
+        r.update(ref_ratio=float(r["ref_ratio"]) if r["ref_ratio"] else None, ref_op=r["ref_op"] or None)
         rows.append(r)
     _well_formed(rows, bench.OPS, [bench.BASELINE])
-    assert "bench: [14/14] send_recv 4096 B torch-gloo" in run.stderr  # progress lines
+    total = len(bench.OPS) * len(SIZES)
+    assert f"bench: [{total}/{total}] {bench.OPS[-1]} {bench.object_size(SIZES[-1])} B torch-gloo" in run.stderr
 
 
 @pytest.mark.slow
@@ -435,6 +571,35 @@ def test_tcp_beside_the_baseline(runs: dict[str, subprocess.CompletedProcess[str
     if reason is not None:
         pytest.skip(f"{reason}; pg-tcp is the reference backend and will be benchmarked once it is available")
     _well_formed(_rows(runs["tcp"]), bench.OPS, [bench.BASELINE, "tcp"])
+
+
+@pytest.mark.slow
+def test_objects_and_unknown_shapes_through_pg_core_and_what_corrupts_them(
+    runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = runs["objects"]
+    assert run.returncode == 1, run.stderr  # ManglingBackend's rows
+    rows = json.loads(run.stdout)
+    ops = ("send_object", "broadcast_object", "send_tensor", "send_recv")
+    _well_formed([r for r in rows if r["backend"] == "StoreBackend"], ops, ["StoreBackend"])
+    mangled = {(r["op"], r["requested_size"]): r for r in rows if r["backend"] == "ManglingBackend"}
+    assert set(mangled) == set(itertools.product(ops, SIZES))
+    # at 4 bytes the patterns it corrupts do not occur; at 4 KiB every op delivers wrong data to rank 1
+    expected = {
+        "send_recv": "send_recv: rank 1: ",
+        "send_tensor": "send_tensor: rank 1: ",
+        "send_object": "send_object: rank 1: the object['payload'] differs first at index 0: got 255, expected 0",
+        "broadcast_object": "broadcast_object: rank 1: the object['payload'] differs first at index 0: got 255",
+    }
+    for op, start in expected.items():
+        r = mangled[(op, 4096)]
+        assert r["status"] == "WRONG" and r["median_us"] > 0, r
+        assert start in r["detail"], r["detail"]
+        if op in ("send_recv", "send_tensor"):
+            assert "elements wrong; first at index 5: got 5, expected 3" in r["detail"], r["detail"]
+    assert "4 row(s) gave WRONG results" in run.stderr
+    assert all(mangled[(op, 4)]["status"] == "ok" for op in ops)
+    assert mangled[("send_tensor", 4096)]["ref_op"] == "send_recv"  # still compared
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ with torch's own Gloo measured side by side in the same run.
 
     python -m pg_core.bench --world-size 2 --backends tcp --sizes 4,1K,64K,1M
     pg-core bench --ops all_reduce,send_recv --min-bytes 8 --max-bytes 16M --factor 4 --json
+    pg-core bench --backends tcp --ops send_object,broadcast_object,send_tensor,send_recv --sizes 4K
 
 **What runs.** The program hosts a ``TCPStore`` and starts ``--world-size`` rank
 processes of its own (one thread of intra-op parallelism each). Every rank forms
@@ -14,14 +15,30 @@ factory under development), plus, unless ``--no-baseline``, torch's
 baseline and the pg-core backends are measured one right after the other at
 each op and size.
 
+**Objects and unknown shapes.** Besides the tensor collectives, three ops measure
+what torch.distributed makes painful. ``send_object`` (pg-core's
+``send_object``/``recv_object``; torch's ``send_object_list``/``recv_object_list``)
+and ``broadcast_object`` (``broadcast_object`` against ``broadcast_object_list``)
+carry :func:`request_object`: a serving request as a dict of a few strings, ints,
+a list and nested sampling parameters, plus a ``bytes`` payload of the requested
+size. ``send_tensor`` sends a tensor whose shape (:func:`tensor_shape`) and dtype
+the receiver does not know: pg-core's ``send_tensor``/``recv_tensor`` against the
+three send/recv pairs a torch user writes (number of dimensions and dtype, shape,
+data). Its table has a ``vs send_recv`` column, its median over the plain
+``send``/``recv`` of a known shape on the same backend at the same size, when
+``send_recv`` is in ``--ops`` too. torch's object functions need
+``init_process_group``, which the baseline then calls in the rank processes (see
+``_TorchGlooRunner``).
+
 **Sizes.** A size is the bytes of the largest buffer on one rank, as nccl-tests
 counts it: the tensor of ``all_reduce``, ``broadcast``, ``reduce`` and the
-message of ``send_recv``; the *output* of ``all_gather_into_tensor`` (each rank
+message of ``send_recv`` and ``send_tensor``; the *output* of ``all_gather_into_tensor`` (each rank
 contributes ``size / n``); the *input* of ``reduce_scatter_tensor``; input and
 output of ``all_to_all_single``. Element counts are rounded down to a multiple
 of the world size where the op splits the buffer (at least one element per
 rank); the ``size`` column shows the bytes actually moved, ``requested_size``
-the bytes asked for.
+the bytes asked for. For the object ops the requested size is the payload's
+bytes (``count``), and ``size`` the whole object pickled with protocol 5.
 
 **What is timed.** For each (op, size, backend) every rank runs one or two
 untimed iterations, then rank 0 plans how many more untimed warmup iterations
@@ -30,8 +47,9 @@ untimed iterations, then rank 0 plans how many more untimed warmup iterations
 After a barrier, timed iterations run back to back; each is timed on its own
 with ``time.perf_counter_ns`` around the blocking call. An iteration's time is
 the *maximum over ranks* (the collective is done when the slowest rank is);
-for ``send_recv`` rank 0 sends to rank 1 and rank 1 echoes the message back,
-and the time is rank 0's round trip divided by 2 (one-way latency). Buffers
+for ``send_recv``, ``send_tensor`` and ``send_object`` rank 0 sends to rank 1
+and rank 1 echoes what it received back, and the time is rank 0's round trip
+divided by 2 (one-way latency); serializing and deserializing are inside it. Buffers
 that an op reduces into (``all_reduce``, ``reduce``, the input of
 ``reduce_scatter_tensor``) are refilled before every iteration, outside the
 timed region.
@@ -40,22 +58,27 @@ timed region.
 in microseconds; ``algbw = size / median time`` and ``busbw = algbw * factor``
 in GB/s (1e9 bytes/s), with nccl-tests' factors: ``2(n-1)/n`` for
 ``all_reduce``, ``(n-1)/n`` for ``all_gather_into_tensor``,
-``reduce_scatter_tensor`` and ``all_to_all_single``, 1 for ``broadcast``,
-``reduce`` and ``send_recv``. For a pg-core backend, ``ratio`` is its median
+``reduce_scatter_tensor`` and ``all_to_all_single``, 1 for the others. For a pg-core backend, ``ratio`` is its median
 time divided by the baseline's median at the same op and size: ``0.85x
 torch-gloo`` means 15% less time than torch's Gloo, ``2.00x`` twice as long.
 
 **Correctness.** Rank ``r`` fills its input with ``(r + 1) * (1 + i % 3)`` at
 element ``i`` (exact in every supported dtype for small world sizes); outputs
 are poisoned before the last timed iteration, and after it every rank compares
-its output with the value :func:`expected_output` computes in float64. A
-mismatch marks the row ``WRONG`` (with the first bad element) and makes the
-exit status 1.
+its output with the value :func:`expected_output` computes in float64 (for
+``send_tensor`` also its shape and dtype; for the object ops, equality with
+:func:`request_object`). A mismatch marks the row ``WRONG`` (with the first bad
+element) and makes the exit status 1.
 
 **Noise.** Absolute times depend on the machine, its load, CPU frequency and
 where the scheduler puts the ranks; the median resists outliers, not a busy
 machine. Compare the ratios, measured side by side in one run, rather than
-absolute times across runs or machines.
+absolute times across runs or machines. Placement can matter more than anything
+else on a small (virtual) machine: with two ranks on two CPUs, Gloo's send/recv
+was seen to take either ~40 us or a whole scheduler tick (~2 ms one way) depending
+on whether the two ranks shared a CPU, and pg-tcp to be faster sharing one.
+``--pin-ranks`` puts rank ``r`` on the ``r``-th allowed CPU, so the placement is
+the same in every run.
 
 **Bounds.** ``--timeout`` bounds every operation, store access and group
 formation in the ranks; the parent additionally kills ranks that make no
@@ -78,6 +101,7 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import signal
 import statistics
@@ -97,11 +121,15 @@ import torch
 __all__ = [
     "BASELINE",
     "DTYPES",
+    "OBJECT_OPS",
     "OPS",
+    "REFERENCE_OPS",
+    "TENSOR_OPS",
     "BenchError",
     "Row",
     "add_parser",
     "busbw_factor",
+    "check_object",
     "check_output",
     "element_count",
     "expected_output",
@@ -110,14 +138,18 @@ __all__ = [
     "format_table",
     "input_values",
     "main",
+    "object_size",
     "output_length",
+    "output_shape",
     "parse_size",
     "plan_iterations",
+    "request_object",
     "sweep_sizes",
+    "tensor_shape",
 ]
 
-#: Every op the benchmark knows, in report order.
-OPS: Final[tuple[str, ...]] = (
+#: Ops on tensors, whose results :func:`check_output` checks.
+TENSOR_OPS: Final[tuple[str, ...]] = (
     "all_reduce",
     "broadcast",
     "all_gather_into_tensor",
@@ -125,7 +157,18 @@ OPS: Final[tuple[str, ...]] = (
     "all_to_all_single",
     "reduce",
     "send_recv",
+    "send_tensor",
 )
+
+#: Ops on pickled Python objects (:func:`request_object`), whose results :func:`check_object` checks.
+OBJECT_OPS: Final[tuple[str, ...]] = ("send_object", "broadcast_object")
+
+#: Every op the benchmark knows, in report order.
+OPS: Final[tuple[str, ...]] = TENSOR_OPS + OBJECT_OPS
+
+#: An op compared with another op on the same backend and size (besides the baseline):
+#: ``send_tensor`` (shape unknown to the receiver) with ``send_recv`` (shape known).
+REFERENCE_OPS: Final[dict[str, str]] = {"send_tensor": "send_recv"}
 
 #: The label of torch's Gloo, measured as the baseline.
 BASELINE: Final[str] = "torch-gloo"
@@ -145,8 +188,12 @@ MIN_ITERS: Final[int] = 5
 
 _ROOT: Final[int] = 0  # root of broadcast and reduce
 _POISON: Final[int] = -1  # never an expected value: every expected value is positive
+_NOTHING: Final[object] = object()  # an object op's result before the op has left one
 _SPLIT_OPS: Final[frozenset[str]] = frozenset({"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"})
 _REDUCING_OPS: Final[frozenset[str]] = frozenset({"all_reduce", "reduce", "reduce_scatter_tensor"})
+# rank 0 sends to rank 1, which echoes back; the time is rank 0's round trip / 2
+_ECHO_OPS: Final[frozenset[str]] = frozenset({"send_recv", "send_tensor", "send_object"})
+_ROOTED_OPS: Final[frozenset[str]] = frozenset({"broadcast", "reduce", "broadcast_object"})
 _RTOL: Final[dict[torch.dtype, float]] = {
     torch.float16: 1e-3,
     torch.bfloat16: 1e-2,
@@ -188,7 +235,10 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
 
 
 def element_count(op: str, nbytes: int, world_size: int, itemsize: int) -> int:
-    """Elements of the largest per-rank buffer for ``nbytes`` (see the module docstring)."""
+    """Elements of the largest per-rank buffer for ``nbytes`` (see the module docstring);
+    for an object op, the bytes of the object's payload (``nbytes`` itself)."""
+    if op in OBJECT_OPS:
+        return max(1, nbytes)
     count = max(1, nbytes // itemsize)
     if op in _SPLIT_OPS:
         count = max(world_size, count // world_size * world_size)
@@ -202,7 +252,7 @@ def busbw_factor(op: str, world_size: int) -> float:
         return 2 * (n - 1) / n
     if op in _SPLIT_OPS:
         return (n - 1) / n
-    if op in ("broadcast", "reduce", "send_recv"):
+    if op in ("broadcast", "reduce", *_ECHO_OPS, *OBJECT_OPS):
         return 1.0
     raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
 
@@ -240,6 +290,46 @@ def output_length(op: str, world_size: int, count: int) -> int:
     return count // world_size if op == "reduce_scatter_tensor" else count
 
 
+def tensor_shape(count: int) -> tuple[int, int]:
+    """The shape ``send_tensor`` sends ``count`` elements in: rows of up to 64 elements,
+    ``(count // w, w)`` with ``w = gcd(count, 64)`` (``(16, 64)`` for 4 KiB of float32)."""
+    width = math.gcd(count, 64)
+    return (count // width, width)
+
+
+def output_shape(op: str, world_size: int, count: int) -> tuple[int, ...]:
+    """The shape of ``op``'s output on one rank: :func:`tensor_shape` for ``send_tensor``,
+    one dimension of :func:`output_length` elements for every other tensor op."""
+    if op == "send_tensor":
+        return tensor_shape(count)
+    return (output_length(op, world_size, count),)
+
+
+def request_object(payload_bytes: int) -> dict[str, Any]:
+    """The object that ``send_object`` and ``broadcast_object`` carry: what a serving
+    request looks like (ids, a model name, prompt token ids, sampling parameters, flags),
+    plus ``payload``, a ``bytes`` of ``payload_bytes`` bytes so the size follows ``--sizes``.
+
+    Plain bytes, not a tensor, on purpose: both pickle them the same way in-band,
+    so neither side gains from how it treats tensors inside objects.
+    """
+    payload = bytes(i * 7 % 251 for i in range(min(payload_bytes, 251)))
+    return {
+        "request_id": "cmpl-7f3a9c2e4b1d4e8f",
+        "model": "llama-3.1-8b-instruct",
+        "prompt_token_ids": [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13, 128009],
+        "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": 256, "stop": ["</s>", "\n\n"]},
+        "priority": 3,
+        "stream": True,
+        "payload": (payload * (payload_bytes // 251 + 1))[:payload_bytes],
+    }
+
+
+def object_size(payload_bytes: int) -> int:
+    """Bytes of :func:`request_object` pickled (protocol 5): the ``size`` of an object op's row."""
+    return len(pickle.dumps(request_object(payload_bytes), protocol=5))
+
+
 def expected_output(
     op: str, rank: int, world_size: int, count: int, *, start: int = 0, stop: int | None = None
 ) -> torch.Tensor | None:
@@ -249,11 +339,14 @@ def expected_output(
 
     ``count`` is :func:`element_count`'s: the elements of the largest per-rank
     buffer. Roots (``broadcast`` source, ``reduce`` destination) are rank 0; for
-    ``send_recv`` both rank 0 (after the echo) and rank 1 hold rank 0's input.
+    ``send_recv`` and ``send_tensor`` both rank 0 (after the echo) and rank 1 hold
+    rank 0's input (``send_tensor``'s flattened: its shape is :func:`output_shape`'s).
     """
+    if op in OBJECT_OPS:
+        raise ValueError(f"{op} has no tensor output: its result is request_object(count)")
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
-    if (op == "reduce" and rank != _ROOT) or (op == "send_recv" and rank > 1):
+    if (op == "reduce" and rank != _ROOT) or (op in _ECHO_OPS and rank > 1):
         return None
     n = world_size
     total = n * (n + 1) / 2  # sum of (r + 1) over ranks
@@ -261,7 +354,7 @@ def expected_output(
     j = torch.arange(start, length if stop is None else min(stop, length))
     if op in ("all_reduce", "reduce"):
         return _pattern(j) * total
-    if op in ("broadcast", "send_recv"):  # the input of rank 0
+    if op in ("broadcast", "send_recv", "send_tensor"):  # the input of rank 0
         return _pattern(j)
     block = count // n
     if op == "reduce_scatter_tensor":  # block `rank` of everyone's input, summed
@@ -275,21 +368,28 @@ def expected_output(
 _CHECK_CHUNK: Final[int] = 1 << 22  # elements compared at a time, so checking 1 GiB needs no 8 GiB
 
 
-def check_output(op: str, rank: int, world_size: int, count: int, output: torch.Tensor | None) -> str | None:
-    """``None`` if ``output`` is what ``op`` must leave on ``rank``, else what is wrong."""
+def check_output(
+    op: str, rank: int, world_size: int, count: int, output: torch.Tensor | None, *, dtype: torch.dtype | None = None
+) -> str | None:
+    """``None`` if ``output`` is what ``op`` must leave on ``rank`` (its shape, its
+    values and, when ``dtype`` is given, its dtype), else what is wrong."""
     if expected_output(op, rank, world_size, count, stop=0) is None:
         return None
     if output is None:
         return f"{op}: rank {rank} has no output to check"
     length = output_length(op, world_size, count)
-    if tuple(output.shape) != (length,):
-        return f"{op}: rank {rank} output has shape {tuple(output.shape)}, expected {(length,)}"
+    shape = output_shape(op, world_size, count)
+    if tuple(output.shape) != shape:
+        return f"{op}: rank {rank} output has shape {tuple(output.shape)}, expected {shape}"
+    if dtype is not None and output.dtype != dtype:
+        return f"{op}: rank {rank} output has dtype {output.dtype}, expected {dtype}"
+    flat = output.reshape(-1)
     rtol = _RTOL.get(output.dtype, 0.0)
     wrong, first, detail = 0, -1, ""
     for start in range(0, length, _CHECK_CHUNK):
         expected = expected_output(op, rank, world_size, count, start=start, stop=start + _CHECK_CHUNK)
         assert expected is not None
-        got = output[start : start + _CHECK_CHUNK].detach().to("cpu", torch.float64)
+        got = flat[start : start + _CHECK_CHUNK].detach().to("cpu", torch.float64)
         bad = ~torch.isclose(got, expected, rtol=rtol, atol=0.0)
         here = int(bad.sum())
         if here and first < 0:
@@ -302,6 +402,40 @@ def check_output(op: str, rank: int, world_size: int, count: int, output: torch.
     return f"{op}: rank {rank}: {wrong} of {length} elements wrong; first at index {first}: {detail}"
 
 
+def check_object(op: str, rank: int, world_size: int, count: int, output: object) -> str | None:
+    """``None`` if ``output`` is what the object op ``op`` must leave on ``rank``
+    (:func:`request_object` of ``count`` payload bytes: on every rank for
+    ``broadcast_object``, on ranks 0 and 1 for ``send_object``), else what is wrong."""
+    if op not in OBJECT_OPS:
+        raise ValueError(f"{op!r} is not an object op; object ops: {', '.join(OBJECT_OPS)}")
+    if op == "send_object" and rank > 1:
+        return None
+    expected = request_object(count)
+    if output == expected:
+        return None
+    return f"{op}: rank {rank}: {_difference(output, expected)}"
+
+
+def _difference(got: object, expected: object, where: str = "the object") -> str:
+    """Where ``got`` first differs from ``expected``, in words."""
+    if got is _NOTHING:
+        return "no object received"
+    if type(got) is not type(expected):
+        return f"{where} is a {type(got).__name__}, expected a {type(expected).__name__}"
+    if isinstance(got, dict) and isinstance(expected, dict):
+        if got.keys() != expected.keys():
+            missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+            return f"{where} lacks keys {missing} and has extra keys {extra}"
+        key = next(k for k in expected if got[k] != expected[k])
+        return _difference(got[key], expected[key], f"{where}[{key!r}]")
+    if isinstance(got, bytes | list | str) and isinstance(expected, bytes | list | str):
+        if len(got) != len(expected):
+            return f"{where} has length {len(got)}, expected {len(expected)}"
+        at = next(i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b)
+        return f"{where} differs first at index {at}: got {got[at]!r}, expected {expected[at]!r}"
+    return f"{where} is {got!r}, expected {expected!r}"
+
+
 # -- rows and reports --------------------------------------------------------------------------
 
 
@@ -312,6 +446,10 @@ class Row:
     ``status``: ``"ok"``, ``"WRONG"`` (``detail`` says what) or ``"skipped"``
     (``detail`` says why). ``ratio`` is this row's median over the baseline's
     median at the same op and size (pg-core backends only, when the baseline ran).
+    ``ref_ratio`` is this row's median over that of ``ref_op`` (:data:`REFERENCE_OPS`)
+    on the same backend at the same size, when that row was measured in the run.
+    For object ops ``dtype`` is ``"object"``, ``count`` the payload's bytes and
+    ``size`` the pickled object's bytes.
     """
 
     op: str
@@ -333,6 +471,8 @@ class Row:
     detail: str | None = None
     ratio: float | None = None
     ratio_to: str | None = None
+    ref_ratio: float | None = None
+    ref_op: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Row:
@@ -342,11 +482,19 @@ class Row:
 
 def _add_ratios(rows: list[Row]) -> None:
     base = {(r.op, r.size): r for r in rows if r.baseline and r.median_us}
+    same = {(r.op, r.size, r.backend): r for r in rows if r.median_us}
     for row in rows:
+        if row.median_us is None:
+            continue
         ref = base.get((row.op, row.size))
-        if not row.baseline and ref is not None and row.median_us is not None and ref.median_us:
+        if not row.baseline and ref is not None and ref.median_us:
             row.ratio = row.median_us / ref.median_us
             row.ratio_to = ref.backend
+        ref_op = REFERENCE_OPS.get(row.op)
+        other = None if ref_op is None else same.get((ref_op, row.size, row.backend))
+        if other is not None and other.median_us:
+            row.ref_ratio = row.median_us / other.median_us
+            row.ref_op = ref_op
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -356,44 +504,35 @@ def _fmt(value: float | None, spec: str) -> str:
 def format_table(rows: Sequence[Row]) -> str:
     """One nccl-tests-style table per op, then a legend."""
     out: list[str] = []
-    header = ("size", "count", "backend", "iters", "min", "median", "max", "algbw", "busbw", "ratio", "check")
-    right = {0, 1, 3, 4, 5, 6, 7, 8, 9}
     for op in dict.fromkeys(r.op for r in rows):
         mine = [r for r in rows if r.op == op]
-        first = mine[0]
-        what = f"world size {first.world_size}, {first.dtype}"
-        if op in _REDUCING_OPS:
-            what += ", sum"
-        if op in ("broadcast", "reduce"):
-            what += f", root {_ROOT}"
-        if op == "send_recv":
-            what += ", ranks 0<->1, one-way time = round trip / 2"
-        lines = [header]
+        ref_op = REFERENCE_OPS.get(op)
+        header = ["size", "count", "backend", "iters", "min", "median", "max", "algbw", "busbw", "ratio"]
+        header += [] if ref_op is None else [f"vs {ref_op}"]
+        lines = [[*header, "check"]]
         for r in mine:
             check = r.status if r.status != "skipped" else f"skipped: {r.detail}"
             ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x {r.ratio_to}"
-            lines.append(
-                (
-                    str(r.size),
-                    str(r.count),
-                    r.backend,
-                    str(r.iters) if r.median_us is not None else "-",
-                    _fmt(r.min_us, ".1f"),
-                    _fmt(r.median_us, ".1f"),
-                    _fmt(r.max_us, ".1f"),
-                    _fmt(r.algbw_gbps, ".3f"),
-                    _fmt(r.busbw_gbps, ".3f"),
-                    ratio,
-                    check,
-                )
-            )
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        out.append(f"# {op} ({what})")
-        for line in lines:
-            cells = [
-                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            line = [
+                str(r.size),
+                str(r.count),
+                r.backend,
+                str(r.iters) if r.median_us is not None else "-",
+                _fmt(r.min_us, ".1f"),
+                _fmt(r.median_us, ".1f"),
+                _fmt(r.max_us, ".1f"),
+                _fmt(r.algbw_gbps, ".3f"),
+                _fmt(r.busbw_gbps, ".3f"),
+                ratio,
             ]
-            out.append(("  ".join(cells[:-1]) + "  " + line[-1]).rstrip())
+            if ref_op is not None:
+                line.append("-" if r.ref_ratio is None else f"{r.ref_ratio:.2f}x")
+            lines.append([*line, check])
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        out.append(f"# {op} ({_what(op, mine[0])})")
+        for line in lines:
+            cells = [c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=False))]
+            out.append(("  ".join(cells) + "  " + line[-1]).rstrip())
         out.append("")
     out.append(
         "# size: bytes of the largest buffer per rank; count: its elements. min/median/max: microseconds per\n"
@@ -401,7 +540,31 @@ def format_table(rows: Sequence[Row]) -> str:
         "# ratio: median time / the baseline's median at the same op and size (below 1x is faster).\n"
         "# Compare ratios measured side by side in one run, not absolute times across runs or machines."
     )
+    if any(r.op in OBJECT_OPS for r in rows):
+        out.append("# Object ops: size is the pickled object's bytes (protocol 5), count its payload's bytes.")
+    if any(r.op in REFERENCE_OPS for r in rows):
+        out.append(
+            "# vs OP: median time / OP's median on the same backend and size (needs OP in --ops too);\n"
+            "# send_tensor vs send_recv is the cost of a shape the receiver does not know."
+        )
     return "\n".join(out)
+
+
+def _what(op: str, first: Row) -> str:
+    """What a table's rows measure, for its heading."""
+    if op in OBJECT_OPS:
+        what = f"world size {first.world_size}, request_object() with a payload of `count` bytes"
+    else:
+        what = f"world size {first.world_size}, {first.dtype}"
+    if op in _REDUCING_OPS:
+        what += ", sum"
+    if op in _ROOTED_OPS:
+        what += f", root {_ROOT}"
+    if op == "send_tensor":
+        what += ", shape unknown to the receiver"
+    if op in _ECHO_OPS:
+        what += ", ranks 0<->1, one-way time = round trip / 2"
+    return what
 
 
 def format_json(rows: Sequence[Row]) -> str:
@@ -473,6 +636,7 @@ class _Config:
     warmup: int
     time_budget: float
     timeout: float
+    pin_ranks: bool = False
     port: int = 0
     results: str = ""
     parent_pid: int = 0
@@ -517,7 +681,20 @@ class _Runner(Protocol):
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
     def send(self, t: torch.Tensor, dst: int) -> None: ...
     def recv(self, t: torch.Tensor, src: int) -> None: ...
+    def send_tensor(self, t: torch.Tensor, dst: int) -> None: ...
+    def recv_tensor(self, src: int) -> torch.Tensor: ...
+    def send_object(self, obj: object, dst: int) -> None: ...
+    def recv_object(self, src: int) -> object: ...
+    def broadcast_object(self, obj: object, src: int) -> object: ...
     def close(self) -> None: ...
+
+
+# the ProcessGroup methods each op calls (beyond the backend ops that ``supports`` answers for)
+_GROUP_METHODS: Final[dict[str, tuple[str, ...]]] = {
+    "send_tensor": ("send_tensor", "recv_tensor"),
+    "send_object": ("send_object", "recv_object"),
+    "broadcast_object": ("broadcast_object",),
+}
 
 
 class _PgCoreRunner:
@@ -537,10 +714,16 @@ class _PgCoreRunner:
     def why_not(self, op: str, dtype: torch.dtype) -> str | None:
         from .ops import ReduceOp
 
+        for method in _GROUP_METHODS.get(op, ()):
+            if not callable(getattr(self.group, method, None)):
+                return f"this pg-core's ProcessGroup has no {method}"
+        if op == "broadcast_object":
+            return None  # built by the core on whatever the backend declares
         reduce_op = ReduceOp.SUM if op in _REDUCING_OPS else None
-        for name in ("send", "recv") if op == "send_recv" else (op,):
-            if not self.group.supports(name, "cpu", dtype, reduce_op):
-                return f"{self.label} does not declare {name} for {str(dtype).removeprefix('torch.')}"
+        of = None if op == "send_object" else dtype
+        for name in ("send", "recv") if op in _ECHO_OPS else (op,):
+            if not self.group.supports(name, "cpu", of, reduce_op):
+                return f"{self.label} does not declare {name}" + ("" if of is None else f" for {_dtype_name(of)}")
         return None
 
     def barrier(self) -> bool:
@@ -573,23 +756,66 @@ class _PgCoreRunner:
     def recv(self, t: torch.Tensor, src: int) -> None:
         self.group.recv(t, src)
 
+    def send_tensor(self, t: torch.Tensor, dst: int) -> None:
+        self.group.send_tensor(t, dst)
+
+    def recv_tensor(self, src: int) -> torch.Tensor:
+        got: torch.Tensor = self.group.recv_tensor(src)
+        return got
+
+    def send_object(self, obj: object, dst: int) -> None:
+        self.group.send_object(obj, dst)
+
+    def recv_object(self, src: int) -> object:
+        return self.group.recv_object(src)
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        return self.group.broadcast_object(obj, src)
+
     def close(self) -> None:
         self.group.shutdown()
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 class _TorchGlooRunner:
-    """torch's ``ProcessGroupGloo``, created directly (no ``init_process_group``) and used through its own API."""
+    """torch's ``ProcessGroupGloo``, created directly (no ``init_process_group``) and used
+    through its own API; for the object ops, torch's ``send_object_list``,
+    ``recv_object_list`` and ``broadcast_object_list`` on the default group.
+
+    Those three need a group that torch.distributed's registry knows (``recv`` turns
+    the source's group rank into a global rank through it), which only
+    ``init_process_group`` or ``new_group`` (which needs the former) provide. So when
+    an object op is measured, this runner calls ``init_process_group("gloo")`` on a
+    store prefix of its own: acceptable here because the rank processes are the
+    benchmark's own and nothing else in them uses torch's default group.
+
+    ``send_tensor`` is what a torch user writes for a tensor whose shape the receiver
+    does not know: three blocking send/recv pairs on the same ``ProcessGroupGloo``
+    (int64 ``[ndim, dtype code]``, then the int64 shape, then the data).
+    """
 
     is_baseline = True
     label = BASELINE
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: float) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: float, *, objects: bool = False) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.pg: Any = dist.ProcessGroupGloo(
             dist.PrefixStore("bench-torch-gloo", store), rank, size, timedelta(seconds=timeout)
         )
+        self._default_group = objects and not dist.is_initialized()
+        if self._default_group:
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("bench-torch-gloo-objects", store),
+                rank=rank,
+                world_size=size,
+                timeout=timedelta(seconds=timeout),
+            )
         sum_op: Any = dist.ReduceOp.SUM  # torch's stubs type it as RedOpType; the options want a ReduceOp
         self._bcast = dist.BroadcastOptions()
         self._bcast.rootRank = _ROOT
@@ -634,11 +860,46 @@ class _TorchGlooRunner:
     def recv(self, t: torch.Tensor, src: int) -> None:
         self.pg.recv([t], src, 0).wait()
 
+    def send_tensor(self, t: torch.Tensor, dst: int) -> None:
+        header = torch.tensor([t.dim(), _WIRE_DTYPES.index(t.dtype)], dtype=torch.int64)
+        self.pg.send([header], dst, 0).wait()
+        self.pg.send([torch.tensor(t.shape, dtype=torch.int64)], dst, 0).wait()
+        self.pg.send([t], dst, 0).wait()
+
+    def recv_tensor(self, src: int) -> torch.Tensor:
+        header = torch.empty(2, dtype=torch.int64)
+        self.pg.recv([header], src, 0).wait()
+        ndim, code = header.tolist()
+        shape = torch.empty(ndim, dtype=torch.int64)
+        self.pg.recv([shape], src, 0).wait()
+        t = torch.empty(shape.tolist(), dtype=_WIRE_DTYPES[code])
+        self.pg.recv([t], src, 0).wait()
+        return t
+
+    def send_object(self, obj: object, dst: int) -> None:
+        self._dist.send_object_list([obj], dst=dst)
+
+    def recv_object(self, src: int) -> object:
+        got: list[object] = [None]
+        self._dist.recv_object_list(got, src=src)
+        return got[0]
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=src)
+        return box[0]
+
     def close(self) -> None:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
         self.pg = None
+        if self._default_group:
+            self._dist.destroy_process_group()
+
+
+# dtype codes of the torch baseline's send_tensor header
+_WIRE_DTYPES: Final[tuple[torch.dtype, ...]] = tuple(DTYPES.values())
 
 
 @dataclasses.dataclass
@@ -648,7 +909,7 @@ class _Case:
     run: Callable[[], None]
     refill: Callable[[], None]  # before every iteration (outside the timing)
     poison: Callable[[], None]  # before the last one, so a stale output cannot pass
-    output: Callable[[], torch.Tensor | None]
+    output: Callable[[], object]  # a tensor (None if missing), or an object op's result
 
 
 def _noop() -> None:
@@ -656,7 +917,10 @@ def _noop() -> None:
 
 
 def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: torch.dtype) -> _Case | None:
-    """The buffers and the call for ``op``; ``None`` on ranks that take no part (``send_recv`` beyond rank 1)."""
+    """The buffers and the call for ``op``; ``None`` on ranks that take no part (the
+    echo ops beyond rank 1)."""
+    if op in ("send_tensor", "send_object", "broadcast_object"):
+        return _make_returning_case(op, r, rank=rank, count=count, dtype=dtype)
     if op in ("all_reduce", "reduce", "broadcast"):
         pristine = input_values(rank, count, dtype)
         buf = pristine.clone()
@@ -711,6 +975,46 @@ def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: tor
     raise ValueError(f"unknown op {op!r}")
 
 
+def _make_returning_case(op: str, r: _Runner, *, rank: int, count: int, dtype: torch.dtype) -> _Case | None:
+    """The ops whose receivers get a new tensor or object (checked: the last one received)."""
+    got: list[object] = [_NOTHING]
+
+    def poison() -> None:
+        got[0] = _NOTHING
+
+    def output() -> object:
+        return None if got[0] is _NOTHING and op == "send_tensor" else got[0]
+
+    if op == "broadcast_object":
+        obj = request_object(count) if rank == _ROOT else None
+
+        def bcast() -> None:
+            got[0] = r.broadcast_object(obj, _ROOT)
+
+        return _Case(bcast, _noop, poison, output)
+    if rank > 1:
+        return None
+    if op == "send_tensor":
+        msg: object = input_values(0, count, dtype).reshape(tensor_shape(count))
+        send: Callable[[Any, int], None] = r.send_tensor
+        recv: Callable[[int], object] = r.recv_tensor
+    else:
+        msg, send, recv = request_object(count), r.send_object, r.recv_object
+    if rank == 0:
+
+        def ping() -> None:
+            send(msg, 1)
+            got[0] = recv(1)
+
+        return _Case(ping, _noop, poison, output)
+
+    def pong() -> None:
+        got[0] = recv(0)
+        send(got[0], 0)
+
+    return _Case(pong, _noop, poison, output)
+
+
 def _timed(run: Callable[[], None]) -> int:
     start = time.perf_counter_ns()
     run()
@@ -730,7 +1034,8 @@ class _Rank:
         self.ctl = PrefixStore("pg-core-bench", store)
         self.runners: list[_Runner] = []
         if cfg.baseline:
-            self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout))
+            objects = any(op in OBJECT_OPS for op in cfg.ops)
+            self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
         for spec, label in zip(cfg.backends, cfg.labels, strict=True):
             self.runners.append(_PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout))
         self.results: TextIO | None = open(cfg.results, "a", buffering=1) if rank == 0 else None  # noqa: SIM115
@@ -767,14 +1072,15 @@ class _Rank:
         self.ctl.wait([f"sync/{key}/go"], timedelta(seconds=self.cfg.timeout))
 
     def _base_row(self, op: str, requested: int, count: int, runner: _Runner) -> Row:
+        objects = op in OBJECT_OPS
         return Row(
             op=op,
             backend=runner.label,
             baseline=runner.is_baseline,
-            size=count * self.dtype.itemsize,
+            size=object_size(count) if objects else count * self.dtype.itemsize,
             requested_size=requested,
             count=count,
-            dtype=self.cfg.dtype,
+            dtype="object" if objects else self.cfg.dtype,
             world_size=self.cfg.world_size,
             warmup=0,
             iters=0,
@@ -789,7 +1095,7 @@ class _Rank:
     def _row(self, index: int, op: str, requested: int, count: int, runner: _Runner) -> Row | None:
         cfg, rank, n = self.cfg, self.rank, self.cfg.world_size
         row = self._base_row(op, requested, count, runner)
-        reason = "needs world size >= 2" if op == "send_recv" and n < 2 else runner.why_not(op, self.dtype)
+        reason = "needs world size >= 2" if op in _ECHO_OPS and n < 2 else runner.why_not(op, self.dtype)
         if reason is not None:  # the same on every rank: nobody runs it
             row.detail = reason
             return row if rank == 0 else None
@@ -822,21 +1128,21 @@ class _Rank:
                 if i == iters - 1:
                     case.poison()
                 times.append(_timed(case.run))
-            error = check_output(op, rank, n, count, case.output())
+            error = self._check(op, count, case.output())
             self.ctl.set(f"result/{index}/{rank}", json.dumps({"ns": times, "error": error}))
         if rank != 0:
             return None
         row.warmup, row.iters = first + more, iters
         per_rank: list[list[int]] = []
         errors: list[str] = []
-        for q in range(2 if op == "send_recv" else n):
+        for q in range(2 if op in _ECHO_OPS else n):
             key = f"result/{index}/{q}"
             got = json.loads(self.ctl.get(key))
             self.ctl.delete_key(key)
             per_rank.append(got["ns"])
             if got["error"]:
                 errors.append(got["error"])
-        if op == "send_recv":  # rank 0's round trips, halved
+        if op in _ECHO_OPS:  # rank 0's round trips, halved
             per_iter = [t / 2 for t in per_rank[0]]
         else:  # the slowest rank, iteration by iteration
             per_iter = [float(max(ts)) for ts in zip(*per_rank, strict=True)]
@@ -847,6 +1153,14 @@ class _Rank:
         row.status = "WRONG" if errors else "ok"
         row.detail = "; ".join(errors) or None
         return row
+
+    def _check(self, op: str, count: int, output: object) -> str | None:
+        n = self.cfg.world_size
+        if op in OBJECT_OPS:
+            return check_object(op, self.rank, n, count, output)
+        if output is not None and not isinstance(output, torch.Tensor):
+            return f"{op}: rank {self.rank} received a {type(output).__name__}, not a tensor"
+        return check_output(op, self.rank, n, count, output, dtype=self.dtype)
 
     def close(self) -> None:
         if self.results is not None:
@@ -883,6 +1197,9 @@ def _worker_main(argv: Sequence[str]) -> int:
 
     rank, config_path = int(argv[0]), argv[1]
     cfg = _Config(**json.loads(Path(config_path).read_text()))
+    if cfg.pin_ranks:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     _die_with_parent(cfg.parent_pid)
     faulthandler.enable()
@@ -1094,6 +1411,9 @@ def _description() -> str:
         "Time collectives over a range of sizes on every pg-core backend named, side by side with torch's "
         "ProcessGroupGloo, check every result, and print min/median/max time, algbw and busbw per op and size, "
         "and each backend's median time relative to torch's.",
+        "send_object and broadcast_object time pickled Python objects against torch's send_object_list and "
+        "broadcast_object_list; send_tensor times a tensor whose shape the receiver does not know against torch's "
+        "three send/recv steps, and against send_recv (a known shape) on the same backend.",
         "Times are per iteration, the slowest rank's. Compare the ratios measured side by side in one run, "
         "not absolute times across runs or machines. Exit status: 0 all correct, 1 a WRONG result or a failed "
         "rank, 2 bad arguments. The method in full: `python -m pydoc pg_core.bench`.",
@@ -1150,6 +1470,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=60.0, metavar="S", help="seconds any one operation may take (default 60)"
     )
+    parser.add_argument(
+        "--pin-ranks",
+        action="store_true",
+        help="pin rank r to the r-th CPU this process may run on (modulo their number), as MPI's --bind-to core "
+        "does: steadier times, where the scheduler's placement of the ranks would otherwise decide them (Linux)",
+    )
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
@@ -1167,6 +1493,8 @@ def _config(args: argparse.Namespace) -> _Config:
         raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
     if not args.time_budget > 0 or not args.timeout > 0:
         raise BenchError("--time-budget and --timeout must be positive")
+    if args.pin_ranks and not hasattr(os, "sched_setaffinity"):
+        raise BenchError("--pin-ranks needs os.sched_setaffinity, which this platform lacks (it is Linux's)")
     ops = list(OPS) if args.ops.strip() == "all" else list(dict.fromkeys(_csv_list(args.ops)))
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
@@ -1208,6 +1536,7 @@ def _config(args: argparse.Namespace) -> _Config:
         warmup=args.warmup,
         time_budget=args.time_budget,
         timeout=args.timeout,
+        pin_ranks=args.pin_ranks,
     )
 
 
