@@ -1065,8 +1065,11 @@ class ProcessGroup:
         self, op: str, ep: messages.Endpoint, out: messages.Encoded, *, dst: int, wire: int, seconds: float
     ) -> None:
         self._check_open()
-        deadline = messages.Deadline(op, seconds)
         try:
+            if ep.native and not out.separate:  # one send_bytes: atomic, needs no stream lock
+                ep.send_one(out.parts(), dst, wire, seconds, op)
+                return
+            deadline = messages.Deadline(op, seconds)
             with ep.stream("send", dst, wire, op) as progress:
                 ep.send(out.parts(), dst, wire, deadline, progress)
                 for t in out.separate:
@@ -1098,14 +1101,18 @@ class ProcessGroup:
 
         def run() -> Any:
             self._check_open()
-            deadline = messages.Deadline(op, seconds)
             try:
-                with ep.stream("recv", src, wire, op) as progress:
-                    data = ep.recv(src, wire, deadline, progress)
+                if ep.native and not self._separate_devices:  # every message is one recv_bytes
+                    data = ep.recv_one(src, wire, seconds, op)
                     if kind == messages.TENSOR and (tensor := messages.parse_tensor(data)) is not None:
                         return tensor if where is None or where == tensor.device else tensor.to(where)
-                    incoming = messages.parse(data, src=src)
-                    separate = self._recv_separate(incoming, src, wire, deadline)
+                    incoming, separate = messages.parse(data, src=src), {}
+                else:
+                    deadline = messages.Deadline(op, seconds)
+                    with ep.stream("recv", src, wire, op) as progress:
+                        data = ep.recv(src, wire, deadline, progress)
+                        incoming = messages.parse(data, src=src)
+                        separate = self._recv_separate(incoming, src, wire, deadline)
             except CollectiveTimeout as exc:
                 exc.op = op  # the user's operation, not the backend's recv_bytes
                 raise

@@ -571,6 +571,30 @@ class Endpoint:
                 lock = self._locks.setdefault(key, threading.Lock())
         return _Stream(self, key, lock, op)
 
+    def send_one(self, parts: list[Buffer], peer: int, tag: int, seconds: float, op: str) -> None:
+        """Send a message that is one ``send_bytes`` (a native endpoint, no separate tensors):
+        atomic, so it needs no stream lock; only a stream stopped earlier refuses it."""
+        if self._broken:
+            self._refuse_broken(("send", peer, tag), op)
+        self.backend.send_bytes(parts if self.scatter_gather else b"".join(parts), peer, tag, timeout=seconds)
+
+    def recv_one(self, peer: int, tag: int, seconds: float, op: str) -> bytearray:
+        """Receive a message that is one ``recv_bytes`` (the group sends no separate tensors)."""
+        if self._broken:
+            self._refuse_broken(("recv", peer, tag), op)
+        return self.backend.recv_bytes(peer, tag, timeout=seconds)
+
+    def _refuse_broken(self, key: tuple[str, int, int], op: str) -> None:
+        why = self._broken.get(key)
+        if why is not None:
+            direction, peer, _ = key
+            way = "to" if direction == "send" else "from"
+            raise CollectiveMismatchError(
+                f"{op}: messages {way} rank {peer} on this tag stopped after one failed halfway ({why}); the "
+                "two ranks are out of step there, so form the group again (other tags and peers still work)",
+                peers=(peer,),
+            )
+
     def send(
         self, parts: Sequence[Buffer], peer: int, tag: int, deadline: Deadline, progress: Progress | None = None
     ) -> None:
@@ -639,16 +663,11 @@ class _Stream:
 
     def __enter__(self) -> _Stream:
         self._lock.acquire()
-        why = self._endpoint._broken.get(self._key)
-        if why is not None:
+        try:
+            self._endpoint._refuse_broken(self._key, self._op)
+        except BaseException:
             self._lock.release()
-            direction, peer, _ = self._key
-            way = "to" if direction == "send" else "from"
-            raise CollectiveMismatchError(
-                f"{self._op}: messages {way} rank {peer} on this tag stopped after one failed halfway ({why}); the "
-                "two ranks are out of step there, so form the group again (other tags and peers still work)",
-                peers=(peer,),
-            )
+            raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
