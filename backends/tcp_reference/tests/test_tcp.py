@@ -11,6 +11,7 @@ checks that ``shutdown``/``abort`` release everything.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import socket
 import subprocess
@@ -387,8 +388,10 @@ def bytes_of_random_sizes(ctx: RankContext) -> None:
             thread.join(ctx.timeout)
             assert done.is_set()
             expected = bytes((src + i + k) % 251 for k in range(min(n, 997))) * (n // 997 + 1)
-            assert isinstance(received[0], bytearray)
-            assert received[0] == expected[:n], f"message {i} of {n} bytes differs"
+            # the receiver owns a writable buffer: a bytearray, or pre-faulted anonymous memory when large
+            assert isinstance(received[0], (bytearray, mmap.mmap))
+            assert len(received[0]) == n and memoryview(received[0]).readonly is False
+            assert bytes(received[0]) == expected[:n], f"message {i} of {n} bytes differs"
         # bytes and tensors on the same tag do not match each other
         if ctx.rank == 0 and ctx.size > 1:
             b.send(torch.ones(2), 1, 9, timeout=ctx.timeout)
@@ -398,6 +401,26 @@ def bytes_of_random_sizes(ctx: RankContext) -> None:
             t = torch.empty(2)
             b.recv(t, 0, 9, timeout=ctx.timeout)
             assert t.tolist() == [1.0, 1.0]
+
+
+def bytes_in_parts(ctx: RankContext) -> None:
+    """``send_bytes`` of a list writes the parts back to back as one message, whatever their
+    number (more than one ``sendmsg`` takes) and types; a tensor's memory is sent as it is."""
+    with backend(ctx) as b:
+        t = torch.arange(1000, dtype=torch.int32)
+        parts: list[Any] = [b"head", b"", bytearray(b"mid"), memoryview(b"view"), tensor_bytes(t)]
+        parts += [bytes([k % 256]) * (k % 5) for k in range(1500)]  # past the 512 buffers of one sendmsg
+        expected = b"".join(bytes(p) for p in parts)
+        if ctx.rank == 0:
+            b.send_bytes(parts, 1, 4, timeout=ctx.timeout)
+            b.send_bytes([], 1, 4, timeout=ctx.timeout)
+        else:
+            assert bytes(b.recv_bytes(0, 4, timeout=ctx.timeout)) == expected
+            assert len(b.recv_bytes(0, 4, timeout=ctx.timeout)) == 0
+
+
+def test_send_bytes_takes_a_list_of_parts(rank_pools: Pools) -> None:
+    rank_pools(2).run(bytes_in_parts)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -78,6 +78,7 @@ signed 64-bit field).
 from __future__ import annotations
 
 import importlib
+import mmap
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -346,7 +347,7 @@ class Backend:
     # -- optional: variable-size messages --------------------------------------
     def send_bytes(
         self,
-        data: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
+        data: bytes | bytearray | memoryview | mmap.mmap | Sequence[bytes | bytearray | memoryview | mmap.mmap],
         dst: int,
         tag: int,
         *,
@@ -362,9 +363,11 @@ class Backend:
         """
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
-    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray | mmap.mmap:
         """Receive the next message sent with ``send_bytes`` from ``src`` with ``tag``, as a
-        ``bytearray`` of exactly its size (the core builds tensors as views into it). Optional."""
+        writable buffer of exactly its size that the caller then owns: a ``bytearray``, or
+        for large messages an anonymous ``mmap`` (the core builds tensors as views into it).
+        Optional."""
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
     @property

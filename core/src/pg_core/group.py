@@ -1174,7 +1174,7 @@ class ProcessGroup:
         parts = [] if out is None else out.parts(op=_MESSAGE_OPS[op], seq=self._current_seq)
         return messages.Deadline(op, seconds), self._message_endpoint(), parts
 
-    def _collective_value(self, op: str, data: bytearray, src: int) -> Any:
+    def _collective_value(self, op: str, data: messages.Received, src: int) -> Any:
         incoming = messages.parse(data, src=src)
         messages.check_collective(
             incoming, op=_MESSAGE_OPS[op], seq=self._current_seq, src=src, what=op, names=_MESSAGE_OP_NAMES
@@ -1206,7 +1206,7 @@ class ProcessGroup:
                 self._dispatch.backend(t.device).broadcast(t, src, timeout=deadline.left())
             return value
         data = got[0]
-        assert isinstance(data, bytearray)
+        assert not isinstance(data, (bytes, memoryview))  # received, not this rank's own parts
         incoming = messages.parse(data, src=src)
         messages.check_collective(
             incoming, op=_MESSAGE_OPS[op], seq=self._current_seq, src=src, what=op, names=_MESSAGE_OP_NAMES

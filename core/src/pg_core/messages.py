@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import mmap
 import pickle
 import struct
 import threading
@@ -80,7 +81,9 @@ __all__ = [
 ]
 
 #: A part of a message, as backends receive them in ``send_bytes``.
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+#: A received message: writable, owned by the receiver (``recv_bytes`` may hand over an mmap).
+Received = bytearray | mmap.mmap
 
 # -- tags ---------------------------------------------------------------------------------
 
@@ -388,7 +391,7 @@ class Incoming:
     op: int
     seq: int
     specs: list[TensorSpec]
-    data: bytearray
+    data: Received
     body: memoryview
     buffers: list[memoryview]
 
@@ -439,7 +442,7 @@ _ONE_CPU_SPEC_SIZE: Final = _ONE_CPU_HEAD.size - _HEAD.size
 _SHAPES: Final = tuple(f"<{n}q" for n in range(9))
 
 
-def parse_tensor(data: bytearray) -> torch.Tensor | None:
+def parse_tensor(data: Received) -> torch.Tensor | None:
     """The fast path of :func:`parse` and :meth:`Incoming.value` for what
     :class:`_CpuTensor` sends (``None`` for anything else): one ``frombuffer``."""
     if len(data) < _ONE_CPU_HEAD.size:
@@ -466,7 +469,7 @@ def parse_tensor(data: bytearray) -> torch.Tensor | None:
     return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
-def parse(data: bytearray, *, src: int) -> Incoming:
+def parse(data: Received, *, src: int) -> Incoming:
     """Parse a received message (``ValueError`` if it is not one)."""
     view = memoryview(data)
     if len(data) < _HEAD.size or bytes(view[:4]) != MAGIC:
@@ -578,7 +581,7 @@ class Endpoint:
             self._refuse_broken(("send", peer, tag), op)
         self.backend.send_bytes(parts if self.scatter_gather else b"".join(parts), peer, tag, timeout=seconds)
 
-    def recv_one(self, peer: int, tag: int, seconds: float, op: str) -> bytearray:
+    def recv_one(self, peer: int, tag: int, seconds: float, op: str) -> Received:
         """Receive a message that is one ``recv_bytes`` (the group sends no separate tensors)."""
         if self._broken:
             self._refuse_broken(("recv", peer, tag), op)
@@ -616,7 +619,7 @@ class Endpoint:
         if total > cap:
             self.backend.send(self._tensor(joined, cap), peer, tag, timeout=deadline.left())
 
-    def recv(self, peer: int, tag: int, deadline: Deadline, progress: Progress | None = None) -> bytearray:
+    def recv(self, peer: int, tag: int, deadline: Deadline, progress: Progress | None = None) -> Received:
         if self.native:
             data = self.backend.recv_bytes(peer, tag, timeout=deadline.left())
             if progress is not None:
@@ -693,7 +696,7 @@ def tree_broadcast(
     size: int,
     src: int,
     send: Callable[[Sequence[Buffer], int], None],
-    recv: Callable[[int], bytearray],
+    recv: Callable[[int], Received],
 ) -> Sequence[Buffer]:
     """Binomial-tree broadcast of one message from ``src``; returns what this rank has.
 

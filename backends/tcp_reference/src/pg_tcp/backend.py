@@ -33,6 +33,7 @@ What this file shows a plugin author
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
@@ -69,7 +70,7 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 _SEGMENT_BYTES: Final = 2 * 1024 * 1024
 
 
-def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+def _byte_view(data: bytes | bytearray | memoryview | mmap.mmap) -> memoryview:
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
@@ -211,7 +212,7 @@ class TCPBackend(Backend):
 
     def send_bytes(
         self,
-        data: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview],
+        data: bytes | bytearray | memoryview | mmap.mmap | Sequence[bytes | bytearray | memoryview | mmap.mmap],
         dst: int,
         tag: int,
         *,
@@ -219,7 +220,7 @@ class TCPBackend(Backend):
     ) -> None:
         """One frame whose payload is ``data``, or the parts of a list back to back (written
         with one ``sendmsg``, never joined)."""
-        single = isinstance(data, (bytes, bytearray, memoryview))
+        single = isinstance(data, (bytes, bytearray, memoryview, mmap.mmap))
         parts = _byte_view(data) if single else [_byte_view(d) for d in data]  # type: ignore[union-attr, arg-type]
         self._transport.wait(
             self._transport.post_send(
@@ -227,7 +228,7 @@ class TCPBackend(Backend):
             )
         )
 
-    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray | mmap.mmap:
         req = self._transport.post_recv(Recv("recv_bytes", BYTES, src, None, dtype=RAW, tag=tag, timeout=timeout))
         self._transport.wait(req)
         assert req.result is not None

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import select
 import socket
 import struct
@@ -162,6 +163,22 @@ _POLLOUT: Final = select.POLLOUT
 _DISCARD_CHUNK: Final = 1 << 16
 _IOV_MAX: Final = 512  # buffers per sendmsg (the kernel's limit is 1024)
 _EMPTY: Final = memoryview(b"")
+
+
+#: Payloads this large arrive in pre-faulted anonymous memory instead of a ``bytearray``:
+#: ``bytearray(n)`` zeroes every page and then faults it in while the payload is copied,
+#: ``mmap`` with ``MAP_POPULATE`` maps them in one go (64 MiB: about 22 ms instead of 35).
+_MMAP_BYTES: Final = 1 << 20
+_POPULATE: Final = getattr(mmap, "MAP_POPULATE", 0)
+
+Payload = bytearray | mmap.mmap
+
+
+def _payload_buffer(nbytes: int) -> Payload:
+    """A writable buffer of ``nbytes`` for a payload that has no posted destination."""
+    if nbytes >= _MMAP_BYTES and _POPULATE:
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+    return bytearray(nbytes)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -301,7 +318,7 @@ class Recv(Request):
         self.opcode = opcode
         self.dtype = dtype
         self.tag = tag
-        self.result: bytearray | None = None
+        self.result: Payload | None = None
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -349,7 +366,7 @@ class _Peer:
         self.hdr_got = 0
         self.frame: Frame | None = None  # the frame whose payload is being read
         self.dest: memoryview | None = None  # where it goes (None: discard)
-        self.target: Recv | bytearray | None = None
+        self.target: Recv | Payload | None = None
         self.got = 0
 
 
@@ -376,7 +393,7 @@ class Transport:
         self._closed: str | None = None  # "shut down" / "aborted": no new requests
         self._stopping = False  # the progress thread must exit
         self._posted: dict[tuple[int, int, int], deque[Recv]] = {}
-        self._unexpected: dict[tuple[int, int, int], deque[tuple[Frame, bytearray]]] = {}
+        self._unexpected: dict[tuple[int, int, int], deque[tuple[Frame, Payload]]] = {}
         self._pending_coll: set[Request] = set()  # collective requests not yet done
         self._async: set[Request] = set()  # requests a user holds a Work for
         self._finished_works: list[Request] = []  # completed under the lock, to settle outside it
@@ -719,8 +736,8 @@ class Transport:
         peer.frame, peer.got, peer.dest, peer.target = frame, 0, None, None
         if kind >= ARRIVED:
             if kind in (ABORT, BYE):
-                buf = peer.target = bytearray(nbytes)
-                peer.dest = memoryview(buf)
+                reason = peer.target = bytearray(nbytes)
+                peer.dest = memoryview(reason)
             return True
         with self._lock:
             if kind == COLL:
@@ -737,13 +754,13 @@ class Transport:
                         self._break_collectives(CollectiveMismatchError, str(error), (peer.rank,), seq, notify=True)
                     return True
                 if req.buf is None:
-                    req.result = bytearray(nbytes)
+                    req.result = _payload_buffer(nbytes)
                     peer.dest = memoryview(req.result)
                 else:
                     peer.dest = req.buf
                 peer.target = req
                 return True
-        buf = peer.target = bytearray(nbytes)
+        buf = peer.target = _payload_buffer(nbytes)
         peer.dest = memoryview(buf)
         return True
 
@@ -786,7 +803,7 @@ class Transport:
             req = posted.popleft()  # posted while the payload was in flight
         self._deliver(req, frame, target, peer.rank, seq if kind == COLL else None)
 
-    def _deliver(self, req: Recv, frame: Frame, payload: bytearray, peer: int, seq: int | None) -> None:
+    def _deliver(self, req: Recv, frame: Frame, payload: Payload, peer: int, seq: int | None) -> None:
         """Check ``frame`` against ``req``, copy its payload in (outside the lock: it may be
         large) and complete ``req``; a collective frame that does not match (``seq`` given)
         stops the group's collectives."""
