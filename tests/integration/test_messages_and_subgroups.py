@@ -45,8 +45,8 @@ def _emulated_backend():
 
 def _group(ctx, flavor: str = "bytes", **kw) -> ProcessGroup:
     kw.setdefault("timeout", ctx.timeout)
-    backends = _emulated_backend() if flavor == "emulated" else "tcp"
-    group = ProcessGroup(ctx.store, rank=ctx.rank, size=ctx.size, backends=backends, **kw)
+    kw.setdefault("backends", _emulated_backend() if flavor == "emulated" else "tcp")
+    group = ProcessGroup(ctx.store, rank=ctx.rank, size=ctx.size, **kw)
     if flavor == "separate":
         group._separate_devices = frozenset({"cpu"})
     return group
@@ -191,6 +191,55 @@ def bad_input_and_timeouts(ctx) -> None:
 
 def test_bad_input_fails_locally_and_a_timeout_leaves_the_stream_usable(rank_pools):
     rank_pools(2).run(bad_input_and_timeouts)
+
+
+def _default_async_backend():
+    from pg_tcp.backend import TCPBackend
+
+    class HelperAsyncTCP(TCPBackend):
+        """pg-tcp with the core's default isend/irecv (a helper thread per (peer, tag))."""
+
+        isend = Backend.isend  # type: ignore[assignment]
+        irecv = Backend.irecv  # type: ignore[assignment]
+
+    return HelperAsyncTCP
+
+
+def blocking_behind_async(ctx, flavor: str) -> None:
+    """A blocking send or receive never overtakes an asynchronous one on the same (peer, tag):
+    messages (and tensors over a backend with the default isend/irecv) keep their order."""
+    r = ctx.rank
+    kw = {"backends": _default_async_backend()} if flavor == "default-async" else {}
+    with _group(ctx, "bytes" if flavor == "default-async" else flavor, **kw) as g:
+        g.barrier()
+        for round_ in range(30):
+            big = torch.full((70_000,), float(round_))  # large: its async send is still going
+            if r == 0:
+                w1 = g.send_tensor(big, 1, tag=1, async_op=True)
+                g.send_object(("second", round_), 1, tag=1)
+                w2 = g.isend(big, 1, tag=2)
+                g.send(torch.full((3,), float(round_)), 1, tag=2)
+                w1.wait()
+                w2.wait()
+                # the receiving side posts asynchronously, then blocks
+                g.send_object(("first", round_), 1, tag=3)
+                g.send_tensor(torch.arange(3), 1, tag=3)
+            else:
+                assert torch.equal(g.recv_tensor(0, tag=1), big)
+                assert g.recv_object(0, tag=1) == ("second", round_)
+                a, b = torch.empty(70_000), torch.empty(3)
+                g.recv(a, 0, tag=2)
+                g.recv(b, 0, tag=2)
+                assert torch.equal(a, big) and torch.equal(b, torch.full((3,), float(round_)))
+                w = g.recv_object(0, tag=3, async_op=True)
+                assert torch.equal(g.recv_tensor(0, tag=3), torch.arange(3))  # raises if it overtook w
+                assert w.result() == ("first", round_)
+        g.barrier()
+
+
+@pytest.mark.parametrize("flavor", [*FLAVORS, "default-async"])
+def test_a_blocking_call_never_overtakes_an_asynchronous_one(rank_pools, flavor):
+    rank_pools(2).run(blocking_behind_async, flavor)
 
 
 # -- collectives of objects ------------------------------------------------------------

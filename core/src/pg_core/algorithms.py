@@ -128,9 +128,21 @@ class BackendChannel:
         return left
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
+        queued = self.backend._queued("send", peer, self.tag)
+        if queued is not None:  # behind this operation's isend to the same peer: keep the order
+            self.wait(
+                queued.submit("send", lambda: self.backend.send(tensor, peer, self.tag, timeout=self.remaining()))
+            )
+            return
         self.backend.send(tensor, peer, self.tag, timeout=self.remaining())
 
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        queued = self.backend._queued("recv", peer, self.tag)
+        if queued is not None:
+            self.wait(
+                queued.submit("recv", lambda: self.backend.recv(tensor, peer, self.tag, timeout=self.remaining()))
+            )
+            return
         self.backend.recv(tensor, peer, self.tag, timeout=self.remaining())
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Work:

@@ -459,6 +459,13 @@ class Backend:
                 helper = self._helpers[key] = _Helper(name)
             return helper
 
+    def _queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
+        """The default ``isend``/``irecv`` helper of (kind, peer, tag) while it still has work:
+        a blocking ``send``/``recv`` there must run behind it, since messages keep their
+        order per (peer, tag). ``None`` when nothing is queued (the common case)."""
+        helper = self._helpers.get((kind, peer, tag))
+        return helper if helper is not None and helper.busy else None
+
     def _stop_helpers(self) -> None:
         with self._helpers_lock:
             self._helpers_closed = True
@@ -475,6 +482,7 @@ class _Helper:
         self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopped = False
+        self._pending = 0  # submitted calls not yet returned
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -483,16 +491,31 @@ class _Helper:
         with self._lock:
             if self._stopped:
                 raise GroupClosedError(f"{op}: the backend is closed")
+            self._pending += 1
             self._queue.put((work, fn))
         return work
+
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted call has not returned yet: a blocking call on the same stream
+        must then queue behind it, or it would overtake it."""
+        return self._pending > 0
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             work, fn = item
             try:
-                work.set_result(fn())
+                result = fn()
             except BaseException as exc:
+                self._done()
                 work.set_exception(exc)
+            else:
+                self._done()  # before completing: whoever waited for it may go on inline
+                work.set_result(result)
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
 
     def stop(self) -> None:
         with self._lock:

@@ -735,12 +735,20 @@ class ProcessGroup:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
         backend, t, _, seconds = self._p2p("send", tensor, dst, tag, timeout)
+        queued = backend._queued("send", dst, tag)
+        if queued is not None:  # an isend to (dst, tag) is still queued: this send goes behind it
+            queued.submit("send", lambda: backend.send(t.detach(), dst, tag, timeout=seconds)).wait()
+            return
         backend.send(t.detach(), dst, tag, timeout=seconds)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Receive the next message from group rank ``src`` with ``tag`` into ``tensor``."""
         backend, t, st, seconds = self._p2p("recv", tensor, src, tag, timeout)
-        backend.recv(t.detach(), src, tag, timeout=seconds)
+        queued = backend._queued("recv", src, tag)
+        if queued is not None:  # an irecv from (src, tag) is still queued: this recv matches after it
+            queued.submit("recv", lambda: backend.recv(t.detach(), src, tag, timeout=seconds)).wait()
+        else:
+            backend.recv(t.detach(), src, tag, timeout=seconds)
         if st._back:
             with torch.no_grad():
                 st.finish()
@@ -1054,10 +1062,12 @@ class ProcessGroup:
         self._check_separate(out, "send")
         wire = messages.message_tag(tag)
 
-        if async_op:
-            return self._helper("send", dst, tag).submit(
+        queued = None if async_op else self._queued("send", dst, tag)
+        if async_op or queued is not None:  # queued: behind this stream's asynchronous messages
+            work = (queued or self._helper("send", dst, tag)).submit(
                 op, lambda: self._send_now(op, ep, out, dst=dst, wire=wire, seconds=seconds)
             )
+            return work if async_op else work.result()
         self._send_now(op, ep, out, dst=dst, wire=wire, seconds=seconds)
         return None
 
@@ -1126,6 +1136,9 @@ class ProcessGroup:
 
         if async_op:
             return self._helper("recv", src, tag).submit(op, run)
+        queued = self._queued("recv", src, tag)
+        if queued is not None:  # behind this stream's asynchronous receives: they match first
+            return queued.submit(op, run).result()
         return run()
 
     def _recv_separate(
@@ -1149,6 +1162,11 @@ class ProcessGroup:
             if helper is None:
                 helper = self._helpers[key] = _Helper(f"pg-core-{self._name}-{kind}-msg-{peer}-{tag}")
             return helper
+
+    def _queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
+        """This group's asynchronous messages to/from (peer, tag), while some are unfinished."""
+        helper = self._helpers.get((kind, peer, tag))
+        return helper if helper is not None and helper.busy else None
 
     def _message_collective(
         self, op: str, call: Callable[[float], Any], async_op: bool, timeout: float | timedelta | None
