@@ -35,18 +35,34 @@ The bugs, one line each (the test file says which conformance test and check cat
 19. BARRIER_HIDES_PEER_FAILURE: barrier re-raises a peer's failure (or its timeout) as a plain RuntimeError.
 20. REDUCE_SCATTER_NEXT_BLOCK: reduce_scatter_tensor gives each rank block ``(rank + 1) % size`` when the
     size is above 2.
+
+Bugs that only the value operations (objects, tensors of unknown shape, tensor dicts, subgroups) meet:
+
+21. SEND_BYTES_FIRST_PART_ONLY: send_bytes of a list of buffers sends only the first one (written for API 1.0,
+    where a message came as one ``bytes`` object).
+22. RECV_BYTES_SHORT_READ: recv_bytes keeps only what one 64 KiB socket read returned; the rest of a larger
+    message stays zero (the classic missing loop around ``recv``).
+23. BYTES_TAGS_IGNORED: send_bytes and recv_bytes drop the tag (every message travels as tag 0).
+24. SEND_BYTES_SCRUBS_PARTS: send_bytes zeroes every writable buffer it was given once it has sent it
+    ("don't leave data behind"), and those are views of the caller's tensors.
+25. EMULATED_RECV_SHORT_READ: pg-tcp without send_bytes/recv_bytes (pg-core emulates messages on uint8
+    sends), whose recv keeps only the first 64 KiB of a larger tensor.
+26. PROCESS_WIDE_SEQUENCE: the collective sequence number is one counter for the whole process instead of
+    one per group, so ranks whose other groups ran different numbers of collectives disagree.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Sequence
 
 import torch
-from pg_core.backend import DTYPES, BackendContext, BackendSpec, Capabilities
+from pg_core.backend import DTYPES, Backend, BackendContext, BackendSpec, Capabilities
 from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.ops import OPS, RedOpType, ReduceOp
 from pg_core.work import Work
-from pg_tcp.backend import TCPBackend
+from pg_tcp.backend import TCPBackend, TCPChannel
 from pg_tcp.plugin import CAPABILITIES
 
 _FLOATS = (torch.float32, torch.float64)
@@ -74,6 +90,10 @@ ALL_REDUCE_SUM_CAPS = Capabilities(
 )
 #: barrier only (so every timeout probe is a barrier).
 BARRIER_CAPS = Capabilities(ops=frozenset({"barrier"}), dtypes=frozenset(DTYPES))
+#: Point to point only (values ride on it), with uint8 for pg-core's emulation of messages.
+MESSAGE_CAPS = Capabilities(
+    ops=frozenset({"send", "recv"}), dtypes=frozenset({torch.uint8, torch.float32, torch.int64, torch.complex128})
+)
 
 
 def _spec(name: str, factory: type[TCPBackend], caps: Capabilities = CAPABILITIES) -> BackendSpec:
@@ -346,6 +366,79 @@ class AllGatherZeroesInput(TCPBackend):
         tensor.zero_()  # bug: "scrub the send buffer"
 
 
+# -- 21, 22, 23, 24: variable-size messages -----------------------------------------------------------
+
+_Bytes = bytes | bytearray | memoryview
+_WINDOW = 64 * 1024
+
+
+class SendBytesFirstPartOnly(TCPBackend):
+    def send_bytes(self, data: _Bytes | Sequence[_Bytes], dst: int, tag: int, *, timeout: float) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = data[0]  # bug: "the message is data[0]", as in API 1.0 days
+        super().send_bytes(data, dst, tag, timeout=timeout)
+
+
+class RecvBytesShortRead(TCPBackend):
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        data = super().recv_bytes(src, tag, timeout=timeout)
+        if len(data) > _WINDOW:
+            data[_WINDOW:] = bytes(len(data) - _WINDOW)  # bug: one read of at most 64 KiB, and no loop
+        return data
+
+
+class BytesTagsIgnored(TCPBackend):
+    def send_bytes(self, data: _Bytes | Sequence[_Bytes], dst: int, tag: int, *, timeout: float) -> None:
+        super().send_bytes(data, dst, 0, timeout=timeout)
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        return super().recv_bytes(src, 0, timeout=timeout)
+
+
+class SendBytesScrubsParts(TCPBackend):
+    def send_bytes(self, data: _Bytes | Sequence[_Bytes], dst: int, tag: int, *, timeout: float) -> None:
+        super().send_bytes(data, dst, tag, timeout=timeout)
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        for part in parts:
+            view = memoryview(part).cast("B")
+            if not view.readonly:
+                view[:] = bytes(view.nbytes)  # bug: the parts are the caller's memory, not a copy
+
+
+# -- 25: pg-tcp without send_bytes: values emulated on uint8 sends ----------------------------------------
+
+
+class Emulated(TCPBackend):
+    """pg-tcp without its variable-size messages: pg-core emulates them on ``send``/``recv``."""
+
+    send_bytes = Backend.send_bytes  # type: ignore[assignment]
+    recv_bytes = Backend.recv_bytes  # type: ignore[assignment]
+
+
+class EmulatedRecvShortRead(Emulated):
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= _WINDOW:
+            super().recv(tensor, src, tag, timeout=timeout)
+            return
+        whole = torch.empty_like(tensor)
+        super().recv(whole, src, tag, timeout=timeout)
+        keep = _WINDOW // tensor.element_size()
+        tensor.view(-1)[:keep].copy_(whole.view(-1)[:keep])  # bug: one read of at most 64 KiB, and no loop
+
+
+# -- 26: subgroups ------------------------------------------------------------------------------------
+
+
+class ProcessWideSequence(TCPBackend):
+    _counter = itertools.count(1)  # bug: one counter for every group of the process
+
+    def _channel(self, op: str, timeout: float, arg: int = 0) -> TCPChannel:
+        self._seq = next(ProcessWideSequence._counter)
+        self._transport.begin_collective(op, self._seq, arg)
+        return TCPChannel(self._transport, op, self._seq, arg, timeout)
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -368,6 +461,12 @@ BARRIER_HANGS_AT_3 = _spec("barrier-hangs-at-3", BarrierHangsAt3)
 RECV_SWALLOWS_TIMEOUT = _spec("recv-swallows-timeout", RecvSwallowsTimeout, P2P_CAPS)
 BARRIER_HIDES_PEER_FAILURE = _spec("barrier-hides-peer-failure", BarrierHidesPeerFailure)
 REDUCE_SCATTER_NEXT_BLOCK = _spec("reduce-scatter-next-block", ReduceScatterNextBlock)
+SEND_BYTES_FIRST_PART_ONLY = _spec("send-bytes-first-part-only", SendBytesFirstPartOnly)
+RECV_BYTES_SHORT_READ = _spec("recv-bytes-short-read", RecvBytesShortRead, MESSAGE_CAPS)
+BYTES_TAGS_IGNORED = _spec("bytes-tags-ignored", BytesTagsIgnored, MESSAGE_CAPS)
+SEND_BYTES_SCRUBS_PARTS = _spec("send-bytes-scrubs-parts", SendBytesScrubsParts, MESSAGE_CAPS)
+EMULATED_RECV_SHORT_READ = _spec("emulated-recv-short-read", EmulatedRecvShortRead, MESSAGE_CAPS)
+PROCESS_WIDE_SEQUENCE = _spec("process-wide-sequence", ProcessWideSequence)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 
@@ -377,3 +476,5 @@ CONTROL_INT_MIN_MAX = _spec("control-int-min-max", TCPBackend, INT_MIN_MAX_CAPS)
 CONTROL_P2P = _spec("control-p2p", TCPBackend, P2P_CAPS)
 CONTROL_ALL_REDUCE_SUM = _spec("control-all-reduce-sum", TCPBackend, ALL_REDUCE_SUM_CAPS)
 CONTROL_BARRIER = _spec("control-barrier", TCPBackend, BARRIER_CAPS)
+CONTROL_MESSAGES = _spec("control-messages", TCPBackend, MESSAGE_CAPS)
+CONTROL_EMULATED = _spec("control-emulated", Emulated, MESSAGE_CAPS)

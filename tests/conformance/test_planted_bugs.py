@@ -7,7 +7,7 @@ and the controls run the same conformance tests, with the same draws, on the unm
 must pass, so none of these tests can pass by a harness that fails everything.
 
 Examples are derandomized (every run draws the same ones) and most runs skip shrinking: the suite only
-has to report the bug. Two keep it, and must shrink to the world size where the bug first shows.
+has to report the bug. Three keep it, and must shrink to the world size where the bug first shows.
 """
 
 from __future__ import annotations
@@ -26,9 +26,18 @@ PLANTED = Path(__file__).resolve().with_name("planted.py")
 PROFILE = Profile("planted", max_examples=12, derandomize=True, op_timeout=5.0, deadline=20.0, max_hangs=1)
 
 #: Examples per conformance test (bug runs stop at the first failure; controls run them all).
-EXAMPLES = {"all_reduce": 25, "p2p": 30, "timeouts": 6, "barrier": 2}
+EXAMPLES = {
+    "all_reduce": 25,
+    "p2p": 30,
+    "timeouts": 6,
+    "barrier": 2,
+    "objects": 20,
+    "unknown_shape": 25,
+    "subgroups": 20,
+}
 
 ALL_SIZES = (1, 2, 3, 4)
+PEERS = (2, 3)  # values: a message needs two ranks
 
 
 def ref(attr: str) -> str:
@@ -67,6 +76,33 @@ BUGS = {
     "recv-swallows-timeout": Bug("RECV_SWALLOWS_TIMEOUT", "timeouts", ("timeout",), "CONTROL_P2P"),
     "barrier-hides-peer-failure": Bug("BARRIER_HIDES_PEER_FAILURE", "dead_peer", ("dead-peer",), world_sizes=(2,)),
     "reduce-scatter-next-block": Bug("REDUCE_SCATTER_NEXT_BLOCK", "reduce_scatter_tensor", ("reference",)),
+    # values: objects, tensors of unknown shape, tensor dicts, subgroups
+    # a message of only its head: the receiver cannot parse it
+    "send-bytes-first-part-only": Bug(
+        "SEND_BYTES_FIRST_PART_ONLY", "objects", ("declared-must-pass",), world_sizes=PEERS, shrink_to=2
+    ),
+    "recv-bytes-short-read": Bug(
+        "RECV_BYTES_SHORT_READ", "unknown_shape", ("reference",), "CONTROL_MESSAGES", world_sizes=PEERS
+    ),
+    # a message taken by the wrong receive: another value, or another kind of value (the receive fails); two
+    # ranks, so that messages of one pair on different tags, received in another order, are common
+    "bytes-tags-ignored": Bug(
+        "BYTES_TAGS_IGNORED", "objects", ("reference", "declared-must-pass"), "CONTROL_MESSAGES", world_sizes=(2,)
+    ),
+    # the caller's tensors are zeroed; and a part sent twice (the root of a broadcast's tree sends one message to
+    # several children) goes out zeroed the second time, which the receiver cannot parse
+    "send-bytes-scrubs-parts": Bug(
+        "SEND_BYTES_SCRUBS_PARTS",
+        "unknown_shape",
+        ("inputs-unchanged", "declared-must-pass"),
+        "CONTROL_MESSAGES",
+        world_sizes=PEERS,
+    ),
+    "emulated-recv-short-read": Bug(
+        "EMULATED_RECV_SHORT_READ", "unknown_shape", ("reference",), "CONTROL_EMULATED", world_sizes=PEERS
+    ),
+    # ranks whose other groups ran different numbers of collectives disagree: pg-tcp sees the mismatch
+    "process-wide-sequence": Bug("PROCESS_WIDE_SEQUENCE", "subgroups", ("declared-must-pass",)),
 }
 
 #: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.
@@ -144,3 +180,42 @@ def test_hang_is_cut_off_with_stacks_and_the_suite_goes_on(rank_pools) -> None:
     control = Conformance(ref("CONTROL"), world_sizes=(3,), profile=profile, pools=rank_pools, shrink=False)
     control.check("barrier")
     assert control.examples["barrier"] >= 1
+
+
+def _split_results(formed: dict[int, object]) -> list[dict[str, object]]:
+    """What three ranks report for one split (lane 0) and its empty subgroup (lane 1)."""
+
+    def record(rank: int) -> dict[str, object]:
+        return {"call": 0, "error": None, "early": None, "supports": None, "formed": formed[rank]}
+
+    lanes = {r: {0: [record(r)]} for r in range(3)}
+    for r in (0, 1):
+        lanes[r][1] = []
+    return [{"lanes": lanes[r]} for r in range(3)]
+
+
+def test_membership_is_judged_against_mpi_split() -> None:
+    """No backend can get ``split`` wrong (pg-core forms subgroups), so the ``membership`` check is proved
+    on what ranks report: the ranks of one color are ordered by key, then by parent rank."""
+    from pg_core.testing.cases import Call, Lane
+
+    split = Call("split", params={"colors": [1, 1, None], "keys": [1, 0, 0], "lanes": [[1, 1]], "name": None})
+    example = Example(3, "cpu", 0, [Lane([0, 1, 2], [split]), Lane([1, 0], [], parent=0)])
+    assert Example.from_json(example.to_json()) == example
+    checker = Conformance(ref("CONTROL"), world_sizes=(3,), profile=PROFILE)
+    right = {0: {"rank": 1, "size": 2, "parent_ranks": [1, 0]}, 1: {"rank": 0, "size": 2, "parent_ranks": [1, 0]}}
+    checker.judge("subgroups", example, _split_results({**right, 2: None}))
+
+    by_parent_rank = {
+        0: {"rank": 0, "size": 2, "parent_ranks": [0, 1]},
+        1: {"rank": 1, "size": 2, "parent_ranks": [0, 1]},
+    }
+    cases = [
+        ({**by_parent_rank, 2: None}, "rank 0 called split(color=1, key=1) and got rank 0 of 2"),
+        ({**right, 2: {"rank": 0, "size": 1, "parent_ranks": [2]}}, "expected None (no subgroup)"),
+    ]
+    for wrong, said in cases:
+        with pytest.raises(ConformanceFailure) as caught:
+            checker.judge("subgroups", example, _split_results(wrong))
+        assert caught.value.check == "membership", str(caught.value)
+        assert said in str(caught.value), str(caught.value)

@@ -34,7 +34,7 @@ def test_pyargs_without_a_backend_skips_with_the_reason(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "--pyargs", "pg_core.testing"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "20 skipped" in proc.stdout
+    assert "23 skipped" in proc.stdout
     assert "pass --pg-backend NAME" in proc.stdout
 
 

@@ -29,6 +29,7 @@ from ..ops import RedOpType, ReduceOp
 
 __all__ = [
     "DTYPE_NAMES",
+    "VALUE_OPS",
     "Bufs",
     "Call",
     "Example",
@@ -56,6 +57,22 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
+#: Ops whose calls move values (objects, tensors of unknown shape, tensor dicts) or
+#: form subgroups: described by value specs, judged by :mod:`pg_core.testing.values`.
+VALUE_OPS: frozenset[str] = frozenset(
+    {
+        "messages",
+        "broadcast_object",
+        "all_gather_object",
+        "gather_object",
+        "scatter_object",
+        "broadcast_tensor_dict",
+        "split",
+        "new_group",
+    }
+)
+
+
 def dtype_of(name: str) -> torch.dtype:
     return DTYPE_NAMES[name]
 
@@ -68,13 +85,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 class Call:
     """One operation of a lane.
 
-    ``op`` is a ProcessGroup collective, ``"p2p"`` (a set of messages), or one of
-    the probes ``"undeclared"``, ``"bad_input"``, ``"timeout"``. ``shape`` is the
-    per-rank piece; ``layout`` is ``"contig"``, ``"strided"`` (every other element
-    of a wider buffer) or ``"transposed"``. ``late``: with ``async_op``, the rank
-    that calls last, after every other rank has checked that its ``Work`` is not
-    complete yet. ``params`` holds what only some ops take (``reduce``,
-    ``factor``, ``root``, ``splits``, ``out_form``, ``messages``, ...).
+    ``op`` is a ProcessGroup collective, a value collective (``broadcast_object``,
+    ``all_gather_object``, ``gather_object``, ``scatter_object``,
+    ``broadcast_tensor_dict``), ``"p2p"`` (a set of tensor messages), ``"messages"``
+    (a set of value messages: objects, tensors of unknown shape, tensor dicts, and
+    tensor sends of a known shape on the same tags), a subgroup formation
+    (``"split"``, ``"new_group"``: the subgroup is another lane of the example), or
+    one of the probes ``"undeclared"``, ``"bad_input"``, ``"timeout"``. ``shape``
+    is the per-rank piece; ``layout`` is ``"contig"``, ``"strided"`` (every other
+    element of a wider buffer) or ``"transposed"``. ``late``: with ``async_op``,
+    the rank that calls last, after every other rank has checked that its ``Work``
+    is not complete yet. ``params`` holds what only some ops take (``reduce``,
+    ``factor``, ``root``, ``splits``, ``out_form``, ``messages``, value specs
+    ``obj``/``objs`` (see :mod:`pg_core.testing.values`), ...).
     """
 
     op: str
@@ -99,6 +122,8 @@ class Call:
         return ReduceOp(kind)
 
     def describe(self) -> str:
+        if self.op in VALUE_OPS:
+            return self._describe_values()
         bits = [self.op]
         if self.op not in ("p2p", "barrier", "undeclared", "bad_input", "timeout"):
             bits.append(f"{self.dtype}{list(self.shape)}")
@@ -110,16 +135,57 @@ class Call:
             bits.append("async" + (f" late={self.late}" if self.late is not None else ""))
         return " ".join(str(b) for b in bits)
 
+    def _describe_values(self) -> str:
+        from .values import describe_spec
+
+        p = self.params
+        bits = [self.op]
+        lines = []
+        if self.op == "messages":
+            bits.append(f"mode={p['mode']}")
+            if p["mode"] == "async":
+                bits.append(f"recv_order={p['recv_order']}")
+            for m, (src, dst, tag, kind, recv_as, spec) in enumerate(p["messages"]):
+                lines.append(
+                    f"        #{m} {src}->{dst} tag={tag} {kind} {describe_spec(spec)} (received with {recv_as})"
+                )
+        elif self.op == "split":
+            bits.append(f"colors={p['colors']} keys={p['keys']}")
+            bits += [f"color {c} -> lane {li}" for c, li in p["lanes"]]
+        elif self.op == "new_group":
+            bits.append(f"ranks={p['ranks']} -> lane {p['lane']}")
+        else:
+            if "root" in p:
+                bits.append(f"root={p['root']}")
+            if "obj" in p:
+                bits.append(f"obj={describe_spec(p['obj'])}")
+            if "objs" in p:
+                bits.append("objs=[" + "; ".join(describe_spec(o) for o in p["objs"]) + "]")
+            if p.get("device"):
+                bits.append(f"device={p['device']}")
+        if p.get("name"):
+            bits.append(f"name={p['name']}")
+        if self.async_op and self.op != "messages":
+            bits.append("async" + (f" late={self.late}" if self.late is not None else ""))
+        elif self.late is not None:
+            bits.append(f"late={self.late}")
+        return "\n".join([" ".join(str(b) for b in bits), *lines])
+
 
 @dataclass
 class Lane:
-    """A group formed by ``members`` (rank ``i`` of the lane is ``members[i]``) and
-    the calls it runs; ``wait_order`` is the order in which the async calls'
-    ``Work`` s are waited (indices into ``calls``)."""
+    """A group formed by ``members`` (rank ``i`` of the lane is ``members[i]``, a
+    rank of the world) and the calls it runs; ``wait_order`` is the order in which
+    the async calls' ``Work`` s are waited (indices into ``calls``).
+
+    ``parent``: ``None`` for a group formed on its own; for a subgroup, the lane
+    whose ``split`` or ``new_group`` call forms it. Its members run its calls right
+    after that call, then shut it down."""
 
     members: list[int]
     calls: list[Call]
     wait_order: list[int] = field(default_factory=list)
+    parent: int | None = None
 
 
 @dataclass
@@ -130,7 +196,11 @@ class Example:
     lanes: list[Lane]
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+        raw = dataclasses.asdict(self)
+        for lane in raw["lanes"]:
+            if lane["parent"] is None:
+                del lane["parent"]  # examples without subgroups read as they always did
+        return json.dumps(raw, separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Example:
@@ -140,6 +210,7 @@ class Example:
                 members=list(lane["members"]),
                 calls=[Call(**{**c, "shape": tuple(c["shape"])}) for c in lane["calls"]],
                 wait_order=list(lane["wait_order"]),
+                parent=lane.get("parent"),
             )
             for lane in raw["lanes"]
         ]
@@ -149,6 +220,8 @@ class Example:
         lines = [f"world size {self.world_size}, device {self.device}, seed {self.seed}"]
         for li, lane in enumerate(self.lanes):
             head = f"  lane {li} (ranks {lane.members})" if len(self.lanes) > 1 else "  calls"
+            if lane.parent is not None:
+                head = f"  lane {li} (ranks {lane.members}, a subgroup of lane {lane.parent})"
             lines.append(head + ":")
             for ci, call in enumerate(lane.calls):
                 lines.append(f"    [{ci}] {call.describe()}")
@@ -550,4 +623,11 @@ def depends_on(call: Call, rank: int, late: int, n: int) -> bool:
         return bool(p["root"] == rank and piece > 0)
     if op in ("all_to_all", "all_to_all_single"):
         return bool(_split_rows(call)[late][rank] > 0 and math.prod(call.shape) > 0)
+    # value collectives: a message always carries bytes
+    if op in ("all_gather_object",):
+        return True
+    if op in ("broadcast_object", "broadcast_tensor_dict", "scatter_object"):
+        return bool(p["root"] == late)
+    if op == "gather_object":
+        return bool(p["root"] == rank)
     return False

@@ -14,13 +14,18 @@ Checks, by the name a failure carries:
 ``reference``
     an output differs from the controller's reference (exact, or beyond the
     tolerance of :func:`~pg_core.testing.cases.tolerance_note`), or a byte
-    outside the output view (a strided buffer's gaps) changed.
+    outside the output view (a strided buffer's gaps) changed; for values
+    (objects, tensors of unknown shape, tensor dicts), a received value is not
+    structurally equal to the one sent (see :mod:`~pg_core.testing.values`).
 ``ranks-agree``
     ``all_reduce`` results are not bitwise identical on every rank.
 ``inputs-unchanged``
-    an input buffer was modified.
+    an input buffer was modified (or a value, once sent).
 ``early-completion``
     an async ``Work`` was complete before a rank it depends on had called.
+``membership``
+    a subgroup from ``split`` or ``new_group`` has the wrong rank, size or
+    ``parent_ranks`` on some member (or ``split`` with color ``None`` returned a group).
 ``supports``
     ``ProcessGroup.supports`` disagrees with the declared capabilities.
 ``undeclared-must-raise``
@@ -49,11 +54,12 @@ from typing import Any
 
 import torch
 
-from ..backend import BackendSpec, Capabilities
+from ..backend import Backend, BackendSpec, Capabilities
 from ..ops import COLLECTIVE_OPS, RedOpType
-from .cases import Call, Example, Expected, dtype_of, expected, input_bases
+from .cases import VALUE_OPS, Call, Example, Expected, dtype_of, expected, input_bases
 from .pool import RankPool, RanksFailed
 from .rank import resolve_backend, run_dead_peer, run_example
+from .values import collective_input, collective_result, difference, message_value, observe
 
 __all__ = ["PROFILES", "TESTS", "Conformance", "ConformanceFailure", "Profile"]
 
@@ -62,6 +68,9 @@ TESTS: tuple[str, ...] = (
     "supports",
     *COLLECTIVE_OPS,
     "p2p",
+    "objects",
+    "unknown_shape",
+    "subgroups",
     "sequences",
     "concurrent_groups",
     "undeclared",
@@ -91,7 +100,14 @@ PROFILES: dict[str, Profile] = {
         "ci",
         max_examples=16,
         derandomize=True,
-        per_test={"sequences": 2.0, "concurrent_groups": 1.0, "p2p": 1.5, "timeouts": 0.5, "undeclared": 0.75},
+        per_test={
+            "sequences": 2.0,
+            "concurrent_groups": 1.0,
+            "p2p": 1.5,
+            "timeouts": 0.5,
+            "undeclared": 0.75,
+            "bad_input": 1.5,
+        },
     ),
     "thorough": Profile("thorough", max_examples=200, derandomize=False, per_test={"sequences": 2.0, "timeouts": 0.25}),
 }
@@ -145,6 +161,7 @@ class Conformance:
             raise RuntimeError(f"backend {self.spec.name!r} has no device usable here ({reasons})")
         self.devices = tuple(usable)
         self.caps: dict[str, Capabilities] = {d: self.spec.capabilities_for(d) for d in self.devices}
+        self.carries_bytes = _carries_bytes(self.spec)
         self._own_pools: dict[int, RankPool] = {}
         self._pools = pools
         self._hangs: dict[str, list[ConformanceFailure]] = {}
@@ -185,7 +202,7 @@ class Conformance:
     def target(self) -> Any:
         from .strategies import Target
 
-        return Target(self.world_sizes, self.devices, self.caps)
+        return Target(self.world_sizes, self.devices, self.caps, carries_bytes=self.carries_bytes)
 
     def check(self, test: str) -> None:
         """Run conformance test ``test`` (one of :data:`TESTS`) with Hypothesis; raise on the first failure."""
@@ -252,6 +269,15 @@ class Conformance:
                 return "send/recv are not declared"
             if not multi:
                 return "point to point needs a world size >= 2"
+        elif test in ("objects", "unknown_shape"):
+            if not any(target.messages(d) for d in self.devices):
+                return (
+                    "values travel as messages, which need send/recv declared, and uint8 declared for them "
+                    "where the backend has no send_bytes/recv_bytes"
+                )
+        elif test == "subgroups":
+            if not ops and not p2p and not any(target.messages(d) for d in self.devices):
+                return "nothing is declared that a subgroup could run"
         elif test in ("sequences", "concurrent_groups"):
             if not ops and not (p2p and multi):
                 return "no collective is declared, and no point to point can run"
@@ -270,7 +296,8 @@ class Conformance:
         self.sizes[test][example.world_size] += 1
         for lane in example.lanes:
             for call in lane.calls:
-                self.calls[test][call.params.get("target", call.op) if call.op == "timeout" else call.op] += 1
+                for op in _counted(call):
+                    self.calls[test][op] += 1
         hangs = self._hangs.get(test, [])
         if len(hangs) >= self.profile.max_hangs:
             last = hangs[-1]  # reported as it was: the example that hung, and its replay line
@@ -314,7 +341,14 @@ class Conformance:
         for li, lane in enumerate(example.lanes):
             per_rank: list[list[dict[str, Any]]] = []
             for i, member in enumerate(lane.members):
-                got = results[member]["lanes"][li]
+                got = results[member]["lanes"].get(li)
+                if got is None:  # the forming call passed its checks there, so this is not expected
+                    raise self.fail(
+                        test,
+                        "declared-must-pass",
+                        f"lane {li}: rank {i} (process {member}) never ran this subgroup's calls",
+                        example,
+                    )
                 if isinstance(got, dict):  # the lane's group failed outside any call
                     raise self.fail(
                         test,
@@ -372,7 +406,7 @@ class Conformance:
                         f"rank joined it, so it must raise CollectiveTimeout; {_said(err)}",
                         ex,
                     )
-                if p["target"] != "recv" and err.get("op") != p["target"]:
+                if p["target"] not in ("recv", "recv_object") and err.get("op") != p["target"]:
                     raise self.fail(
                         test,
                         "timeout",
@@ -405,6 +439,12 @@ class Conformance:
                 "(whose data or arrival they need) had called the operation",
                 ex,
             )
+        if call.op in ("split", "new_group"):
+            self._judge_subgroup(test, ex, at, recs, where)
+            return
+        if call.op in VALUE_OPS:
+            self._judge_values(test, ex, at, recs, where)
+            return
         want = expected(call, ex.seed, li, ci, n)
         for r, rec in enumerate(recs):
             exp = want[r]
@@ -444,6 +484,78 @@ class Conformance:
                     "(every rank must reduce in the same order)",
                     ex,
                 )
+
+    def _judge_values(
+        self, test: str, ex: Example, at: tuple[int, int], recs: list[dict[str, Any]], where: str
+    ) -> None:
+        """Values: what every sender passed is unchanged (``inputs-unchanged``, first, since a
+        changed input explains a wrong value), and every rank got its reference value."""
+        li, ci = at
+        call = ex.lanes[li].calls[ci]
+        n = len(ex.lanes[li].members)
+        key = (ex.seed, li, ci)
+        if call.op == "messages":
+            msgs = call.params["messages"]
+            for m, (src, dst, tag, kind, _recv_as, _spec) in enumerate(msgs):
+                name = f"message #{m} ({kind}, rank {src} -> rank {dst}, tag {tag})"
+                want = observe(message_value(call, key, m), device=ex.device)
+                problem = _value_problem(recs[src].get("sent", {}).get(m), want)
+                if problem is not None:
+                    raise self.fail(
+                        test, "inputs-unchanged", f"{where}: {name}: the sender's value, after sending: {problem}", ex
+                    )
+            for m, (src, dst, tag, kind, recv_as, _spec) in enumerate(msgs):
+                name = f"message #{m} ({kind}, rank {src} -> rank {dst}, tag {tag}, received with {recv_as})"
+                want = observe(message_value(call, key, m), device=ex.device)
+                problem = _value_problem(recs[dst].get("received", {}).get(m), want)
+                if problem is not None:
+                    raise self.fail(test, "reference", f"{where}: {name}: {problem}", ex)
+            return
+        for r, rec in enumerate(recs):
+            want = observe(collective_input(call, key, r), device=ex.device)
+            problem = _value_problem(rec.get("input"), want)
+            if problem is not None:
+                raise self.fail(
+                    test, "inputs-unchanged", f"{where}: rank {r}, the value it passed, after the call: {problem}", ex
+                )
+        for r, rec in enumerate(recs):
+            want = observe(collective_result(call, key, r, n), device=ex.device)
+            problem = _value_problem(rec.get("value"), want)
+            if problem is not None:
+                raise self.fail(test, "reference", f"{where}: rank {r}, the value returned: {problem}", ex)
+
+    def _judge_subgroup(
+        self, test: str, ex: Example, at: tuple[int, int], recs: list[dict[str, Any]], where: str
+    ) -> None:
+        """Every member's subgroup has the rank, size and ``parent_ranks`` the controller
+        computed (MPI_Comm_split: same color together, ordered by key, then parent rank)."""
+        li, ci = at
+        call = ex.lanes[li].calls[ci]
+        lane = ex.lanes[li]
+        p = call.params
+        absent = object()
+        want: list[Any] = [absent] * len(lane.members)
+        if call.op == "split":
+            children = {color: child for color, child in p["lanes"]}
+            for r, color in enumerate(p["colors"]):
+                want[r] = None if color is None else _placement(ex, lane, children[color], lane.members[r])
+        else:
+            for r in p["ranks"]:
+                want[r] = _placement(ex, lane, p["lane"], lane.members[r])
+        for r, rec in enumerate(recs):
+            got = rec.get("formed", absent)
+            if got == want[r] or (got is absent and want[r] is absent):
+                continue
+            if call.op == "split":
+                asked = f"split(color={p['colors'][r]}, key={p['keys'][r]})"
+            else:
+                asked = f"new_group({p['ranks']})"
+            raise self.fail(
+                test,
+                "membership",
+                f"{where}: rank {r} called {asked} and got {_formed(got, absent)}; expected {_formed(want[r], absent)}",
+                ex,
+            )
 
     # -- the checks that are not drawn -----------------------------------------------
     def check_supports(self) -> None:
@@ -566,8 +678,58 @@ def _usable_devices(spec: BackendSpec, wanted: Sequence[str] | None) -> tuple[li
     return usable, skipped
 
 
+def _carries_bytes(spec: BackendSpec) -> bool:
+    """Whether the spec's backend class implements ``send_bytes``/``recv_bytes`` (a factory
+    that is not a ``Backend`` subclass is taken not to: values then need ``uint8`` sends)."""
+    try:
+        factory = spec.load_factory()
+    except Exception:
+        return False
+    if not (isinstance(factory, type) and issubclass(factory, Backend)):
+        return False
+    return factory.send_bytes is not Backend.send_bytes and factory.recv_bytes is not Backend.recv_bytes
+
+
+_METHODS = {"object": "send_object", "tensor": "send_tensor", "tensor_dict": "send_tensor_dict", "plain": "send"}
+
+
+def _counted(call: Call) -> list[str]:
+    """The operations a call stands for, as the summary counts them."""
+    if call.op == "timeout":
+        return [call.params["target"]]
+    if call.op == "messages":
+        return [_METHODS[m[3]] for m in call.params["messages"]]
+    return [call.op]
+
+
+def _value_problem(got: Any, want: Any) -> str | None:
+    if got is None:
+        return "no value came back (the operation returned nothing, or its Work did not finish)"
+    return difference(got, want)
+
+
+def _placement(ex: Example, parent: Any, child: int, member: int) -> dict[str, Any]:
+    """What world rank ``member`` must see in subgroup lane ``child`` of lane ``parent``."""
+    members = ex.lanes[child].members
+    return {
+        "rank": members.index(member),
+        "size": len(members),
+        "parent_ranks": [parent.members.index(w) for w in members],
+    }
+
+
+def _formed(got: Any, absent: object) -> str:
+    if got is absent:
+        return "no call (it is not a member)"
+    if got is None:
+        return "None (no subgroup)"
+    return f"rank {got['rank']} of {got['size']} with parent_ranks {got['parent_ranks']}"
+
+
 def _probe(call: Call) -> str:
     p = call.params
+    if p["target"] in ("send_object", "broadcast_object"):
+        return f"{p['target']} (values travel as messages on send/recv)"
     bits = [p["target"], call.dtype]
     if p.get("reduce"):
         bits.append(p["reduce"])

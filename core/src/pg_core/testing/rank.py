@@ -1,13 +1,16 @@
 """What a rank process does with a conformance example.
 
 :func:`run_example` runs in every rank of a :class:`~pg_core.testing.pool.RankPool`:
-it forms one :class:`~pg_core.ProcessGroup` per lane the rank belongs to (lanes
-run concurrently, each on its own thread), makes its inputs with
-:func:`~pg_core.testing.cases.prepare`, runs the calls, waits for async ones in
-the example's order, shuts the groups down, and returns what it observed: every
-output and input buffer, each call's error (if any), whether an async call
-finished before a rank it depends on had called it, and what ``supports()``
-said. It judges nothing; the controller does.
+it forms one :class:`~pg_core.ProcessGroup` per top-level lane the rank belongs to
+(lanes run concurrently, each on its own thread), makes its inputs with
+:func:`~pg_core.testing.cases.prepare` (values with :mod:`~pg_core.testing.values`),
+runs the calls, waits for async ones in the example's order, shuts the groups
+down, and returns what it observed: every output and input buffer, every value
+it received and every value it sent (as it was afterwards), each call's error (if
+any), whether an async call finished before a rank it depends on had called it,
+what ``supports()`` said, and the rank, size and ``parent_ranks`` of every
+subgroup it formed. A subgroup's lane runs on the subgroup right after the
+``split``/``new_group`` call that formed it. It judges nothing; the controller does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,14 @@ from ..ops import RedOpType, ReduceOp
 from ..store import wait_for
 from ..work import Work
 from .cases import Bufs, Call, Example, depends_on, dtype_of, prepare
+from .values import (
+    MESSAGE_COLLECTIVES,
+    collective_input,
+    message_value,
+    observe,
+    plain_buffer,
+    spec_dtypes,
+)
 
 __all__ = ["resolve_backend", "run_example"]
 
@@ -81,8 +92,18 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 
 class _Lane:
-    def __init__(self, ctx: Any, ex: Example, index: int, backend: str | BackendSpec, op_timeout: float) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        ex: Example,
+        index: int,
+        backend: str | BackendSpec,
+        op_timeout: float,
+        *,
+        results: dict[int, Any],
+    ) -> None:
         self.ctx, self.ex, self.index = ctx, ex, index
+        self.results = results  # lane index -> records, shared by the example's lanes (subgroups add theirs)
         self.lane = ex.lanes[index]
         self.me = self.lane.members.index(ctx.rank)
         self.n = len(self.lane.members)
@@ -95,6 +116,10 @@ class _Lane:
         self.records: list[dict[str, Any]] = []
         self.works: dict[int, list[Work]] = {}
         self.bufs: dict[int, Bufs] = {}
+        self.inputs: dict[int, Any] = {}  # value collective -> what this rank passed
+        self.values: dict[int, Any] = {}  # value collective -> what it returned (its Work, if async)
+        self.sent: dict[int, dict[int, Any]] = {}  # messages call -> message -> the value sent
+        self.received: dict[int, dict[int, Any]] = {}  # messages call -> message -> value, Work or buffer
 
     # -- running -------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -107,32 +132,54 @@ class _Lane:
             timeout=self.op_timeout,
         )
         try:
-            # Form the backend on every member now: a backend's first use must be collective,
-            # and a lane may start with messages that leave some ranks out.
-            group._dispatch.backend(self.device)
-            for ci, call in enumerate(self.lane.calls):
-                record: dict[str, Any] = {"call": ci, "error": None, "early": None, "supports": None}
-                self.records.append(record)
-                try:
-                    self._start(group, ci, call, record)
-                except Exception as exc:
-                    record["error"] = _error(exc)
-                    if call.op not in ("undeclared", "bad_input"):
-                        break
-            for ci in self.lane.wait_order:
-                for work in self.works.get(ci, []):
-                    try:
-                        work.wait()
-                    except Exception as exc:
-                        if self.records[ci]["error"] is None:
-                            self.records[ci]["error"] = _error(exc)
-            for record in self.records:
-                bufs = self.bufs.get(record["call"])
-                if bufs is not None:
-                    record["outs"] = [b.detach().cpu().clone() for b in bufs.out_bases]
-                    record["ins"] = [b.detach().cpu().clone() for b in bufs.in_bases]
+            return self.run_on(group)
         finally:
             group.shutdown()
+
+    def run_on(self, group: ProcessGroup) -> list[dict[str, Any]]:
+        """Run the lane's calls on ``group`` (formed for this lane); the caller shuts it down."""
+        # Form the backend on every member now: a backend's first use must be collective,
+        # and a lane may start with messages that leave some ranks out.
+        group._dispatch.backend(self.device)
+        for ci, call in enumerate(self.lane.calls):
+            record: dict[str, Any] = {"call": ci, "error": None, "early": None, "supports": None}
+            self.records.append(record)
+            try:
+                self._start(group, ci, call, record)
+            except Exception as exc:
+                record["error"] = _error(exc)
+                if call.op not in ("undeclared", "bad_input"):
+                    break
+        for ci in self.lane.wait_order:
+            for work in self.works.get(ci, []):
+                try:
+                    work.wait()
+                except Exception as exc:
+                    if self.records[ci]["error"] is None:
+                        self.records[ci]["error"] = _error(exc)
+        # Values are observed now, after every call of the lane: a value that a later
+        # message overwrote (a reused receive buffer) shows.
+        for record in self.records:
+            ci = record["call"]
+            bufs = self.bufs.get(ci)
+            if bufs is not None:
+                record["outs"] = [b.detach().cpu().clone() for b in bufs.out_bases]
+                record["ins"] = [b.detach().cpu().clone() for b in bufs.in_bases]
+            if ci in self.inputs:
+                record["input"] = observe(self.inputs[ci])
+            if ci in self.values:
+                done, value = _resolved(self.values[ci])
+                if done:
+                    record["value"] = observe(value)
+            if ci in self.sent:
+                record["sent"] = {m: observe(v) for m, v in self.sent[ci].items()}
+            if ci in self.received:
+                got = {}
+                for m, held in self.received[ci].items():
+                    done, value = _resolved(held)
+                    if done:
+                        got[m] = observe(value)
+                record["received"] = got
         return self.records
 
     def _signal(self, call: int, rank: int) -> str:
@@ -149,19 +196,41 @@ class _Lane:
         if call.op == "timeout":
             self._timeout(group, call)
             return
-        bufs = prepare(call, (self.ex.seed, self.index, ci), self.me, self.n).to(self.device)
-        self.bufs[ci] = bufs
-        record["supports"] = _supports(group, call, self.device)
-        if call.op == "p2p":
-            self._p2p(group, ci, call, bufs, record)
+        if call.op in ("split", "new_group"):
+            self._subgroup(group, call, record)
             return
+        where = (self.ex.seed, self.index, ci)
+        record["supports"] = _supports(group, call, self.device)
+        if call.op == "messages":
+            self._messages(group, ci, call, record)
+            return
+        if call.op in MESSAGE_COLLECTIVES:
+            obj = collective_input(call, where, self.me, self.device)
+            self.inputs[ci] = obj
+
+            def start() -> Any:
+                return _invoke_value(group, call, obj, async_op=call.async_op)
+
+        else:
+            bufs = prepare(call, where, self.me, self.n).to(self.device)
+            self.bufs[ci] = bufs
+            if call.op == "p2p":
+                self._p2p(group, ci, call, bufs, record)
+                return
+
+            def start() -> Any:
+                return _invoke(group, call, bufs, self.me, async_op=call.async_op)
+
         late = call.late if call.async_op and self.n > 1 else None
         if late is not None and self.me == late:
             others = [self._signal(ci, r) for r in range(self.n) if r != late]
             wait_for(self.signals, others, self.op_timeout)  # polled: lanes share the store client
-        work = _invoke(group, call, bufs, self.me, async_op=call.async_op)
-        if work is None:
+        result = start()
+        if call.op in MESSAGE_COLLECTIVES:
+            self.values[ci] = result
+        if not call.async_op:
             return
+        work = result
         self.works[ci] = [work]
         if late is not None and self.me != late:
             if depends_on(call, self.me, late, self.n):
@@ -209,6 +278,75 @@ class _Lane:
             works.append(group.isend(send_t[m], dst, tag))
         self.works[ci] = works[::-1]  # waited newest first
 
+    def _messages(self, group: ProcessGroup, ci: int, call: Call, record: dict[str, Any]) -> None:
+        """Value messages: every rank sends its messages (all first, in the blocking mode),
+        then receives its own in the drawn order."""
+        msgs = call.params["messages"]
+        where = (self.ex.seed, self.index, ci)
+        sends = [m for m, msg in enumerate(msgs) if msg[0] == self.me]
+        recvs = [m for m in call.params["recv_order"] if msgs[m][1] == self.me]
+        values = {m: message_value(call, where, m, self.device) for m in sends}
+        buffers = {m: plain_buffer(call, where, m, self.device) for m in recvs if msgs[m][3] == "plain"}
+        self.sent[ci] = values
+        got: dict[int, Any] = {}
+        self.received[ci] = got
+        if call.params["mode"] == "blocking":
+            # Sends first: a blocking send must not wait for its receiver (the contract), and
+            # receives in another order than the sends prove that matching is by (peer, tag).
+            for m in sends:
+                _send_message(group, msgs[m], values[m], async_op=False)
+            for m in recvs:
+                value = _recv_message(group, msgs[m], buffers.get(m), async_op=False)
+                got[m] = buffers.get(m, value)
+            return
+        works: list[Work] = []
+        for m in recvs:
+            work = _recv_message(group, msgs[m], buffers.get(m), async_op=True)
+            works.append(work)
+            got[m] = buffers.get(m, work)
+        if call.late is not None:
+            # As in p2p: a receive complete before its sender sent anything reports completion early.
+            if works:
+                record["early"] = _finishes_within(works[0], EARLY_WINDOW_S) or any(w.is_completed() for w in works)
+            self.signals.set(self._signal(ci, self.me), "1")
+            dsts = sorted({msgs[m][1] for m in sends})
+            if dsts:
+                wait_for(self.signals, [self._signal(ci, d) for d in dsts], self.op_timeout)
+        for m in sends:
+            works.append(_send_message(group, msgs[m], values[m], async_op=True))
+        self.works[ci] = works[::-1]  # waited newest first
+
+    def _subgroup(self, group: ProcessGroup, call: Call, record: dict[str, Any]) -> None:
+        """Form the subgroup of a ``split`` / ``new_group`` call and run its lane on it."""
+        p = call.params
+        if call.op == "split":
+            color = p["colors"][self.me]
+            sub = group.split(color, p["keys"][self.me], name=p.get("name"))
+            child = next((li for c, li in p["lanes"] if c == color), None)
+        else:
+            if self.me not in p["ranks"]:
+                return  # non-members never call new_group
+            sub = group.new_group(p["ranks"], name=p.get("name"))
+            child = p["lane"]
+        if sub is None:
+            record["formed"] = None
+            return
+        try:
+            parents = sub.parent_ranks
+            record["formed"] = {
+                "rank": sub.rank,
+                "size": sub.size,
+                "parent_ranks": None if parents is None else list(parents),
+            }
+            if child is None:
+                return  # color None must give None: the controller reports it
+            lane = _Lane(self.ctx, self.ex, child, self.backend, self.op_timeout, results=self.results)
+            if (sub.rank, sub.size) != (lane.me, lane.n):
+                return  # the controller reports the membership; calls with other ranks could hang
+            self.results[child] = lane.run_on(sub)
+        finally:
+            sub.shutdown()
+
     def _undeclared(self, group: ProcessGroup, call: Call, record: dict[str, Any]) -> None:
         p = call.params
         device = torch.device(p["device"]) if p.get("device") else self.device
@@ -251,6 +389,10 @@ class _Lane:
             group.broadcast(t, p["peer"], timeout=seconds)
         elif target == "all_gather":
             group.all_gather([torch.empty_like(t) for _ in range(self.n)], t, timeout=seconds)
+        elif target == "recv_object":
+            group.recv_object(p["peer"], tag=int(p.get("tag", 0)), timeout=seconds)
+        elif target == "broadcast_object":
+            group.broadcast_object(None, p["peer"], timeout=seconds)
         else:
             raise ValueError(f"no timeout probe for {target}")
 
@@ -265,7 +407,33 @@ def _finishes_within(work: Work, seconds: float) -> bool:
     return True
 
 
-def _supports(group: ProcessGroup, call: Call, device: torch.device) -> bool:
+def _resolved(held: Any) -> tuple[bool, Any]:
+    """``(True, value)`` for a value, or a ``Work`` that succeeded; ``(False, None)`` otherwise."""
+    if not isinstance(held, Work):
+        return True, held
+    if not held.is_completed() or held.exception(0) is not None:
+        return False, None
+    return True, held.result(0)
+
+
+def _value_dtypes(call: Call) -> set[str]:
+    p = call.params
+    specs = [m[5] for m in p.get("messages", [])] + list(p.get("objs", [])) + ([p["obj"]] if "obj" in p else [])
+    found: set[str] = set()
+    for spec in specs:
+        found |= spec_dtypes(spec)
+    return found
+
+
+def _supports(group: ProcessGroup, call: Call, device: torch.device) -> bool | None:
+    if call.op in ("split", "new_group"):
+        return None
+    if call.op == "messages" or call.op in MESSAGE_COLLECTIVES:
+        kind = device.type
+        return all(
+            group.supports("send", device=kind, dtype=dtype) and group.supports("recv", device=kind, dtype=dtype)
+            for dtype in [None, *(dtype_of(d) for d in sorted(_value_dtypes(call)))]
+        )
     if call.op == "p2p":
         return all(
             group.supports("send", device=device.type, dtype=dtype_of(m[4]))
@@ -310,6 +478,52 @@ def _invoke(group: ProcessGroup, call: Call, b: Bufs, me: int, *, async_op: bool
     raise ValueError(f"unknown op {op!r}")
 
 
+def _invoke_value(group: ProcessGroup, call: Call, obj: Any, *, async_op: bool) -> Any:
+    """Call the value collective ``call`` with this rank's ``obj``: its result, or a ``Work``."""
+    op, p = call.op, call.params
+    if op == "broadcast_object":
+        return group.broadcast_object(obj, p["root"], async_op=async_op)
+    if op == "all_gather_object":
+        return group.all_gather_object(obj, async_op=async_op)
+    if op == "gather_object":
+        return group.gather_object(obj, p["root"], async_op=async_op)
+    if op == "scatter_object":
+        return group.scatter_object(obj, p["root"], async_op=async_op)
+    if op == "broadcast_tensor_dict":
+        return group.broadcast_tensor_dict(obj, p["root"], device=p.get("device"), async_op=async_op)
+    raise ValueError(f"unknown value collective {op!r}")
+
+
+def _send_message(group: ProcessGroup, msg: list[Any], value: Any, *, async_op: bool) -> Any:
+    _src, dst, tag, kind, _recv_as, _spec = msg
+    if kind == "object":
+        return group.send_object(value, dst, tag=tag, async_op=async_op)
+    if kind == "tensor":
+        return group.send_tensor(value, dst, tag=tag, async_op=async_op)
+    if kind == "tensor_dict":
+        return group.send_tensor_dict(value, dst, tag=tag, async_op=async_op)
+    if kind == "plain":
+        return group.isend(value, dst, tag) if async_op else group.send(value, dst, tag)
+    raise ValueError(f"unknown message kind {kind!r}")
+
+
+def _recv_message(group: ProcessGroup, msg: list[Any], buffer: torch.Tensor | None, *, async_op: bool) -> Any:
+    """Receive message ``msg`` the way it says (``recv_as``): its value, or a ``Work``."""
+    src, _dst, tag, kind, recv_as, _spec = msg
+    if kind == "plain":
+        assert buffer is not None
+        return group.irecv(buffer, src, tag) if async_op else group.recv(buffer, src, tag)
+    how, _, device = str(recv_as).partition("@")
+    where = device or None
+    if how == "recv_object":
+        return group.recv_object(src, tag=tag, async_op=async_op)
+    if how == "recv_tensor":
+        return group.recv_tensor(src, where, tag=tag, async_op=async_op)
+    if how == "recv_tensor_dict":
+        return group.recv_tensor_dict(src, where, tag=tag, async_op=async_op)
+    raise ValueError(f"unknown way to receive {recv_as!r}")
+
+
 def _call_once(group: ProcessGroup, op: str, device: torch.device, dtype: torch.dtype, rop: ReduceOp | None) -> None:
     """Call ``op`` once with well-formed arguments of ``dtype`` on ``device`` (for the undeclared probe)."""
     me, n = group.rank, group.size
@@ -344,6 +558,10 @@ def _call_once(group: ProcessGroup, op: str, device: torch.device, dtype: torch.
         group.send(t, peer if n > 1 else 0)
     elif op == "recv":
         group.recv(t, peer if n > 1 else 0)
+    elif op == "send_object":
+        group.send_object([1, "x"], peer if n > 1 else 0)
+    elif op == "broadcast_object":
+        group.broadcast_object([1, "x"], 0)
     else:
         raise ValueError(f"unknown op {op!r}")
 
@@ -365,6 +583,25 @@ BAD_INPUTS: dict[str, str] = {
     "peer_out_of_range": "recv from world size",
     "bool_root": "broadcast with src=True",
     "unknown_reduce_op": "all_reduce with op='bogus'",
+    # objects, tensors of unknown shape, tensor dicts
+    "scatter_object_wrong_length": "scatter_object from this rank with world size + 1 objects",
+    "scatter_object_not_a_list": "scatter_object from this rank with objs=None",
+    "broadcast_object_root_out_of_range": "broadcast_object with src = world size",
+    "gather_object_negative_root": "gather_object with dst = -1",
+    "send_object_to_self": "send_object to this rank",
+    "send_object_negative_tag": "send_object with tag -1",
+    "send_object_unpicklable": "send_object of a threading.Lock (it cannot be pickled)",
+    "recv_object_out_of_range": "recv_object from world size",
+    "send_tensor_not_a_tensor": "send_tensor of a Python list",
+    "recv_tensor_from_self": "recv_tensor from this rank",
+    "send_tensor_dict_not_a_dict": "send_tensor_dict of a list of tensors",
+    "broadcast_tensor_dict_off_root": "broadcast_tensor_dict given a dict on a rank that is not the source",
+    # subgroups
+    "new_group_out_of_range": "new_group with a rank equal to the world size",
+    "new_group_duplicate": "new_group listing this rank twice",
+    "new_group_non_member": "new_group called by a rank it does not list",
+    "split_negative_color": "split with color -1",
+    "split_key_not_int": "split with key '0' (a str)",
 }
 
 
@@ -403,22 +640,72 @@ def _bad_input(group: ProcessGroup, call: Call, device: torch.device) -> None:
         group.broadcast(t, True)
     elif kind == "unknown_reduce_op":
         group.all_reduce(t, op="bogus")  # type: ignore[arg-type]
+    elif kind.startswith(("new_group", "split")):
+        _bad_subgroup(group, kind)
+    else:
+        _bad_message(group, kind, t)
+    raise AssertionError(f"bad input {kind!r} ({BAD_INPUTS[kind]}) was accepted")
+
+
+def _bad_message(group: ProcessGroup, kind: str, t: torch.Tensor) -> None:
+    n, me = group.size, group.rank
+    peer = (me + 1) % n
+    obj = {"a": [1, 2.5, "x"], "t": t}
+    if kind == "scatter_object_wrong_length":
+        group.scatter_object([obj] * (n + 1), me)
+    elif kind == "scatter_object_not_a_list":
+        group.scatter_object(None, me)
+    elif kind == "broadcast_object_root_out_of_range":
+        group.broadcast_object(obj, n)
+    elif kind == "gather_object_negative_root":
+        group.gather_object(obj, -1)
+    elif kind == "send_object_to_self":
+        group.send_object(obj, me)
+    elif kind == "send_object_negative_tag":
+        group.send_object(obj, peer, tag=-1)
+    elif kind == "send_object_unpicklable":
+        group.send_object({"lock": threading.Lock()}, peer)
+    elif kind == "recv_object_out_of_range":
+        group.recv_object(n)
+    elif kind == "send_tensor_not_a_tensor":
+        group.send_tensor([1.0, 2.0], peer)  # type: ignore[arg-type]
+    elif kind == "recv_tensor_from_self":
+        group.recv_tensor(me)
+    elif kind == "send_tensor_dict_not_a_dict":
+        group.send_tensor_dict([t], peer)  # type: ignore[arg-type]
+    elif kind == "broadcast_tensor_dict_off_root":
+        group.broadcast_tensor_dict({"t": t}, peer)
     else:
         raise AssertionError(f"unknown bad input {kind!r}")
-    raise AssertionError(f"bad input {kind!r} ({BAD_INPUTS[kind]}) was accepted")
+
+
+def _bad_subgroup(group: ProcessGroup, kind: str) -> None:
+    n, me = group.size, group.rank
+    if kind == "new_group_out_of_range":
+        group.new_group([me, n])
+    elif kind == "new_group_duplicate":
+        group.new_group([me, me])
+    elif kind == "new_group_non_member":
+        group.new_group([r for r in range(n) if r != me])
+    elif kind == "split_negative_color":
+        group.split(-1)
+    elif kind == "split_key_not_int":
+        group.split(0, "0")  # type: ignore[arg-type]
+    else:
+        raise AssertionError(f"unknown bad input {kind!r}")
 
 
 def run_example(ctx: Any, backend_ref: str, example_json: str, op_timeout: float) -> dict[str, Any]:
     """Run ``example_json`` on this rank; return ``{lane index: records}`` and timings."""
     ex = Example.from_json(example_json)
     backend = resolve_backend(backend_ref)
-    mine = [i for i, lane in enumerate(ex.lanes) if ctx.rank in lane.members]
+    mine = [i for i, lane in enumerate(ex.lanes) if lane.parent is None and ctx.rank in lane.members]
     results: dict[int, Any] = {}
     start = time.monotonic()
 
     def one(index: int) -> None:
         try:
-            results[index] = _Lane(ctx, ex, index, backend, op_timeout).run()
+            results[index] = _Lane(ctx, ex, index, backend, op_timeout, results=results).run()
         except Exception as exc:  # forming the group or shutting it down failed
             results[index] = _error(exc)
 

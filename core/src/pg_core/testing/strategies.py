@@ -4,11 +4,19 @@ Everything drawn is declared (the undeclared probe draws the complement), so a
 backend is never asked for what it did not promise. Draws are ordered so that
 Hypothesis shrinks toward the simplest case: the smallest world size, small
 contiguous tensors of the first declared dtype (in ``DTYPES`` order), blocking
-calls, the first root.
+calls, the first root, ``None`` for a value.
+
+Value operations (objects, tensors of unknown shape, tensor dicts, and the
+``split``/``new_group`` behind subgroups, which exchanges objects) are drawn
+where the backend can carry messages (:meth:`Target.messages`): ``send`` and
+``recv`` declared on the device, and either native ``send_bytes``/``recv_bytes``
+or ``uint8`` declared, since pg-core then emulates messages on ``uint8`` tensors.
+Tensors inside values have the dtypes declared for both ``send`` and ``recv``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +28,7 @@ from ..backend import DTYPES, Capabilities
 from ..ops import COLLECTIVE_OPS, RedOpType
 from .cases import Call, Example, Lane, dtype_name
 from .rank import BAD_INPUTS
+from .values import MESSAGE_COLLECTIVES
 
 __all__ = ["Target", "examples_for"]
 
@@ -29,6 +38,10 @@ _TAGS = (0, 1, 7, 2**40)
 _LAYOUTS = ("contig", "strided", "transposed")
 #: A "large" piece is past the default algorithms' small-message threshold (64 KiB).
 _LARGE_BYTES = (66 * 1024, 200 * 1024)
+_SPECIAL_FLOATS = (math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308)
+_TEXTS = ("", "é", "日本語", "🙂 ok", "a\x00b", "\u200b\ufeff\U0010fffd", "x" * 300)
+_DICT_NAMES = ("k", "v", "layer.0", "block_table", "é", "")
+_OBJECT_OPS = ("broadcast_object", "all_gather_object", "gather_object", "scatter_object")
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,15 @@ class Target:
     world_sizes: tuple[int, ...]
     devices: tuple[str, ...]
     caps: dict[str, Capabilities]
+    carries_bytes: bool = False  # the backend implements send_bytes/recv_bytes
+
+    def messages(self, device: str) -> bool:
+        """Whether values (objects, unknown shapes, tensor dicts) can travel on ``device``'s
+        backend: natively, or emulated by pg-core on ``uint8`` sends."""
+        caps = self.caps[device]
+        if not {"send", "recv"} <= caps.ops:
+            return False
+        return self.carries_bytes or torch.uint8 in caps.dtypes
 
     def declared(self, op: str, device: str) -> list[tuple[torch.dtype, RedOpType | None]]:
         """``(dtype, reduce kind)`` pairs declared for ``op`` (reduce kind ``None`` for other ops)."""
@@ -79,6 +101,8 @@ class Target:
                     out.append((op, dtype, None))
                     if op == "barrier":
                         break
+        if not self.messages(device):  # values ride on messages: they must be refused too
+            out += [("send_object", torch.uint8, None), ("broadcast_object", torch.uint8, None)]
         return out
 
 
@@ -182,14 +206,218 @@ def _lane_calls(draw: Any, target: Target, device: str, n: int, count: int, *, p
     kinds = list(ops)
     if p2p and n > 1 and target.p2p_dtypes(device):
         kinds.append("p2p")
+    if target.messages(device):
+        kinds.append("value_collective")
+        if n > 1:
+            kinds.append("messages")
     calls = []
     for _ in range(count):
         kind = draw(st.sampled_from(kinds))
         if kind == "p2p":
             calls.append(_p2p(draw, target, device, n))
+        elif kind == "value_collective":
+            op = draw(st.sampled_from(MESSAGE_COLLECTIVES))
+            calls.append(_value_collective(draw, target, device, op, n, allow_large=False))
+        elif kind == "messages":
+            calls.append(_messages(draw, target, device, n, ("object", "tensor", "tensor_dict", "plain")))
         else:
             calls.append(_collective(draw, target, device, kind, n, allow_large=False))
     return calls
+
+
+# -- values: objects, tensors of unknown shape, tensor dicts -----------------------------------
+
+
+def _leaf_spec() -> st.SearchStrategy[list[Any]]:
+    return st.one_of(
+        st.just(["none"]),
+        st.booleans().map(lambda b: ["bool", b]),
+        st.integers(-(2**100), 2**100).map(lambda i: ["int", i]),
+        st.one_of(st.sampled_from(_SPECIAL_FLOATS), st.floats()).map(lambda f: ["float", float(f).hex()]),
+        st.one_of(st.sampled_from(_TEXTS), st.text(max_size=12)).map(lambda t: ["str", t]),
+        st.binary(max_size=24).map(lambda b: ["bytes", b.hex()]),
+    )
+
+
+@st.composite
+def _tensor_spec(draw: Any, dtypes: Sequence[torch.dtype], allow_large: bool, often_large: bool = False) -> list[Any]:
+    """A tensor of a declared dtype; ``often_large``: past 64 KiB one time in four."""
+    dtype = draw(st.sampled_from(list(dtypes)))
+    if often_large and draw(st.integers(0, 3)) == 3:
+        shape: tuple[int, ...] = (draw(st.integers(*_LARGE_BYTES)) // torch.empty((), dtype=dtype).element_size(),)
+    else:
+        shape = _piece(draw, dtype, allow_large=allow_large)
+    layout = _layout(draw, shape)
+    special = bool((dtype.is_floating_point or dtype.is_complex) and draw(st.booleans()))
+    return ["tensor", dtype_name(dtype), list(shape), layout, special]
+
+
+def _object_spec(dtypes: Sequence[torch.dtype]) -> st.SearchStrategy[list[Any]]:
+    """Nested lists, tuples and dicts of ints, floats, strings, bytes, None, bools and tensors."""
+    leaves = [_leaf_spec()]
+    if dtypes:
+        leaves.append(_tensor_spec(dtypes, False))
+    keys = st.one_of(
+        st.one_of(st.sampled_from(_DICT_NAMES), st.text(max_size=6)).map(lambda t: ["str", t]),
+        st.integers(-3, 1000).map(lambda i: ["int", i]),
+    )
+    return st.recursive(
+        st.one_of(*leaves),
+        lambda kids: st.one_of(
+            st.lists(kids, max_size=4).map(lambda xs: ["list", xs]),
+            st.lists(kids, max_size=4).map(lambda xs: ["tuple", xs]),
+            st.lists(st.tuples(keys, kids).map(list), max_size=4).map(lambda kv: ["dict", kv]),
+        ),
+        max_leaves=8,
+    )
+
+
+def _tensor_dict_spec(dtypes: Sequence[torch.dtype]) -> st.SearchStrategy[list[Any]]:
+    """A dict (str keys) of tensors, plain values and nested dicts, as a kv-cache transfer carries."""
+    names = st.one_of(st.sampled_from(_DICT_NAMES), st.text(max_size=6)).map(lambda t: ["str", t])
+    plain = st.one_of(
+        _leaf_spec(),
+        st.lists(st.integers(-5, 5000).map(lambda i: ["int", i]), max_size=4).map(lambda xs: ["list", xs]),
+    )
+    leaf = st.one_of(_tensor_spec(dtypes, False), plain) if dtypes else plain
+    entry = st.recursive(
+        leaf,
+        lambda kids: st.lists(st.tuples(names, kids).map(list), max_size=3).map(lambda kv: ["dict", kv]),
+        max_leaves=6,
+    )
+    return st.lists(st.tuples(names, entry).map(list), max_size=4).map(lambda kv: ["dict", kv])
+
+
+def _value_collective(draw: Any, target: Target, device: str, op: str, n: int, *, allow_large: bool = True) -> Call:
+    """One of the value collectives, with a drawn root and drawn values (one per rank where
+    every rank contributes)."""
+    dtypes = target.p2p_dtypes(device)
+    params: dict[str, Any] = {}
+    if op != "all_gather_object":
+        params["root"] = draw(st.integers(0, n - 1))
+    if op == "broadcast_object":
+        params["obj"] = draw(_object_spec(dtypes))
+    elif op == "broadcast_tensor_dict":
+        params["obj"] = draw(_tensor_dict_spec(dtypes))
+        if allow_large and dtypes and draw(st.booleans()):  # a kv-cache block past 64 KiB
+            dtype = draw(st.sampled_from(list(dtypes)))
+            size = torch.empty((), dtype=dtype).element_size()
+            block = ["tensor", dtype_name(dtype), [draw(st.integers(*_LARGE_BYTES)) // size], "contig", False]
+            params["obj"] = ["dict", [*params["obj"][1], [["str", "big"], block]]]
+        params["device"] = draw(st.sampled_from([None, device]))
+    else:
+        params["objs"] = [draw(_object_spec(dtypes)) for _ in range(n)]
+    async_op = draw(st.booleans())
+    late = draw(st.one_of(st.none(), st.integers(0, n - 1))) if async_op and n > 1 else None
+    return Call(op, "float32", (), "contig", async_op, late, params)
+
+
+def _messages(draw: Any, target: Target, device: str, n: int, kinds: Sequence[str]) -> Call:
+    """Value messages between drawn pairs, on drawn tags, each received the way it draws
+    (``recv_object`` takes anything; ``recv_tensor``/``recv_tensor_dict`` with or without
+    ``device``). ``plain`` messages are tensor ``send``/``recv`` of a known shape on the same
+    tags: a namespace of their own, so they must not meet the value messages."""
+    dtypes = target.p2p_dtypes(device)
+    usable = [k for k in kinds if dtypes or k not in ("tensor", "plain")]
+    msgs: list[list[Any]] = []
+    for _ in range(draw(st.integers(1, 5))):
+        src = draw(st.integers(0, n - 1))
+        dst = draw(st.integers(0, n - 2))
+        dst = dst if dst < src else dst + 1
+        tag = draw(st.sampled_from(_TAGS))
+        kind = draw(st.sampled_from(usable))
+        if kind == "object":
+            spec, recv_as = draw(_object_spec(dtypes)), "recv_object"
+        elif kind == "tensor":
+            spec = draw(_tensor_spec(dtypes, True, True))
+            recv_as = draw(st.sampled_from(["recv_tensor", f"recv_tensor@{device}", "recv_object"]))
+        elif kind == "tensor_dict":
+            spec = draw(_tensor_dict_spec(dtypes))
+            recv_as = draw(st.sampled_from(["recv_tensor_dict", f"recv_tensor_dict@{device}", "recv_object"]))
+        else:
+            spec, recv_as = draw(_tensor_spec(dtypes, False)), "recv"
+        msgs.append([src, dst, tag, kind, recv_as, spec])
+    # receivers take their messages in a drawn order; per (sender, receiver, tag, namespace) in send order
+    order = draw(st.permutations(range(len(msgs))))
+    queues: dict[tuple[int, int, int, bool], list[int]] = {}
+    for m, msg in enumerate(msgs):
+        queues.setdefault((msg[0], msg[1], msg[2], msg[3] == "plain"), []).append(m)
+    taken: dict[tuple[int, int, int, bool], int] = {}
+    recv_order = []
+    for m in order:
+        k = (msgs[m][0], msgs[m][1], msgs[m][2], msgs[m][3] == "plain")
+        recv_order.append(queues[k][taken.get(k, 0)])
+        taken[k] = taken.get(k, 0) + 1
+    mode = draw(st.sampled_from(["blocking", "async"]))
+    late = 0 if mode == "async" and draw(st.booleans()) else None
+    params = {"messages": msgs, "mode": mode, "recv_order": recv_order}
+    return Call("messages", "float32", (), "contig", mode == "async", late, params)
+
+
+def _value_calls(
+    draw: Any, target: Target, device: str, n: int, *, ops: Sequence[str], kinds: Sequence[str]
+) -> list[Call]:
+    choices = list(ops) + (["messages", "messages"] if n > 1 else [])
+    calls = []
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(choices))
+        if op == "messages":
+            calls.append(_messages(draw, target, device, n, kinds))
+        else:
+            calls.append(_value_collective(draw, target, device, op, n))
+    return calls
+
+
+# -- subgroups -------------------------------------------------------------------------------
+
+
+def _subgroups(draw: Any, target: Target, device: str, n: int) -> Example:
+    """A group of every rank (in a drawn order) that forms subgroups with ``split`` (drawn
+    colors, ``None`` among them, and keys) and ``new_group`` (drawn members in a drawn order,
+    called by them only), runs calls on them, one level deeper at most, and goes on after."""
+    lanes = [Lane(list(draw(st.permutations(range(n)))), [])]
+    _grow(draw, target, device, lanes, 0, depth=0)
+    return Example(n, device, _seed(draw), lanes)
+
+
+def _grow(draw: Any, target: Target, device: str, lanes: list[Lane], li: int, *, depth: int) -> None:
+    size = len(lanes[li].members)
+    calls: list[Call] = []
+    if depth > 0:
+        calls += _lane_calls(draw, target, device, size, draw(st.integers(1, 2)))
+    elif draw(st.booleans()):
+        calls += _lane_calls(draw, target, device, size, 1)
+    forms = draw(st.integers(1, 2)) if depth == 0 else draw(st.integers(0, 1))
+    for _ in range(forms):
+        calls.append(_form(draw, target, device, lanes, li, depth=depth))
+    if draw(st.booleans()):
+        calls += _lane_calls(draw, target, device, size, 1)
+    lanes[li].calls = calls
+    lanes[li].wait_order = _wait_order(draw, calls)
+
+
+def _form(draw: Any, target: Target, device: str, lanes: list[Lane], li: int, *, depth: int) -> Call:
+    parent = lanes[li].members
+    size = len(parent)
+    hows = ["new_group", "split"] if target.messages(device) else ["new_group"]  # split exchanges objects
+    how = draw(st.sampled_from(hows))
+    name = draw(st.sampled_from([None, f"sub{len(lanes)}"]))
+    if how == "new_group":
+        ranks = list(draw(st.permutations(range(size))))[: draw(st.integers(1, size))]
+        child = len(lanes)
+        lanes.append(Lane([parent[r] for r in ranks], [], parent=li))
+        _grow(draw, target, device, lanes, child, depth=depth + 1)
+        return Call("new_group", params={"ranks": ranks, "lane": child, "name": name})
+    colors = [draw(st.one_of(st.sampled_from([0, 1, 2, 2**31]), st.none())) for _ in range(size)]
+    keys = [draw(st.integers(-2, 2)) for _ in range(size)]
+    pairs = []
+    for color in sorted({c for c in colors if c is not None}):
+        ranks = sorted((r for r in range(size) if colors[r] == color), key=lambda r: (keys[r], r))
+        child = len(lanes)
+        lanes.append(Lane([parent[r] for r in ranks], [], parent=li))
+        pairs.append([color, child])
+        _grow(draw, target, device, lanes, child, depth=depth + 1)
+    return Call("split", params={"colors": colors, "keys": keys, "lanes": pairs, "name": name})
 
 
 def _wait_order(draw: Any, calls: list[Call]) -> list[int]:
@@ -202,8 +430,9 @@ def _seed(draw: Any) -> int:
 
 
 def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
-    """The strategy behind conformance test ``test`` (an op name, or one of
-    ``p2p``, ``sequences``, ``concurrent_groups``, ``undeclared``, ``bad_input``, ``timeouts``)."""
+    """The strategy behind conformance test ``test`` (an op name, or one of ``p2p``,
+    ``objects``, ``unknown_shape``, ``subgroups``, ``sequences``, ``concurrent_groups``,
+    ``undeclared``, ``bad_input``, ``timeouts``)."""
 
     @st.composite
     def draw_example(draw: Any) -> Example:
@@ -211,12 +440,23 @@ def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
         sizes = list(target.world_sizes)
         if test in ("p2p", "concurrent_groups", "timeouts"):
             sizes = [s for s in sizes if s >= 2]
+        elif test in ("objects", "unknown_shape"):  # one rank only sends to itself: a few examples at most
+            sizes = [s for s in sizes if s >= 2] or sizes
         n = draw(st.sampled_from(sizes))
         members = list(range(n))
         if test in COLLECTIVE_OPS:
             calls = [_collective(draw, target, device, test, n)]
         elif test == "p2p":
             calls = [_p2p(draw, target, device, n) for _ in range(draw(st.integers(1, 2)))]
+        elif test == "objects":
+            calls = _value_calls(
+                draw, target, device, n, ops=_OBJECT_OPS, kinds=("object", "object", "plain", "tensor")
+            )
+        elif test == "unknown_shape":
+            kinds = ("tensor", "tensor", "tensor_dict", "plain", "object")
+            calls = _value_calls(draw, target, device, n, ops=("broadcast_tensor_dict",), kinds=kinds)
+        elif test == "subgroups":
+            return _subgroups(draw, target, device, n)
         elif test == "sequences":
             calls = _lane_calls(draw, target, device, n, draw(st.integers(2, 6)))
         elif test == "concurrent_groups":
@@ -240,6 +480,8 @@ def _devices_for(test: str, target: Target) -> list[str]:
         found = [d for d in target.devices if target.declared(test, d)]
     elif test in ("p2p", "timeouts"):
         found = [d for d in target.devices if target.p2p_dtypes(d) or target.ops(d)]
+    elif test in ("objects", "unknown_shape"):
+        found = [d for d in target.devices if target.messages(d)]
     else:
         found = [d for d in target.devices if target.ops(d) or target.p2p_dtypes(d)]
     return found or list(target.devices)
@@ -282,7 +524,7 @@ def _undeclared(draw: Any, target: Target, device: str, n: int) -> list[Call]:
     ]
     choices.append(("all_reduce", torch.float32, None, "meta"))  # a device type the group has no backend for
     op, dtype, kind, other_device = draw(st.sampled_from(choices))
-    if n == 1 and op in ("send", "recv"):
+    if n == 1 and op in ("send", "recv", "send_object"):
         op, dtype, kind, other_device = "all_reduce", torch.float32, None, "meta"
     params: dict[str, Any] = {
         "target": op,
@@ -293,6 +535,29 @@ def _undeclared(draw: Any, target: Target, device: str, n: int) -> list[Call]:
         params["device"] = other_device
     probe = Call("undeclared", dtype_name(dtype), (), "contig", False, None, params)
     return [probe, *_follow_up(draw, target, device, n)]
+
+
+#: What each bad input needs: an op declared, ``"messages"`` (values can travel), or
+#: nothing (``None``); and whether it needs a peer (world size >= 2).
+_BAD_VALUE_NEEDS: dict[str, tuple[str | None, bool]] = {
+    "scatter_object_wrong_length": ("messages", False),
+    "scatter_object_not_a_list": ("messages", False),
+    "broadcast_object_root_out_of_range": ("messages", False),
+    "gather_object_negative_root": ("messages", False),
+    "send_object_to_self": ("messages", False),
+    "send_object_negative_tag": ("messages", True),
+    "send_object_unpicklable": ("messages", True),
+    "recv_object_out_of_range": ("messages", False),
+    "send_tensor_not_a_tensor": ("messages", True),
+    "recv_tensor_from_self": ("messages", False),
+    "send_tensor_dict_not_a_dict": ("messages", True),
+    "broadcast_tensor_dict_off_root": ("messages", True),
+    "new_group_out_of_range": (None, False),
+    "new_group_duplicate": (None, False),
+    "new_group_non_member": (None, True),
+    "split_negative_color": (None, False),
+    "split_key_not_int": (None, False),
+}
 
 
 def _bad(draw: Any, target: Target, device: str, n: int) -> list[Call]:
@@ -313,17 +578,44 @@ def _bad(draw: Any, target: Target, device: str, n: int) -> list[Call]:
         "bool_root": "broadcast",
         "unknown_reduce_op": "all_reduce",
     }
-    assert set(needs) == set(BAD_INPUTS)
+    assert set(needs) | set(_BAD_VALUE_NEEDS) == set(BAD_INPUTS)
     kinds = [k for k, op in needs.items() if op in caps.ops and not (op in ("send", "recv") and n == 1)]
+    for k, (need, peer) in _BAD_VALUE_NEEDS.items():
+        if (need is None or target.messages(device)) and not (peer and n == 1):
+            kinds.append(k)
     if not kinds:
         return _follow_up(draw, target, device, n)
     kind = draw(st.sampled_from(kinds))
-    dtypes = [d for d, _ in target.declared(needs[kind], device)] or [torch.float32]
+    if kind in _BAD_VALUE_NEEDS:
+        dtypes = target.p2p_dtypes(device) or [torch.float32]
+    else:
+        dtypes = [d for d, _ in target.declared(needs[kind], device)] or [torch.float32]
     dtype = draw(st.sampled_from(sorted(set(dtypes), key=str)))
-    probe = Call(
-        "bad_input", dtype_name(dtype), (), "contig", False, None, {"kind": kind, "caller": draw(st.integers(0, n - 1))}
-    )
-    return [probe, *_follow_up(draw, target, device, n)]
+    caller = draw(st.integers(0, n - 1))
+    probe = Call("bad_input", dtype_name(dtype), (), "contig", False, None, {"kind": kind, "caller": caller})
+    follow = _follow_up(draw, target, device, n)
+    if target.messages(device) and (
+        _BAD_VALUE_NEEDS.get(kind, (None, False))[0] == "messages" or kind.startswith("split")
+    ):
+        follow += _value_follow_up(n, caller)
+    return [probe, *follow]
+
+
+def _value_follow_up(n: int, caller: int) -> list[Call]:
+    """After a value probe: an object collective, and objects between the caller and every
+    other rank on tag 0 both ways; either would read a message the probe had sent."""
+    gather = Call("all_gather_object", params={"objs": [["list", [["int", r], ["str", "é"]]] for r in range(n)]})
+    msgs = []
+    for r in range(n):
+        if r != caller:
+            msgs += [
+                [caller, r, 0, "object", "recv_object", ["int", r]],
+                [r, caller, 0, "object", "recv_object", ["none"]],
+            ]
+    if not msgs:
+        return [gather]
+    params = {"messages": msgs, "mode": "blocking", "recv_order": list(range(len(msgs)))}
+    return [gather, Call("messages", params=params)]
 
 
 def _timeout(draw: Any, target: Target, device: str, n: int) -> Call:
@@ -331,10 +623,15 @@ def _timeout(draw: Any, target: Target, device: str, n: int) -> Call:
     choices = [op for op in ("all_reduce", "barrier", "all_gather", "broadcast") if target.declared(op, device)]
     if target.p2p_dtypes(device):
         choices.append("recv")
+    if target.messages(device):
+        choices += ["recv_object", "broadcast_object"]
     op = draw(st.sampled_from(choices))
     caller = draw(st.integers(0, n - 1))
     peer = draw(st.sampled_from([r for r in range(n) if r != caller]))
-    dtypes = [d for d, _ in target.declared(op, device)] if op != "recv" else target.p2p_dtypes(device)
+    if op in ("recv_object", "broadcast_object"):
+        dtypes = [torch.float32]
+    else:
+        dtypes = [d for d, _ in target.declared(op, device)] if op != "recv" else target.p2p_dtypes(device)
     if op == "all_reduce":
         dtypes = [d for d in dtypes if caps.supports("all_reduce", d, RedOpType.SUM)] or dtypes
     dtype = draw(st.sampled_from(sorted(set(dtypes), key=str)))
