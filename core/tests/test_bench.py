@@ -671,3 +671,17 @@ def test_plot_is_written(
     assert runs["mixed"].returncode == 1  # the WRONG rows; the plot is written all the same
     pngs = list(tmp_path_factory.getbasetemp().glob("bench*/bench.png"))
     assert pngs and pngs[0].read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_reference_op_is_measured_right_after_its_op() -> None:
+    from pg_core.bench import sweep_order
+
+    assert sweep_order(["send_tensor", "all_reduce", "send_recv"], [4, 8]) == [
+        ("send_tensor", 4),
+        ("send_recv", 4),
+        ("send_tensor", 8),
+        ("send_recv", 8),
+        ("all_reduce", 4),
+        ("all_reduce", 8),
+    ]
+    assert sweep_order(["send_tensor", "all_reduce"], [4]) == [("send_tensor", 4), ("all_reduce", 4)]

@@ -219,6 +219,22 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def sweep_order(ops: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int]]:
+    """(op, size) in the order they are measured: op by op, size by size, except that an
+    op's reference op (:data:`REFERENCE_OPS`), when selected too, is measured right after it
+    at each size, so the ``vs`` ratio compares rows taken moments apart."""
+    order: list[tuple[str, int]] = []
+    seen: set[tuple[str, int]] = set()
+    for op in ops:
+        for size in sizes:
+            ref = REFERENCE_OPS.get(op)
+            for item in [(op, size)] + ([(ref, size)] if ref is not None and ref in ops else []):
+                if item not in seen:
+                    seen.add(item)
+                    order.append(item)
+    return order
+
+
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
     """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes`` (nccl-tests' ``-b -e -f``)."""
     if min_bytes < 1 or max_bytes < min_bytes:
@@ -1048,14 +1064,13 @@ class _Rank:
         cfg = self.cfg
         self.emit("start")
         index = 0
-        for op in cfg.ops:
-            for requested in cfg.sizes:
-                count = element_count(op, requested, cfg.world_size, self.dtype.itemsize)
-                for runner in self.runners:
-                    index += 1
-                    row = self._row(index, op, requested, count, runner)
-                    if row is not None:
-                        self.emit("row", **dataclasses.asdict(row))
+        for op, requested in sweep_order(cfg.ops, cfg.sizes):
+            count = element_count(op, requested, cfg.world_size, self.dtype.itemsize)
+            for runner in self.runners:
+                index += 1
+                row = self._row(index, op, requested, count, runner)
+                if row is not None:
+                    self.emit("row", **dataclasses.asdict(row))
         # every rank done before any group goes away, so no peer sees a closed connection mid-op
         self.ctl.set(f"finished/{self.rank}", "1")
         self.ctl.wait([f"finished/{q}" for q in range(cfg.world_size)], timedelta(seconds=cfg.timeout))
