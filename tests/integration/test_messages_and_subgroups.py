@@ -24,6 +24,7 @@ from pg_core import (
     rendezvous,
 )
 from pg_core.backend import Backend
+from pg_core.store import wait_for
 from pg_core.testing import unavailable
 
 pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
@@ -408,10 +409,10 @@ def test_subgroups_of_different_parents_in_flight_at_once(rank_pools, world_size
 
 
 def arrival_order(ctx) -> tuple[int, list[int]]:
-    """Pool rank p calls rendezvous only once p earlier processes have taken their place."""
-    base = "pg-core/arrivals/0/joined"
-    while int(ctx.store.add(base, 0)) < ctx.rank:  # a bounded poll of the store; the pool's timeout bounds it
-        time.sleep(0.005)
+    """Pool rank p calls rendezvous only once pool rank p - 1 has claimed its place (the
+    rank key that the store holds for the formation's generation 0)."""
+    if ctx.rank > 0:
+        wait_for(ctx.store, [f"pg-core/arrivals/0/rank/{ctx.rank - 1}"], ctx.timeout)
     g = rendezvous(ctx.store, "arrivals", ctx.size, backends="tcp", timeout=ctx.timeout)
     with g:  # point to point works as the first operation
         g.send_object(g.rank, (g.rank + 1) % g.size)
