@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import gc
 import hashlib
 import json
 import os
@@ -47,6 +46,7 @@ import pytest
 import torch
 from pg_core import CollectiveTimeout, ProcessGroup, TCPStore, rendezvous
 from pg_core.testing import unavailable
+from pg_core.testing.pool import leaks, resources
 
 pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
 
@@ -552,44 +552,17 @@ def latecomer(store: TCPStore, me: str) -> dict[str, Any]:
 ROLES = {"A": prefill, "B": prefill, "C": decode, "D": decode, "P": first_formation, "Q": latecomer}
 
 
-def _resources() -> tuple[set[threading.Thread], set[str]]:
-    sockets = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:"):
-                sockets.add(f"{fd}->{target}")
-    return set(threading.enumerate()), sockets
-
-
-def _check_released(before: tuple[set[threading.Thread], set[str]], grace_s: float = 5.0) -> None:
-    """No thread or socket left beyond ``before``: like pg_core.testing.pool's leak check,
-    garbage collected first, threads that are ending given ``grace_s`` to end."""
-    gc.collect()
-    deadline = time.monotonic() + grace_s
-    while True:
-        threads, sockets = _resources()
-        extra = [t for t in threads - before[0] if t.is_alive()]
-        fds = sockets - before[1]
-        if not extra and not fds:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"after shutdown: threads {[t.name for t in extra]} and sockets {sorted(fds)} remain")
-        for t in extra:
-            t.join(timeout=0.1)
-        if not extra:
-            time.sleep(0.05)
-
-
 def _child(role: str, port: str) -> int:
     faulthandler.enable(all_threads=True)  # the test's SIGABRT on failure: every thread's stack on stderr
     faulthandler.dump_traceback_later(CHILD_LIMIT_S, exit=True)
     torch.set_num_threads(1)
     try:
         store = TCPStore("127.0.0.1", int(port), is_master=False, timeout=timedelta(seconds=OP_TIMEOUT_S))
-        before = _resources()
+        before = resources()
         report = ROLES[role[0]](store, role)
-        _check_released(before)
+        leak = leaks(before)  # after shutdown, nothing may remain (the pool's leak check)
+        if leak is not None:
+            raise AssertionError(f"after shutdown: {leak}")
         _emit("done", **report)
     except BaseException:
         tb = traceback.format_exc()

@@ -42,7 +42,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
-__all__ = ["RankContext", "RankPool", "RanksFailed"]
+__all__ = ["RankContext", "RankPool", "RanksFailed", "leaks", "resources"]
 
 _LEAK_GRACE_S = 5.0
 
@@ -314,28 +314,31 @@ class RankPool:
 # -- the worker side ---------------------------------------------------------------
 
 
-def _socket_fds() -> set[str]:
-    fds = set()
+def resources() -> tuple[set[threading.Thread], set[str]]:
+    """This process's live threads and open sockets: what :func:`leaks` compares against."""
+    sockets = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"/proc/self/fd/{fd}")
                 if target.startswith("socket:"):
-                    fds.add(f"{fd}->{target}")
-    return fds
+                    sockets.add(f"{fd}->{target}")
+    return set(threading.enumerate()), sockets
 
 
-def _leaks(threads_before: set[threading.Thread], fds_before: set[str]) -> str | None:
-    """Threads and sockets the job left behind. Garbage in reference cycles (an
-    exception's traceback holding a closed backend's frames) is collected first:
-    what only the collector would free is not a leak; what is still referenced is."""
+def leaks(before: tuple[set[threading.Thread], set[str]], grace_s: float = _LEAK_GRACE_S) -> str | None:
+    """Threads and sockets left behind since ``before`` (a :func:`resources` reading), or
+    ``None``. Garbage in reference cycles (an exception's traceback holding a closed
+    backend's frames) is collected first: what only the collector would free is not a
+    leak; what is still referenced is. Threads that are ending get ``grace_s`` to end."""
     import gc
 
     gc.collect()
-    deadline = time.monotonic() + _LEAK_GRACE_S
+    deadline = time.monotonic() + grace_s
     while True:
-        extra = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        fds = _socket_fds() - fds_before
+        threads, sockets = resources()
+        extra = [t for t in threads - before[0] if t.is_alive()]
+        fds = sockets - before[1]
         if not extra and not fds:
             return None
         if time.monotonic() > deadline:
@@ -343,7 +346,7 @@ def _leaks(threads_before: set[threading.Thread], fds_before: set[str]) -> str |
         for t in extra:
             t.join(timeout=0.1)
         if not extra:
-            time.sleep(0.05)
+            time.sleep(0.05)  # a socket closing in the kernel: no event to wait on
 
 
 def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None:
@@ -366,8 +369,7 @@ def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None
         if message is None:
             return
         _, job, ref, args, op_timeout, check_leaks = message
-        threads_before = set(threading.enumerate())
-        fds_before = _socket_fds()
+        before = resources()
         ctx = RankContext(rank, size, PrefixStore(f"pool/job{job}", base), op_timeout, job)
         try:
             fn = _resolve(ref)
@@ -375,7 +377,7 @@ def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None
         except BaseException as exc:
             reply = ("error", f"raised {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
         if reply[0] == "ok" and check_leaks:
-            leak = _leaks(threads_before, fds_before)
+            leak = leaks(before)
             if leak is not None:
                 reply = ("error", f"returned, but {leak}")
         try:
