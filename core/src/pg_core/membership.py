@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass
 
 from .errors import CollectiveTimeout, PeerFailureError
-from .store import Store
+from .store import Store, wait_any
 
 __all__ = ["ROOT_NAMESPACE", "Membership", "check_name", "join", "wait_until_full"]
 
 ROOT_NAMESPACE = "pg-core"
-_POLL_FIRST_S = 0.0002
-_POLL_MAX_S = 0.01
 
 
 def check_name(name: object, what: str = "group name") -> str:
@@ -94,21 +91,14 @@ def wait_until_full(store: Store, m: Membership, timeout: float, what: str) -> N
     first (it timed out, or aborted), :class:`PeerFailureError`.
     """
     full, closed = f"{m.prefix}/full", f"{m.prefix}/closed"
-    deadline = time.monotonic() + timeout
-    delay = _POLL_FIRST_S
-    while True:
-        if store.check([full]):
-            return
-        if store.check([closed]):
-            raise PeerFailureError(
-                f"{what}: another member of generation {m.generation} gave up before it filled (it timed out or "
-                "aborted); call it again to meet in the next generation"
-            )
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        time.sleep(min(delay, left))  # a bounded poll of the store (see pg_core.store.wait_for)
-        delay = min(delay * 2, _POLL_MAX_S)
+    seen = wait_any(store, [full, closed], timeout)
+    if seen == full:
+        return
+    if seen == closed:
+        raise PeerFailureError(
+            f"{what}: another member of generation {m.generation} gave up before it filled (it timed out or "
+            "aborted); call it again to meet in the next generation"
+        )
     store.set(closed, "1")
     if store.check([full]):  # the last member arrived as we gave up: the group is whole after all
         return

@@ -11,6 +11,8 @@ import ipaddress
 import os
 import socket
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch.distributed import DistStoreError, FileStore, HashStore, PrefixStore, Store, TCPStore
 
@@ -22,6 +24,7 @@ __all__ = [
     "TCPStore",
     "advertise_address",
     "store_host",
+    "wait_any",
     "wait_for",
 ]
 
@@ -69,6 +72,7 @@ def advertise_address(store: Store, override: str | None = None) -> str:
     return "127.0.0.1"
 
 
+_T = TypeVar("_T")
 _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.01
 
@@ -83,12 +87,28 @@ def wait_for(store: Store, keys: list[str], timeout: float) -> None:
     request at a time, and those block it until the key appears, so two groups
     forming at once on threads that share one store would stall each other.
     """
+    if _poll(lambda: True if store.check(keys) else None, timeout) is None:
+        missing = [k for k in keys if not store.check([k])]
+        raise DistStoreError(f"keys not set within {timeout:g} s: {', '.join(missing)}")
+
+
+def wait_any(store: Store, keys: list[str], timeout: float) -> str | None:
+    """The first key of ``keys`` found set, polled like :func:`wait_for`; ``None`` if none
+    was within ``timeout`` seconds."""
+
+    def first() -> str | None:
+        return next((k for k in keys if store.check([k])), None)
+
+    return _poll(first, timeout)
+
+
+def _poll(found: Callable[[], _T | None], timeout: float) -> _T | None:
     deadline = time.monotonic() + timeout
     delay = _POLL_FIRST_S
-    while not store.check(keys):
+    while (value := found()) is None:
         left = deadline - time.monotonic()
         if left <= 0:
-            missing = [k for k in keys if not store.check([k])]
-            raise DistStoreError(f"keys not set within {timeout:g} s: {', '.join(missing)}")
+            return None
         time.sleep(min(delay, left))  # a bounded poll of the store, not a synchronisation
         delay = min(delay * 2, _POLL_MAX_S)
+    return value
