@@ -77,6 +77,7 @@ signed 64-bit field).
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import mmap
 import queue
@@ -104,6 +105,7 @@ __all__ = [
     "BackendSpec",
     "Capabilities",
     "default_reduce_ops",
+    "tensor_bytes",
 ]
 
 #: The version of this contract, ``"MAJOR.MINOR"``. A plugin declaring another
@@ -134,6 +136,18 @@ _INT_OPS = frozenset(
     {RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}
 )
 _BOOL_OPS = frozenset({RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR})
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a dense CPU tensor's memory, without a copy: what a
+    backend hands to ``socket.sendmsg``/``recv_into`` (the core guarantees dense tensors).
+
+    The view does not keep the tensor alive: whoever holds the view holds the tensor.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def default_reduce_ops(dtype: torch.dtype) -> frozenset[RedOpType]:

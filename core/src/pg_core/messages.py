@@ -45,7 +45,6 @@ messages never mix with a user's ``send``/``recv`` traffic on the same tag.
 
 from __future__ import annotations
 
-import ctypes
 import io
 import mmap
 import pickle
@@ -54,15 +53,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 
+from .backend import Backend, tensor_bytes
 from .dispatch import dense
 from .errors import CollectiveMismatchError, CollectiveTimeout
-
-if TYPE_CHECKING:
-    from .backend import Backend
 
 __all__ = [
     "COLLECTIVE_MESSAGE_TAG",
@@ -157,14 +154,6 @@ _LENGTH: Final = struct.Struct("<Q")
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _raw(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a dense CPU tensor, without a copy (the caller keeps the tensor alive)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -287,7 +276,7 @@ class Outgoing:
     def _payloads(self) -> Iterator[memoryview]:
         for e in self.entries:
             if not e.flags & _SEPARATE:
-                yield _raw(e.tensor)
+                yield tensor_bytes(e.tensor)
         yield from self.buffers
 
 
@@ -317,7 +306,7 @@ class _CpuTensor:
         ndim = t.dim()
         head, table = _CPU_TENSOR_HEADS[ndim] if ndim < len(_CPU_TENSOR_HEADS) else _cpu_tensor_head(ndim)
         data = head.pack(MAGIC, TENSOR, op, 0, seq, 1, 0, table, 0, self._code, ndim, 0, 3, b"cpu", *t.shape)
-        return [data, _raw(t)] if t.numel() else [data]
+        return [data, tensor_bytes(t)] if t.numel() else [data]
 
 
 def _cpu_tensor_head(ndim: int) -> tuple[struct.Struct, int]:
@@ -683,7 +672,7 @@ class _Stream:
 
 def _to_bytes(t: torch.Tensor) -> bytes:
     t = t.cpu()
-    return bytes(_raw(t))
+    return bytes(tensor_bytes(t))
 
 
 # -- collectives of messages ------------------------------------------------------------------

@@ -88,7 +88,6 @@ may call back into the backend.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import select
 import socket
@@ -99,7 +98,7 @@ from collections import deque
 from typing import Final
 
 import torch
-from pg_core.backend import DTYPES, BackendContext
+from pg_core.backend import DTYPES, BackendContext, tensor_bytes
 from pg_core.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -179,17 +178,6 @@ def _payload_buffer(nbytes: int) -> Payload:
     if nbytes >= _MMAP_BYTES and _POPULATE:
         return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
     return bytearray(nbytes)
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory (no copy).
-
-    The view does not keep the tensor alive: whoever holds the view holds the tensor.
-    """
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _dtype_name(code: int) -> str:
