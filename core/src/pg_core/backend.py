@@ -331,9 +331,9 @@ class Backend:
         self.ctx = ctx
         self.rank = ctx.rank
         self.size = ctx.size
-        self._helpers: dict[tuple[str, int, int], _Helper] = {}
-        self._helpers_lock = threading.Lock()
-        self._helpers_closed = False
+        self._helpers = _Streams(
+            f"pg-core-{ctx.group_name}", f"backend {ctx.backend_name!r} of group {ctx.group_name!r}"
+        )
 
     # -- required --------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
@@ -463,27 +463,48 @@ class Backend:
 
     # -- helpers for the default isend/irecv ----------------------------------
     def _helper(self, kind: str, peer: int, tag: int) -> _Helper:
-        with self._helpers_lock:
-            if self._helpers_closed:
-                raise GroupClosedError(f"backend {self.ctx.backend_name!r} of group {self.ctx.group_name!r} is closed")
-            key = (kind, peer, tag)
-            helper = self._helpers.get(key)
-            if helper is None:
-                name = f"pg-core-{self.ctx.group_name}-{kind}-{peer}-{tag}"
-                helper = self._helpers[key] = _Helper(name)
-            return helper
+        return self._helpers.get(kind, peer, tag)
 
     def _queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
         """The default ``isend``/``irecv`` helper of (kind, peer, tag) while it still has work:
         a blocking ``send``/``recv`` there must run behind it, since messages keep their
         order per (peer, tag). ``None`` when nothing is queued (the common case)."""
-        helper = self._helpers.get((kind, peer, tag))
-        return helper if helper is not None and helper.busy else None
+        return self._helpers.queued(kind, peer, tag)
 
     def _stop_helpers(self) -> None:
-        with self._helpers_lock:
-            self._helpers_closed = True
-            helpers, self._helpers = list(self._helpers.values()), {}
+        self._helpers.stop()
+
+
+class _Streams:
+    """Helper threads keyed by (kind, peer, tag), created on first use: one stream of
+    asynchronous calls each, run in order. Used by the default ``isend``/``irecv`` and by
+    the core's asynchronous messages. Closed once; ``get`` afterwards raises."""
+
+    def __init__(self, prefix: str, owner: str) -> None:
+        self._prefix, self._owner = prefix, owner
+        self._by_key: dict[tuple[str, int, int], _Helper] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get(self, kind: str, peer: int, tag: int) -> _Helper:
+        with self._lock:
+            if self._closed:
+                raise GroupClosedError(f"{self._owner} is closed")
+            key = (kind, peer, tag)
+            helper = self._by_key.get(key)
+            if helper is None:
+                helper = self._by_key[key] = _Helper(f"{self._prefix}-{kind}-{peer}-{tag}")
+            return helper
+
+    def queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
+        """The stream's helper while a submitted call has not returned, else ``None``."""
+        helper = self._by_key.get((kind, peer, tag))
+        return helper if helper is not None and helper.busy else None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closed = True
+            helpers, self._by_key = list(self._by_key.values()), {}
         for helper in helpers:
             helper.stop()
 

@@ -31,7 +31,7 @@ import torch
 
 from . import dispatch as _d
 from . import messages
-from .backend import _Helper
+from .backend import _Streams
 from .dispatch import BackendsArg, Dispatcher
 from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from .membership import ROOT_NAMESPACE, Membership, check_name, join, wait_until_full
@@ -197,7 +197,7 @@ class ProcessGroup:
         self._closed: str | None = None
         self._closing = False  # shutdown() started: no new operations, queued ones drain
         self._broken: tuple[type[PGError], str] | None = None  # a collective failed: later ones refuse
-        self._lock = threading.Lock()  # guards _queue/_pending/_worker/_closed/_helpers/_subgroups
+        self._lock = threading.Lock()  # guards _queue/_pending/_worker/_closed/_subgroups
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
         self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
@@ -205,7 +205,6 @@ class ProcessGroup:
         self._seq = itertools.count(1)
         self._current_seq = 0  # of the collective running now (collectives run one at a time)
         self._membership = membership
-        self._generation = membership.generation
         self._uid = uid
         self._root_store = store
         self._store = PrefixStore(membership.prefix, store)
@@ -215,7 +214,7 @@ class ProcessGroup:
         self._splits = 0
         self._endpoint: messages.Endpoint | None = None
         self._endpoint_lock = threading.Lock()
-        self._helpers: dict[tuple[str, int, int], _Helper] = {}  # async object/tensor messages
+        self._helpers = _Streams(f"pg-core-{name}-msg", f"group {name!r}")  # asynchronous object/tensor messages
         self._dispatch = Dispatcher(
             backends,
             registry=registry,
@@ -1062,9 +1061,9 @@ class ProcessGroup:
         self._check_separate(out, "send")
         wire = messages.message_tag(tag)
 
-        queued = None if async_op else self._queued("send", dst, tag)
+        queued = None if async_op else self._helpers.queued("send", dst, tag)
         if async_op or queued is not None:  # queued: behind this stream's asynchronous messages
-            work = (queued or self._helper("send", dst, tag)).submit(
+            work = (queued or self._helpers.get("send", dst, tag)).submit(
                 op, lambda: self._send_now(op, ep, out, dst=dst, wire=wire, seconds=seconds)
             )
             return work if async_op else work.result()
@@ -1135,8 +1134,8 @@ class ProcessGroup:
             return incoming.value(separate, where)
 
         if async_op:
-            return self._helper("recv", src, tag).submit(op, run)
-        queued = self._queued("recv", src, tag)
+            return self._helpers.get("recv", src, tag).submit(op, run)
+        queued = self._helpers.queued("recv", src, tag)
         if queued is not None:  # behind this stream's asynchronous receives: they match first
             return queued.submit(op, run).result()
         return run()
@@ -1152,21 +1151,6 @@ class ProcessGroup:
             self._dispatch.backend(device).recv(tensor, src, tag, timeout=deadline.left())
             separate[index] = tensor
         return separate
-
-    def _helper(self, kind: str, peer: int, tag: int) -> _Helper:
-        """The thread that runs this group's asynchronous messages to/from (peer, tag), in order."""
-        with self._lock:
-            self._check_open()
-            key = (kind, peer, tag)
-            helper = self._helpers.get(key)
-            if helper is None:
-                helper = self._helpers[key] = _Helper(f"pg-core-{self._name}-{kind}-msg-{peer}-{tag}")
-            return helper
-
-    def _queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
-        """This group's asynchronous messages to/from (peer, tag), while some are unfinished."""
-        helper = self._helpers.get((kind, peer, tag))
-        return helper if helper is not None and helper.busy else None
 
     def _message_collective(
         self, op: str, call: Callable[[float], Any], async_op: bool, timeout: float | timedelta | None
@@ -1345,7 +1329,7 @@ class ProcessGroup:
             self._closed = "shut down"
         with self._exec_lock:
             errors = _close_all(self._dispatch.close(), "shutdown")
-        self._stop_helpers()
+        self._helpers.stop()  # the threads of asynchronous messages (their backends are closed: nothing blocks)
         if self._broken is not None or errors:
             # Only a group that failed marks its generation closed. After a clean shutdown,
             # members still joining (slower than this one, which needed nothing from them)
@@ -1363,7 +1347,7 @@ class ProcessGroup:
             self._closed = "aborted"
             worker, self._worker = self._worker, None
         _close_all(self._dispatch.close(), "abort")
-        self._stop_helpers()
+        self._helpers.stop()
         if worker is not None:
             self._queue.put(None)
             if worker is not threading.current_thread():
@@ -1377,13 +1361,6 @@ class ProcessGroup:
                 if item is not None:
                     item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
         self._mark_generation_closed()
-
-    def _stop_helpers(self) -> None:
-        """Stop the threads of asynchronous messages (their backends are closed: nothing blocks)."""
-        with self._lock:
-            helpers, self._helpers = list(self._helpers.values()), {}
-        for helper in helpers:
-            helper.stop()
 
     def _mark_generation_closed(self) -> None:
         # Best effort: lets a later formation of this name skip a generation that never filled up.
