@@ -68,13 +68,20 @@ __all__ = [
     "OBJECT",
     "TENSOR",
     "TENSOR_DICT",
+    "Buffer",
     "Deadline",
+    "Encoded",
     "Endpoint",
     "Incoming",
     "Outgoing",
+    "Progress",
+    "Received",
+    "check_collective",
     "encode",
     "message_tag",
     "parse",
+    "parse_tensor",
+    "tree_broadcast",
 ]
 
 #: A part of a message, as backends receive them in ``send_bytes``.
