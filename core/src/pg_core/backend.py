@@ -93,6 +93,7 @@ from . import algorithms
 from .errors import GroupClosedError, NotSupportedError
 from .ops import OPS, RedOpType, ReduceOp
 from .work import Work
+from .dtypes import DTYPES
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -104,7 +105,9 @@ __all__ = [
     "BackendContext",
     "BackendSpec",
     "Capabilities",
+    "MAX_TAG",
     "default_reduce_ops",
+    "parse_api_version",
     "tensor_bytes",
 ]
 
@@ -112,21 +115,8 @@ __all__ = [
 #: major version is refused with :class:`~pg_core.errors.PluginVersionError`.
 API_VERSION: Final[str] = "1.1"
 
-#: Every dtype a backend may declare.
-DTYPES: Final[tuple[torch.dtype, ...]] = (
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-)
+#: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
+MAX_TAG: Final[int] = 2**63 - 1
 
 _FLOAT_OPS = frozenset(
     {RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.AVG, RedOpType.PREMUL_SUM}
@@ -136,6 +126,16 @@ _INT_OPS = frozenset(
     {RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}
 )
 _BOOL_OPS = frozenset({RedOpType.MIN, RedOpType.MAX, RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR})
+
+
+def parse_api_version(version: object) -> tuple[int, int] | None:
+    """``"MAJOR.MINOR"`` (surrounding spaces allowed) as two ints; ``None`` if it is not that."""
+    if not isinstance(version, str):
+        return None
+    major, dot, minor = version.strip().partition(".")
+    if not dot or not (major + minor).isascii() or not major.isdigit() or not minor.isdigit():
+        return None
+    return int(major), int(minor)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -174,11 +174,19 @@ class Capabilities:
 
     ``reduce_ops`` maps a dtype to the reduce ops allowed for it; dtypes missing
     from it get :func:`default_reduce_ops`.
+
+    ``max_tag``: the backend carries tags ``0 .. max_tag`` on ``send``/``recv`` (and
+    ``send_bytes``/``recv_bytes``); the default is every non-negative signed 64-bit tag.
+    Gloo, say, declares ``2**31 - 1``. ``None``: the backend has no tags, and messages
+    between two ranks match in the order they were sent (as NCCL's do). The core maps its
+    own tags and the user's into what is declared (:mod:`pg_core.tags`); a backend never
+    sees a tag outside it.
     """
 
     ops: frozenset[str] = frozenset(OPS)
     dtypes: frozenset[torch.dtype] = frozenset(DTYPES)
     reduce_ops: Mapping[torch.dtype, frozenset[RedOpType]] = field(default_factory=dict)
+    max_tag: int | None = MAX_TAG
 
     def __post_init__(self) -> None:
         unknown = set(self.ops) - set(OPS)
@@ -187,6 +195,12 @@ class Capabilities:
         object.__setattr__(self, "ops", frozenset(self.ops))
         object.__setattr__(self, "dtypes", frozenset(self.dtypes))
         object.__setattr__(self, "reduce_ops", {d: frozenset(r) for d, r in self.reduce_ops.items()})
+        if self.max_tag is not None and (
+            isinstance(self.max_tag, bool) or not isinstance(self.max_tag, int) or not 3 <= self.max_tag <= MAX_TAG
+        ):
+            raise ValueError(
+                f"Capabilities.max_tag must be None (no tags) or an int in [3, 2**63 - 1], got {self.max_tag!r}"
+            )
 
     def reduce_ops_for(self, dtype: torch.dtype) -> frozenset[RedOpType]:
         """The reduce ops declared for ``dtype`` (empty if the dtype is not declared)."""

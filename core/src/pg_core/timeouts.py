@@ -1,0 +1,47 @@
+"""Timeouts: how a call's ``timeout=`` becomes seconds, and deadlines for operations of several steps."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from .errors import CollectiveTimeout
+
+__all__ = ["DEFAULT_TIMEOUT", "Deadline", "seconds"]
+
+#: Default per-operation timeout of a group, in seconds.
+DEFAULT_TIMEOUT = 300.0
+
+
+def seconds(timeout: float | timedelta | None, default: float) -> float:
+    """``timeout`` (seconds or a ``timedelta``; ``None``: ``default``) as positive seconds."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be seconds (a number) or a timedelta, got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return float(timeout)
+
+
+class Deadline:
+    """One timeout for an operation made of several steps: each step gets :meth:`left`."""
+
+    __slots__ = ("at", "op", "seconds")
+
+    def __init__(self, op: str, seconds: float) -> None:
+        self.op = op
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left; raises :class:`~pg_core.errors.CollectiveTimeout` (naming ``op``) once none are."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(f"{self.op} exceeded its timeout of {self.seconds:g} s", op=self.op)
+        return left
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
