@@ -90,10 +90,10 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 
 from . import algorithms
+from .dtypes import DTYPES
 from .errors import GroupClosedError, NotSupportedError
 from .ops import OPS, RedOpType, ReduceOp
 from .work import Work
-from .dtypes import DTYPES
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -101,11 +101,11 @@ if TYPE_CHECKING:
 __all__ = [
     "API_VERSION",
     "DTYPES",
+    "MAX_TAG",
     "Backend",
     "BackendContext",
     "BackendSpec",
     "Capabilities",
-    "MAX_TAG",
     "default_reduce_ops",
     "parse_api_version",
     "tensor_bytes",
