@@ -1,4 +1,11 @@
-"""Fixtures shared by every test directory of the workspace."""
+"""Fixtures and markers shared by every test directory of the workspace.
+
+``@pytest.mark.requires_backend("tcp")`` (or ``pytestmark = ...`` on a module) marks a
+test that needs an in-repo backend. The in-repo backends are part of what ``make test``
+tests, so a missing, disabled or broken one *fails* the test, naming the backend and the
+reason; it never skips. (``pg_core.testing.unavailable`` is the skip reason for the suite
+third parties run against their own plugin; the workspace's own tests do not use it.)
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,53 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from pg_core.testing.pool import RankPool
+
+#: backend name -> the in-repo distribution that provides it (and the folder it lives in)
+IN_REPO_BACKENDS = {
+    "tcp": ("pg-tcp", "backends/tcp_reference"),
+    "storecomm": ("pg-storecomm", "examples/third_party_plugin"),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "requires_backend(name): the test needs the in-repo backend NAME; a missing or broken one fails it",
+    )
+
+
+def in_repo_backend_problem(name: str) -> str | None:
+    """``None`` if the in-repo backend ``name`` is installed and can run here, else the
+    failure message: ``in-repo backend 'tcp' is required by make test but is <why>``."""
+    from pg_core.registry import default_registry
+
+    if name not in IN_REPO_BACKENDS:
+        return f"{name!r} is not an in-repo backend (the in-repo ones are {sorted(IN_REPO_BACKENDS)})"
+    distribution, folder = IN_REPO_BACKENDS[name]
+    prefix = f"in-repo backend {name!r} is required by make test but is"
+    found = [entry for entry in default_registry().entries() if entry.name == name]
+    if any(e.status == "available" and e.distribution == distribution for e in found):
+        return None
+    if not found:
+        return f"{prefix} not installed: no distribution provides it (pip install -e {folder}, which is {distribution})"
+    why = [
+        f"{'in conflict' if e.status == 'conflict' else e.status} (from {e.distribution or 'an unknown distribution'}): "
+        f"{e.reason}"
+        if e.status != "available"
+        else f"provided by {e.distribution or 'an unknown distribution'} instead of {distribution}"
+        for e in found
+    ]
+    return f"{prefix} {'; and '.join(why)}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail, before any fixture is set up, a test whose in-repo backend cannot run."""
+    for marker in item.iter_markers("requires_backend"):
+        for name in marker.args:
+            problem = in_repo_backend_problem(name)
+            if problem is not None:
+                pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(scope="session")

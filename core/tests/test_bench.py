@@ -566,10 +566,8 @@ def test_baseline_alone(runs: dict[str, subprocess.CompletedProcess[str]]) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.requires_backend("tcp")  # the root conftest: pg-tcp missing or broken fails, never skips
 def test_tcp_beside_the_baseline(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
-    reason = _tcp_reason()
-    if reason is not None:
-        pytest.skip(f"{reason}; pg-tcp is the reference backend and will be benchmarked once it is available")
     _well_formed(_rows(runs["tcp"]), bench.OPS, [bench.BASELINE, "tcp"])
 
 

@@ -1,8 +1,9 @@
 """Certify every in-repo backend with the shipped conformance suite, exactly as a
 third party would: ``pg-core conformance NAME --profile ci`` in a fresh process.
 
-A backend whose distribution is not installed, or that cannot run here, is
-skipped with the reason; its known gaps, if any, are listed in
+Every in-repo backend is required: one whose distribution is not installed, or that
+cannot run here, fails its certification with the reason (the root conftest's
+``requires_backend`` marker), never skips. Its known gaps, if any, are listed in
 ``xfail/<name>.txt`` (strict: a gap that closes fails the run until the line goes).
 """
 
@@ -13,8 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from pg_core.errors import BackendNotFoundError, BackendUnavailableError
-from pg_core.registry import default_registry
 
 HERE = Path(__file__).parent
 
@@ -26,14 +25,8 @@ IN_REPO = {
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("name", sorted(IN_REPO))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.requires_backend(n)) for n in sorted(IN_REPO)])
 def test_certified(name: str) -> None:
-    try:
-        default_registry().require(name)
-    except BackendNotFoundError:
-        pytest.skip(f"{IN_REPO[name]} is not installed (pip install -e the folder that holds it)")
-    except BackendUnavailableError as exc:
-        pytest.skip(f"{name} cannot run here: {exc}")
     cmd = [sys.executable, "-m", "pg_core", "conformance", name, "--profile", "ci"]
     xfail = HERE / "xfail" / f"{name}.txt"
     if xfail.exists():

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from pg_core.testing import unavailable
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serving_pattern.py"
 
 
-@pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
+@pytest.mark.requires_backend("tcp")
 @pytest.mark.timeout(180)
 def test_serving_pattern_example_runs() -> None:
     try:
