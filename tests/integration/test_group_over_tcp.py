@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -19,9 +18,8 @@ from pg_core import (
     ProcessGroup,
     ReduceOp,
 )
-from pg_core.testing import unavailable
 
-pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
+pytestmark = pytest.mark.requires_backend("tcp")  # in-repo: missing or broken fails, never skips
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int64, torch.uint8]
 
@@ -244,28 +242,32 @@ def test_two_groups_driven_from_two_threads(rank_pools, world_size):
     rank_pools(world_size).run(concurrent_threads)
 
 
+#: the survivors' all_reduce timeout: longer than the group's (ctx.timeout), so a survivor that
+#: only learned of the death at its timeout would report CollectiveTimeout, not PeerFailureError
+DEAD_PEER_TIMEOUT_S = 120.0
+
+
 def dead_peer(ctx):
     g = _group(ctx)
     g.barrier()
     if ctx.rank == 1:
         os._exit(1)
-    start = time.monotonic()
     try:
-        g.all_reduce(torch.ones(4), timeout=60)
-    except PeerFailureError as exc:
-        elapsed = time.monotonic() - start
+        g.all_reduce(torch.ones(4), timeout=DEAD_PEER_TIMEOUT_S)
+    except (PeerFailureError, CollectiveTimeout) as exc:
         g.abort()
-        return ("PeerFailureError", elapsed, str(exc))
+        return (type(exc).__name__, str(exc))
     g.abort()
-    return ("no error", 0.0, "")
+    return ("no error", "")
 
 
-def test_a_dead_peer_is_an_error_within_seconds_not_at_the_timeout(rank_pools):
-    results = rank_pools(3).run(dead_peer, may_exit=[1])
+def test_a_dead_peer_is_a_peer_failure_not_a_timeout(rank_pools):
+    # No clock: the survivors must fail with PeerFailureError, which only the death itself
+    # can cause; reaching the timeout is CollectiveTimeout. The pool's bound is a hang guard.
+    results = rank_pools(3).run(dead_peer, may_exit=[1], timeout=DEAD_PEER_TIMEOUT_S + 60)
     for rank in (0, 2):
-        kind, elapsed, _message = results[rank]
-        assert kind == "PeerFailureError", results
-        assert elapsed < 15, f"rank {rank} learned of the death after {elapsed:.1f} s"
+        kind, message = results[rank]
+        assert kind == "PeerFailureError", f"rank {rank} got {kind} instead of PeerFailureError: {message}"
 
 
 def mismatch(ctx):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -25,9 +24,8 @@ from pg_core import (
 )
 from pg_core.backend import Backend
 from pg_core.store import wait_for
-from pg_core.testing import unavailable
 
-pytestmark = pytest.mark.skipif(unavailable("tcp") is not None, reason=str(unavailable("tcp")))
+pytestmark = pytest.mark.requires_backend("tcp")  # in-repo: missing or broken fails, never skips
 
 FLAVORS = ["bytes", "emulated", "separate"]
 
@@ -155,7 +153,9 @@ def test_objects_tensors_and_dicts_point_to_point(rank_pools, flavor):
 
 def bad_input_and_timeouts(ctx) -> None:
     r = ctx.rank
-    with _group(ctx) as g:
+    # the group's own timeout lies far beyond the test's hang guard (the pool's 120 s), so the
+    # recv that must time out below can only end in time through its own timeout=0.5
+    with _group(ctx, timeout=3600) as g:
         g.barrier()
         with pytest.raises(ValueError, match="cannot send to itself"):
             g.send_object(1, r)
@@ -176,10 +176,9 @@ def bad_input_and_timeouts(ctx) -> None:
         with pytest.raises(ValueError, match="only passed on the source"):
             g.broadcast_tensor_dict({"a": 1}, src=1 - r)
         # nothing of the above was sent: the next message on each stream is the first one
-        started = time.monotonic()
         with pytest.raises(CollectiveTimeout) as info:
             g.recv_object(1 - r, tag=3, timeout=0.5)
-        assert info.value.op == "recv_object" and time.monotonic() - started < 10
+        assert info.value.op == "recv_object", info.value
         g.send_object(("first", r), 1 - r)
         assert g.recv_object(1 - r) == ("first", 1 - r)
         g.send_object("late", 1 - r, tag=3)  # the stream that timed out still works
@@ -451,20 +450,24 @@ def test_a_process_arriving_after_the_group_filled_waits_for_the_next_formation(
     assert "1 of 2 members arrived" in results[2] and "earlier generations" in results[2], results[2]
 
 
-def give_up(ctx) -> tuple[str, float]:
+#: the patient member's rendezvous timeout; reaching it would be CollectiveTimeout, not PeerFailureError
+PATIENT_TIMEOUT_S = 120.0
+
+
+def give_up(ctx) -> tuple[str, str]:
     """A group of three that only two processes join; the impatient one gives up first."""
     if ctx.rank == 2:
-        return "absent", 0.0
-    started = time.monotonic()
+        return "absent", ""
     try:
-        rendezvous(ctx.store, "trio", 3, backends="tcp", timeout=1.0 if ctx.rank == 0 else 60.0)
+        rendezvous(ctx.store, "trio", 3, backends="tcp", timeout=1.0 if ctx.rank == 0 else PATIENT_TIMEOUT_S)
     except (CollectiveTimeout, PeerFailureError) as exc:
-        return type(exc).__name__, time.monotonic() - started
-    return "formed", time.monotonic() - started
+        return type(exc).__name__, str(exc)
+    return "formed", ""
 
 
 def test_a_rendezvous_that_times_out_releases_the_others_at_once(rank_pools):
-    results = rank_pools(3).run(give_up, timeout=120)
-    assert results[0][0] == "CollectiveTimeout"
-    kind, waited = results[1]
-    assert kind == "PeerFailureError" and waited < 30, results[1]
+    # No clock: the patient member is released by the other's giving up (PeerFailureError), not
+    # by its own timeout (CollectiveTimeout). The pool's bound is a hang guard.
+    results = rank_pools(3).run(give_up, timeout=PATIENT_TIMEOUT_S + 60)
+    assert results[0][0] == "CollectiveTimeout", results[0]
+    assert results[1][0] == "PeerFailureError", results[1]

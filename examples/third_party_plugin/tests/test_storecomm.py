@@ -3,19 +3,15 @@ in real rank processes (the workspace's ``rank_pools`` fixture), at world sizes 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from pg_core import CollectiveMismatchError, CollectiveTimeout, ProcessGroup, ReduceOp
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("pg_storecomm") is None, reason="pg-storecomm is not installed"
-)
+pytestmark = pytest.mark.requires_backend("storecomm")  # in-repo: missing or broken fails, never skips
 
 SIZES = [2, 3]
 
@@ -83,15 +79,16 @@ def _p2p_out_of_order(ctx) -> None:
         g.barrier()
 
 
-def _recv_timeout(ctx) -> tuple[str, str, tuple[int, ...], float] | None:
+def _recv_timeout(ctx) -> tuple[str, str, tuple[int, ...]] | None:
     result = None
-    with _group(ctx) as g:
+    # The group's own timeout is far beyond the test's hang guard (the pool's 60 s): only the
+    # recv's own 0.3 s can end the recv in time for the test to pass.
+    with _group(ctx, timeout=3600) as g:
         if ctx.rank == 0:
-            start = time.monotonic()
             try:
                 g.recv(torch.empty(3), src=ctx.size - 1, tag=99, timeout=0.3)
             except CollectiveTimeout as exc:
-                result = (type(exc).__name__, str(exc), tuple(exc.peers), time.monotonic() - start)
+                result = (type(exc).__name__, str(exc), tuple(exc.peers))
             else:
                 raise AssertionError("recv from a silent peer returned")
         g.barrier()
@@ -153,11 +150,10 @@ def test_send_recv_tags_out_of_order(rank_pools, world_size):
 def test_recv_timeout_names_the_peer(rank_pools, world_size):
     results = rank_pools(world_size).run(_recv_timeout, timeout=60)
     assert results[0] is not None
-    name, message, peers, elapsed = results[0]
+    name, message, peers = results[0]
     assert name == "CollectiveTimeout"
     assert world_size - 1 in peers, peers
     assert str(world_size - 1) in message, message
-    assert elapsed < 5.0, elapsed
     assert results[1:] == [None] * (world_size - 1)
 
 
