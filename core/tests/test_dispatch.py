@@ -123,7 +123,7 @@ def test_capabilities_are_enforced_before_the_backend_is_called(group, log):
     with pytest.raises(NotSupportedError, match="AVG is not supported for torch.int64"):
         group.all_reduce(torch.zeros(2, dtype=torch.int64), ReduceOp.AVG)
     with pytest.raises(NotSupportedError, match="no backend for device type 'cuda'"):
-        group.supports("all_reduce", "cuda") or group._dispatch.check("all_reduce", "cuda", torch.float32)
+        group.supports("all_reduce", "cuda") or group._supported.check("all_reduce", "cuda", torch.float32)
     assert log == []
     assert group.supports("all_reduce", "cpu", torch.float32, ReduceOp.SUM)
     assert not group.supports("all_reduce", "cpu", torch.complex64, ReduceOp.MAX)
@@ -138,7 +138,7 @@ def test_capabilities_are_enforced_before_the_backend_is_called(group, log):
         (lambda g: g.broadcast(torch.zeros(2), src="0"), TypeError, "src must be an int"),
         (lambda g: g.send(torch.zeros(2), dst=-1), ValueError, "dst=-1 is out of range"),
         (lambda g: g.send(torch.zeros(2), dst=0), ValueError, "cannot send to itself"),
-        (lambda g: g.send(torch.zeros(2), dst=1, tag=-3), ValueError, "tag must be in"),
+        (lambda g: g.send(torch.zeros(2), dst=1, tag=-3), ValueError, "tag must be >= 0"),
         (lambda g: g.all_reduce([1, 2]), TypeError, "must be a torch.Tensor"),
         (lambda g: g.all_gather([torch.zeros(2)], torch.zeros(2)), ValueError, "one tensor per rank"),
         (lambda g: g.all_gather([torch.zeros(2), torch.zeros(3)], torch.zeros(2)), ValueError, "has 3 elements"),
@@ -281,10 +281,11 @@ def test_batch_isend_irecv_validates_everything_first(group, log):
     works = group.batch_isend_irecv(ops)
     for w in works:
         w.wait()
-    # the default isend/irecv run on independent helper threads: no order between the two
+    # the default isend/irecv run on independent helper threads: no order between the two;
+    # the backend sees user tag t as wire tag 2 + 2t (pg_core.tags)
     assert sorted((e[0], sorted(e[3].items())) for e in log) == [
-        ("recv", [("src", 1), ("tag", 3)]),
-        ("send", [("dst", 1), ("tag", 0)]),
+        ("recv", [("src", 1), ("tag", 2 + 2 * 3)]),
+        ("send", [("dst", 1), ("tag", 2)]),
     ]
     log.clear()
     with pytest.raises(ValueError, match="out of range"):
@@ -296,9 +297,13 @@ def test_groups_with_one_name_form_new_generations_and_ranks_are_unique():
     store = HashStore()
     a = ProcessGroup(store, rank=0, size=2, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
     b = ProcessGroup(store, rank=1, size=2, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
-    assert a._uid == b._uid == "world#0"
+    assert a.uid == b.uid and a.uid.startswith("world#0-")
     c = ProcessGroup(store, rank=0, size=1, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
-    assert c._uid == "world#1"  # re-formed with another size: a new generation
+    assert c.uid.startswith("world#1-")  # re-formed with another size: a new generation
+    # another job (another store) forming the same name and generation gets another uid
+    elsewhere = ProcessGroup(HashStore(), rank=0, size=1, backends=CpuRecorder, options={"cpu-rec": {"log": []}})
+    assert elsewhere.uid.startswith("world#0-") and elsewhere.uid != a.uid
+    elsewhere.shutdown()
     d = ProcessGroup(store, rank=0, size=2, name="other", backends=CpuRecorder, options={"cpu-rec": {"log": []}})
     with pytest.raises(ValueError, match="already has a rank 0"):
         ProcessGroup(store, rank=0, size=2, name="other", backends=CpuRecorder, options={"cpu-rec": {"log": []}})
@@ -327,7 +332,7 @@ def test_a_generation_that_never_filled_is_skipped_once_its_members_closed():
     for g in partial:  # rank 2 never came; the others give up
         g.abort()
     again = [ProcessGroup(store, rank=r, size=3, backends=CpuRecorder, options=opts) for r in (2, 0, 1)]
-    assert {g._uid for g in again} == {"world#1"}
+    assert len({g.uid for g in again}) == 1 and again[0].uid.startswith("world#1-")
     for g in again:
         g.shutdown()
 
@@ -364,7 +369,7 @@ def test_a_group_dropped_without_shutdown_is_collected_and_its_thread_ends(log):
 
     g = ProcessGroup(HashStore(), rank=0, size=2, backends=CpuRecorder, options={"cpu-rec": {"log": log}})
     g.all_reduce(torch.zeros(1), async_op=True).wait()
-    worker = g._worker
+    worker = g._executor._worker
     ref = weakref.ref(g)
     del g
     gc.collect()

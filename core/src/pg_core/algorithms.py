@@ -35,27 +35,24 @@ accept every :class:`~pg_core.ops.ReduceOp` that
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 
 from .errors import CollectiveTimeout
 from .ops import RedOpType, ReduceOp
+from .timeouts import Deadline
 from .work import Work
-
-if TYPE_CHECKING:
-    from .backend import Backend
 
 __all__ = [
     "BINARY_OPS",
-    "COLLECTIVE_TAG",
     "DEFAULT_TUNING",
-    "BackendChannel",
     "Channel",
+    "P2PChannel",
+    "PointToPoint",
     "Tuning",
     "all_gather",
     "all_gather_into_tensor",
@@ -63,6 +60,7 @@ __all__ = [
     "all_to_all",
     "all_to_all_single",
     "barrier",
+    "binomial_tree",
     "broadcast",
     "combine_",
     "gather",
@@ -71,10 +69,6 @@ __all__ = [
     "reduce_scatter_tensor",
     "scatter",
 ]
-
-#: The tag the default channel uses for collective traffic. User tags are ``>= 0``;
-#: negative tags belong to the core.
-COLLECTIVE_TAG: Final[int] = -1
 
 
 class Channel(Protocol):
@@ -107,51 +101,92 @@ class Channel(Protocol):
     def wait(self, work: Work) -> None: ...
 
 
-class BackendChannel:
-    """The default :class:`Channel`: a backend's ``send``/``recv``/``isend``/``irecv``
-    with tag :data:`COLLECTIVE_TAG` and one deadline for the whole operation."""
+class PointToPoint(Protocol):
+    """What :class:`P2PChannel` needs of a backend: the contract's point-to-point methods."""
 
-    def __init__(self, backend: Backend, timeout: float, tag: int = COLLECTIVE_TAG) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None: ...
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None: ...
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work: ...
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work: ...
+
+
+class P2PChannel:
+    """The :class:`Channel` the default collectives run on: a backend's ``send``/``recv``
+    with one tag and one deadline for the whole operation.
+
+    ``isend``/``irecv`` are the backend's own where it has them (``native_isend``,
+    ``native_irecv``). Otherwise a send happens at once (the contract's ``send`` never waits
+    for its receiver) and a receive happens when it is waited for, receives from one peer
+    in the order they were posted: no thread, no handoff.
+    """
+
+    def __init__(
+        self,
+        backend: PointToPoint,
+        rank: int,
+        size: int,
+        timeout: float,
+        tag: int,
+        *,
+        native_isend: bool,
+        native_irecv: bool,
+    ) -> None:
         self.backend = backend
-        self.rank = backend.rank
-        self.size = backend.size
+        self.rank = rank
+        self.size = size
         self.tag = tag
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
-        self._sends: list[Work] = []  # this operation's sends, whose errors explain a receive's timeout
+        self.deadline = Deadline("collective", timeout)
+        self._native_isend = native_isend
+        self._native_irecv = native_irecv
+        self._sends: list[Work] = []  # native sends, whose errors explain a receive's timeout
+        self._posted: dict[int, deque[tuple[Work, torch.Tensor]]] = {}  # deferred receives per peer
 
     def remaining(self) -> float:
         """Seconds left before the deadline; raises once it has passed."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise CollectiveTimeout(f"collective exceeded its timeout of {self.timeout:g} s")
-        return left
+        return self.deadline.left()
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
-        queued = self.backend._queued("send", peer, self.tag)
-        if queued is not None:  # behind this operation's isend to the same peer: keep the order
-            self.wait(
-                queued.submit("send", lambda: self.backend.send(tensor, peer, self.tag, timeout=self.remaining()))
-            )
-            return
         self.backend.send(tensor, peer, self.tag, timeout=self.remaining())
 
     def recv(self, tensor: torch.Tensor, peer: int) -> None:
-        queued = self.backend._queued("recv", peer, self.tag)
-        if queued is not None:
-            self.wait(
-                queued.submit("recv", lambda: self.backend.recv(tensor, peer, self.tag, timeout=self.remaining()))
-            )
+        if self._posted.get(peer):  # behind receives posted earlier from this peer
+            work = self.irecv(tensor, peer)
+            self.wait(work)
             return
         self.backend.recv(tensor, peer, self.tag, timeout=self.remaining())
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Work:
+        if not self._native_isend:
+            self.send(tensor, peer)
+            return Work.completed("send")
         work = self.backend.isend(tensor, peer, self.tag, timeout=self.remaining())
         self._sends.append(work)
         return work
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> Work:
-        return self.backend.irecv(tensor, peer, self.tag, timeout=self.remaining())
+        if self._native_irecv:
+            return self.backend.irecv(tensor, peer, self.tag, timeout=self.remaining())
+        work = Work("recv", driver=lambda w, t: self._receive_through(peer, w) if t > 0 else None)
+        self._posted.setdefault(peer, deque()).append((work, tensor))
+        return work
+
+    def _receive_through(self, peer: int, work: Work) -> None:
+        """Receive, in posting order, every deferred receive from ``peer`` up to ``work``."""
+        queue = self._posted.get(peer)
+        while queue and not work.is_completed():
+            posted, tensor = queue.popleft()
+            try:
+                self.backend.recv(tensor, peer, self.tag, timeout=self.remaining())
+            except BaseException as exc:
+                posted.set_exception(exc)
+                for later, _ in queue:  # the stream from this peer is out of step now
+                    later.set_exception(exc)
+                queue.clear()
+            else:
+                posted.set_result(None)
 
     def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int) -> None:
         work = self.isend(send_tensor, dst)
@@ -177,6 +212,21 @@ class BackendChannel:
                 error = work.exception(0)
                 if error is not None:
                     raise error from timeout
+
+
+def binomial_tree(vrank: int, size: int) -> tuple[int | None, list[int]]:
+    """The parent (``None`` at the root) and the children of virtual rank ``vrank`` in a
+    binomial tree of ``size`` ranks rooted at virtual rank 0, children smallest subtree
+    first. Rank ``r`` of a tree rooted at ``root`` is virtual rank ``(r - root) % size``."""
+    children: list[int] = []
+    mask = 1
+    while mask < size:
+        if vrank & mask:
+            return vrank - mask, children
+        if vrank + mask < size:
+            children.append(vrank + mask)
+        mask <<= 1
+    return None, children
 
 
 @dataclass(frozen=True)
@@ -516,17 +566,11 @@ def broadcast(ch: Channel, tensor: torch.Tensor, src: int, *, tuning: Tuning | N
 
 def _tree_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, root: int) -> None:
     size = ch.size
-    mask = 1
-    while mask < size:
-        if vrank & mask:
-            ch.recv(flat, (vrank - mask + root) % size)
-            break
-        mask <<= 1
-    mask >>= 1
-    while mask > 0:  # children, largest subtree first
-        if vrank + mask < size:
-            ch.send(flat, (vrank + mask + root) % size)
-        mask >>= 1
+    parent, children = binomial_tree(vrank, size)
+    if parent is not None:
+        ch.recv(flat, (parent + root) % size)
+    for child in reversed(children):  # largest subtree first
+        ch.send(flat, (child + root) % size)
 
 
 def _chain_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, seg: int, nseg: int) -> None:
@@ -585,16 +629,9 @@ def _tree_reduce(
     serial: int,
 ) -> None:
     size = ch.size
-    children: list[int] = []
-    parent: int | None = None
-    mask = 1
-    while mask < size:
-        if vrank & mask:
-            parent = (vrank - mask + root) % size
-            break
-        if vrank + mask < size:
-            children.append((vrank + mask + root) % size)
-        mask <<= 1
+    vparent, vchildren = binomial_tree(vrank, size)
+    parent = None if vparent is None else (vparent + root) % size
+    children = [(c + root) % size for c in vchildren]
     seg_len = min(seg, flat.numel())
     rbuf = flat.new_empty(seg_len) if children else None
     # a non-root rank never writes its tensor: it reduces (or scales) into ``abuf``

@@ -80,8 +80,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import mmap
-import queue
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -89,9 +87,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from . import algorithms
+from . import algorithms, tags
 from .dtypes import DTYPES
-from .errors import GroupClosedError, NotSupportedError
+from .errors import NotSupportedError
 from .ops import OPS, RedOpType, ReduceOp
 from .work import Work
 
@@ -339,15 +337,20 @@ class Backend:
     Subclasses implement ``send`` and ``recv`` (required) and may override any
     collective, ``isend``/``irecv``, ``send_bytes``/``recv_bytes``, ``shutdown``
     and ``abort``. Every method receives ``timeout`` in seconds.
+
+    The constructor takes the :class:`BackendContext`. Calling ``super().__init__(ctx)``
+    is optional: the core sets ``ctx``, ``rank`` and ``size`` on an instance that has
+    none of its own after construction, and reserves no other attribute.
     """
+
+    ctx: BackendContext
+    rank: int
+    size: int
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
         self.rank = ctx.rank
         self.size = ctx.size
-        self._helpers = _Streams(
-            f"pg-core-{ctx.group_name}", f"backend {ctx.backend_name!r} of group {ctx.group_name!r}"
-        )
 
     # -- required --------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
@@ -360,17 +363,37 @@ class Backend:
 
     # -- optional: asynchronous point to point ---------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """Start a send. Default: ``send`` on a helper thread (one per (peer, tag), FIFO)."""
-        return self._helper("send", dst, tag).submit("send", lambda: self.send(tensor, dst, tag, timeout=timeout))
+        """Start a send and return its :class:`~pg_core.work.Work`. Optional.
+
+        Not overridden, the core runs ``send`` on a helper thread of its own per
+        (peer, tag) for the group's ``isend``, and the default collectives send at once
+        (``send`` never waits for its receiver). This body, for an override's
+        ``super().isend``, sends at once too and returns a completed work.
+        """
+        self.send(tensor, dst, tag, timeout=timeout)
+        return Work.completed("isend")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
-        """Start a receive. Default: ``recv`` on a helper thread (one per (peer, tag), FIFO).
+        """Start a receive and return its :class:`~pg_core.work.Work`. Optional.
 
-        One thread per (peer, tag) keeps the matching order and lets a pending
-        receive from one peer or tag never hold up another (a user's ``irecv``
-        posted before a collective must not block the collective's traffic).
+        Not overridden, the core runs ``recv`` on a helper thread of its own per
+        (peer, tag) for the group's ``irecv`` (a pending receive from one peer or tag
+        never holds up another), and the default collectives receive when they wait.
+        This body, for an override's ``super().irecv``, returns a work that receives
+        when it is waited for.
         """
-        return self._helper("recv", src, tag).submit("recv", lambda: self.recv(tensor, src, tag, timeout=timeout))
+
+        def receive(work: Work, budget: float) -> None:
+            if budget <= 0:  # is_completed(): never block
+                return
+            try:
+                self.recv(tensor, src, tag, timeout=timeout)
+            except BaseException as exc:
+                work.set_exception(exc)
+            else:
+                work.set_result(None)
+
+        return Work("irecv", driver=receive)
 
     # -- optional: variable-size messages --------------------------------------
     def send_bytes(
@@ -387,7 +410,9 @@ class Backend:
         core hands over a message's parts, views of the user's tensors among them, without
         joining them; a backend that can write them with one gather call copies nothing).
         A backend whose spec declares ``api_version`` ``"1.0"`` receives one ``bytes``
-        object instead. Like ``send``, it must not wait for the receiver.
+        object instead. Like ``send``, it must not wait for the receiver. It may be called
+        from several threads at once (for different (peer, tag) streams, and for one
+        stream from one thread at a time): each call is one whole message.
         """
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
@@ -398,48 +423,32 @@ class Backend:
         Optional."""
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
-    @property
-    def supports_bytes(self) -> bool:
-        """Whether this backend overrides ``send_bytes``/``recv_bytes``."""
-        return type(self).send_bytes is not Backend.send_bytes and type(self).recv_bytes is not Backend.recv_bytes
-
     # -- collectives: defaults from pg_core.algorithms --------------------------
-    def channel(self, timeout: float) -> algorithms.Channel:
-        """The point-to-point channel the default collectives run on.
-
-        The default uses ``send``/``recv``/``isend``/``irecv`` with the reserved tag
-        :data:`pg_core.algorithms.COLLECTIVE_TAG`. A backend with its own framing
-        can instead override the collectives and run ``pg_core.algorithms`` on a
-        channel it builds per operation (pg-tcp does, stamping every frame with the
-        op, its arguments and a sequence number to detect mismatched collectives).
-        """
-        return algorithms.BackendChannel(self, timeout)
-
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
-        algorithms.all_reduce(self.channel(timeout), tensor, op)
+        algorithms.all_reduce(_channel(self, timeout), tensor, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
-        algorithms.broadcast(self.channel(timeout), tensor, src)
+        algorithms.broadcast(_channel(self, timeout), tensor, src)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
-        algorithms.reduce(self.channel(timeout), tensor, dst, op)
+        algorithms.reduce(_channel(self, timeout), tensor, dst, op)
 
     def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
-        algorithms.all_gather(self.channel(timeout), output_list, tensor)
+        algorithms.all_gather(_channel(self, timeout), output_list, tensor)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
-        algorithms.all_gather_into_tensor(self.channel(timeout), output, input)
+        algorithms.all_gather_into_tensor(_channel(self, timeout), output, input)
 
     def reduce_scatter(
         self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
     ) -> None:
-        algorithms.reduce_scatter(self.channel(timeout), output, input_list, op)
+        algorithms.reduce_scatter(_channel(self, timeout), output, input_list, op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
-        algorithms.reduce_scatter_tensor(self.channel(timeout), output, input, op)
+        algorithms.reduce_scatter_tensor(_channel(self, timeout), output, input, op)
 
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
-        algorithms.all_to_all(self.channel(timeout), output_list, input_list)
+        algorithms.all_to_all(_channel(self, timeout), output_list, input_list)
 
     def all_to_all_single(
         self,
@@ -451,134 +460,40 @@ class Backend:
         timeout: float,
     ) -> None:
         """``*_split_sizes`` are always explicit lists of dim-0 sizes (the core fills them in)."""
-        algorithms.all_to_all_single(self.channel(timeout), output, input, output_split_sizes, input_split_sizes)
+        algorithms.all_to_all_single(_channel(self, timeout), output, input, output_split_sizes, input_split_sizes)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
         """``gather_list`` is a list on ``dst`` and ``None`` elsewhere."""
-        algorithms.gather(self.channel(timeout), tensor, gather_list, dst)
+        algorithms.gather(_channel(self, timeout), tensor, gather_list, dst)
 
     def scatter(
         self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
     ) -> None:
         """``scatter_list`` is a list on ``src`` and ``None`` elsewhere."""
-        algorithms.scatter(self.channel(timeout), tensor, scatter_list, src)
+        algorithms.scatter(_channel(self, timeout), tensor, scatter_list, src)
 
     def barrier(self, *, timeout: float) -> None:
-        algorithms.barrier(self.channel(timeout))
+        algorithms.barrier(_channel(self, timeout))
 
     # -- life --------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Release everything this backend holds, after pending work drained."""
-        self._stop_helpers()
+        """Release everything this backend holds. Optional: the core drained pending work first."""
 
     def abort(self) -> None:
-        """Release everything now; operations blocked in other threads must raise."""
-        self._stop_helpers()
-
-    # -- helpers for the default isend/irecv ----------------------------------
-    def _helper(self, kind: str, peer: int, tag: int) -> _Helper:
-        return self._helpers.get(kind, peer, tag)
-
-    def _queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
-        """The default ``isend``/``irecv`` helper of (kind, peer, tag) while it still has work:
-        a blocking ``send``/``recv`` there must run behind it, since messages keep their
-        order per (peer, tag). ``None`` when nothing is queued (the common case)."""
-        return self._helpers.queued(kind, peer, tag)
-
-    def _stop_helpers(self) -> None:
-        self._helpers.stop()
+        """Release everything now; operations blocked in other threads must raise. Optional."""
 
 
-class _Streams:
-    """Helper threads keyed by (kind, peer, tag), created on first use: one stream of
-    asynchronous calls each, run in order. Used by the default ``isend``/``irecv`` and by
-    the core's asynchronous messages. Closed once; ``get`` afterwards raises."""
-
-    def __init__(self, prefix: str, owner: str) -> None:
-        self._prefix, self._owner = prefix, owner
-        self._by_key: dict[tuple[str, int, int], _Helper] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def get(self, kind: str, peer: int, tag: int) -> _Helper:
-        with self._lock:
-            if self._closed:
-                raise GroupClosedError(f"{self._owner} is closed")
-            key = (kind, peer, tag)
-            helper = self._by_key.get(key)
-            if helper is None:
-                helper = self._by_key[key] = _Helper(f"{self._prefix}-{kind}-{peer}-{tag}")
-            return helper
-
-    def queued(self, kind: str, peer: int, tag: int) -> _Helper | None:
-        """The stream's helper while a submitted call has not returned, else ``None``."""
-        helper = self._by_key.get((kind, peer, tag))
-        return helper if helper is not None and helper.busy else None
-
-    def stop(self) -> None:
-        with self._lock:
-            self._closed = True
-            helpers, self._by_key = list(self._by_key.values()), {}
-        for helper in helpers:
-            helper.stop()
-
-
-class _Helper:
-    """One daemon thread running submitted calls in order, each completing a Work with
-    the call's return value (or its exception)."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._stopped = False
-        self._pending = 0  # submitted calls not yet returned
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, op: str, fn: Callable[[], Any]) -> Work:
-        work = Work(op)
-        with self._lock:
-            if self._stopped:
-                raise GroupClosedError(f"{op}: the backend is closed")
-            self._pending += 1
-            self._queue.put((work, fn))
-        return work
-
-    @property
-    def busy(self) -> bool:
-        """Whether a submitted call has not returned yet: a blocking call on the same stream
-        must then queue behind it, or it would overtake it."""
-        return self._pending > 0
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            work, fn = item
-            try:
-                result = fn()
-            except BaseException as exc:
-                self._done()
-                work.set_exception(exc)
-            else:
-                self._done()  # before completing: whoever waited for it may go on inline
-                work.set_result(result)
-
-    def _done(self) -> None:
-        with self._lock:
-            self._pending -= 1
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-            self._queue.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-        # whatever was queued behind the stop never runs: fail it rather than leave it pending
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].set_exception(GroupClosedError(f"{item[0].op}: the backend was closed before it ran"))
-        if self._thread.is_alive():  # stuck in a call: leave it its stop signal for when it returns
-            self._queue.put(None)
+def _channel(backend: Backend, timeout: float) -> algorithms.P2PChannel:
+    """The channel the inherited collectives run on: the backend's point to point with the
+    core's collective tag (:data:`pg_core.tags.COLLECTIVE`), its own ``isend``/``irecv``
+    where it overrides them."""
+    cls = type(backend)
+    return algorithms.P2PChannel(
+        backend,
+        backend.rank,
+        backend.size,
+        timeout,
+        tags.COLLECTIVE,
+        native_isend=cls.isend is not Backend.isend,
+        native_irecv=cls.irecv is not Backend.irecv,
+    )

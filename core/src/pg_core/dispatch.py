@@ -1,35 +1,34 @@
-"""Device dispatch: which backend serves which device type, created when first used,
-and the local validation every operation passes before any byte is sent.
-
-A :class:`Dispatcher` belongs to one :class:`~pg_core.group.ProcessGroup`. It
-resolves the user's ``backends=`` at construction (so a wrong name fails there),
-creates each backend instance on first use of its device type, and checks every
-call against the backend's declared :class:`~pg_core.backend.Capabilities`.
-"""
+"""Dispatch: which backend serves which device type (:func:`resolve_backends`), and the live
+instances of one group, each created on first use of its device type (:class:`Dispatcher`)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
-from .errors import BackendNotFoundError, CollectiveMismatchError, GroupClosedError, NotSupportedError
-from .ops import ReduceOp
-from .store import PrefixStore, Store, wait_for
+from .errors import BackendNotFoundError, GroupClosedError
+from .instance import Instance
+from .store import PrefixStore, Store
 
 if TYPE_CHECKING:
     from .registry import Registry
 
-__all__ = ["BackendsArg", "Dispatcher", "parse_backends"]
+__all__ = [
+    "BackendsArg",
+    "Dispatcher",
+    "context_factory",
+    "describe",
+    "message_device",
+    "parse_backends",
+    "resolve_backends",
+]
 
 BackendValue = str | BackendSpec | type[Backend] | Callable[[BackendContext], Backend]
 BackendsArg = None | str | BackendValue | Mapping[str, BackendValue]
-
-_MAX_TAG = 2**62
 
 
 def parse_backends(backends: BackendsArg) -> dict[str, BackendValue] | str | BackendValue | None:
@@ -71,62 +70,23 @@ def _adhoc_spec(value: Any, devices: Sequence[str]) -> BackendSpec:
     return BackendSpec(name=str(name).replace(" ", "_"), factory=value, devices=tuple(devices), capabilities=caps)
 
 
-@dataclass
-class _Slot:
-    spec: BackendSpec
-    device_type: str
-    backend: Backend | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
+def resolve_backends(backends: BackendsArg, registry: Registry | None = None) -> dict[str, BackendSpec]:
+    """The user's ``backends=`` as device type -> spec. Talks to nobody: a wrong name, an
+    unavailable backend or a device the backend does not declare raises here.
 
+    ``None`` picks, per device type, the highest-priority available backend of
+    ``registry`` (default: the installed plugins); a name, every device it declares; a
+    dict or ``"cpu:gloo,cuda:nccl"``, one per device; a ``BackendSpec``, a ``Backend``
+    subclass or a factory, every device it declares (``cpu`` for a bare class).
+    """
+    parsed = parse_backends(backends)
+    if registry is None and (parsed is None or isinstance(parsed, (str, dict))):
+        from .registry import default_registry
 
-class Dispatcher:
-    """Backends of one group by device type; see the module docstring."""
-
-    def __init__(
-        self,
-        backends: BackendsArg,
-        *,
-        registry: Registry | None,
-        store: Store,
-        rank: int,
-        size: int,
-        timeout: float,
-        group_name: str,
-        group_uid: str,
-        options: Mapping[str, Mapping[str, Any]],
-    ) -> None:
-        self._store = store
-        self._rank, self._size, self._timeout = rank, size, timeout
-        self._group_name, self._group_uid = group_name, group_uid
-        self._options = options
-        self._slots: dict[str, _Slot] = {}
-        self._allowed: set[tuple[object, ...]] = set()
-        self._closed = False
-        parsed = parse_backends(backends)
-        if registry is None and (parsed is None or isinstance(parsed, (str, dict))):
-            from .registry import default_registry
-
-            registry = default_registry()
-        if parsed is None:
-            assert registry is not None
-            self._resolve_defaults(registry)
-        elif isinstance(parsed, dict):
-            if not parsed:
-                raise ValueError("backends={} names no backend; pass None to pick the defaults")
-            for device, value in parsed.items():
-                self._slots[device] = _Slot(self._resolve(registry, value, device), device)
-        elif isinstance(parsed, str):
-            assert registry is not None
-            spec = registry.require(parsed)
-            for device in spec.devices:
-                self._slots[device] = _Slot(registry.require(parsed, device), device)
-        else:
-            devices = getattr(parsed, "devices", None) or ("cpu",)
-            spec = parsed if isinstance(parsed, BackendSpec) else _adhoc_spec(parsed, devices)
-            for device in spec.devices:
-                self._slots[device] = _Slot(spec, device)
-
-    def _resolve_defaults(self, registry: Registry) -> None:
+        registry = default_registry()
+    specs: dict[str, BackendSpec] = {}
+    if parsed is None:
+        assert registry is not None
         devices: list[str] = []
         for entry in registry.entries():
             for device in entry.devices:
@@ -135,203 +95,130 @@ class Dispatcher:
         for device in devices:
             candidates = registry.available_for(device)
             if candidates:
-                self._slots[device] = _Slot(candidates[0], device)
-        if "cpu" not in self._slots:
+                specs[device] = candidates[0]
+        if "cpu" not in specs:
             registry.default_for("cpu")  # raises the error that says what to install
-        if not self._slots:
+        if not specs:
             raise BackendNotFoundError("no backend is available")
+    elif isinstance(parsed, dict):
+        if not parsed:
+            raise ValueError("backends={} names no backend; pass None to pick the defaults")
+        for device, value in parsed.items():
+            specs[device] = _resolve(registry, value, device)
+    elif isinstance(parsed, str):
+        assert registry is not None
+        for device in registry.require(parsed).devices:
+            specs[device] = registry.require(parsed, device)
+    else:
+        devices_of = getattr(parsed, "devices", None) or ("cpu",)
+        spec = parsed if isinstance(parsed, BackendSpec) else _adhoc_spec(parsed, devices_of)
+        for device in spec.devices:
+            specs[device] = spec
+    return specs
 
-    @staticmethod
-    def _resolve(registry: Registry | None, value: BackendValue, device: str) -> BackendSpec:
-        if isinstance(value, str):
-            assert registry is not None
-            return registry.require(value, device)
-        if isinstance(value, BackendSpec):
-            value.capabilities_for(device)  # raises if the spec does not declare it
-            return value
-        if callable(value):
-            return _adhoc_spec(value, (device,))
-        raise TypeError(f"backend for {device!r} must be a name, a BackendSpec or a Backend factory, got {value!r}")
 
-    # -- queries ----------------------------------------------------------------
+def _resolve(registry: Registry | None, value: BackendValue, device: str) -> BackendSpec:
+    if isinstance(value, str):
+        assert registry is not None
+        return registry.require(value, device)
+    if isinstance(value, BackendSpec):
+        value.capabilities_for(device)  # raises if the spec does not declare it
+        return value
+    if callable(value):
+        return _adhoc_spec(value, (device,))
+    raise TypeError(f"backend for {device!r} must be a name, a BackendSpec or a Backend factory, got {value!r}")
+
+
+def describe(specs: Mapping[str, BackendSpec]) -> str:
+    """``"cpu:tcp,cuda:nccl"``: what every member of a group must have resolved alike."""
+    return ",".join(f"{device}:{spec.name}" for device, spec in sorted(specs.items()))
+
+
+def message_device(specs: Mapping[str, BackendSpec]) -> torch.device:
+    """Where a group's objects, messages and barrier go: its cpu backend, else the first one."""
+    return torch.device("cpu" if "cpu" in specs or not specs else next(iter(specs)))
+
+
+class Dispatcher:
+    """The live backend instances of one group, by device type, each created on first use.
+
+    ``ctx`` builds the :class:`BackendContext` of a device (its store already prefixed for
+    this group). Closing refuses further creation; an instance created while the group
+    closed is aborted by its creator, so none escapes being closed.
+    """
+
+    def __init__(self, specs: Mapping[str, BackendSpec], ctx: Callable[[BackendSpec, torch.device], BackendContext]):
+        self._specs = dict(specs)
+        self._ctx = ctx
+        self._instances: dict[str, Instance] = {}
+        self._locks = {device: threading.Lock() for device in self._specs}
+        self._closed = False
+
     @property
-    def names(self) -> dict[str, str]:
-        return {device: slot.spec.name for device, slot in self._slots.items()}
-
-    def spec(self, device_type: str) -> BackendSpec:
-        try:
-            return self._slots[device_type].spec
-        except KeyError:
-            configured = ", ".join(f"{d}:{s.spec.name}" for d, s in self._slots.items())
-            raise NotSupportedError(
-                f"group {self._group_name!r} has no backend for device type {device_type!r} "
-                f"(configured: {configured}); pass backends={{'{device_type}': NAME}} when creating the group"
-            ) from None
-
-    def capabilities(self, device_type: str) -> Capabilities:
-        return self.spec(device_type).capabilities_for(device_type)
-
-    def check(self, op: str, device_type: str, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None) -> None:
-        """Raise :class:`NotSupportedError` unless the backend declared this combination."""
-        key = (op, device_type, dtype, None if reduce_op is None else reduce_op.type)
-        if key in self._allowed:  # capabilities are immutable: remember what passed
-            return
-        spec = self.spec(device_type)
-        reason = spec.capabilities_for(device_type).why_not(op, dtype, reduce_op)
-        if reason is not None:
-            raise NotSupportedError(f"backend {spec.name!r} on {device_type}: {reason}")
-        self._allowed.add(key)
-
-    def config(self) -> dict[str, BackendSpec]:
-        """Device type -> the resolved spec: what a subgroup inherits."""
-        return {device: slot.spec for device, slot in self._slots.items()}
+    def specs(self) -> dict[str, BackendSpec]:
+        return dict(self._specs)
 
     def device(self, device_type: str) -> torch.device:
-        """Where tensors of ``device_type`` live for this group: its backend's device once
+        """Where tensors of ``device_type`` live for this group: its instance's device once
         created, else the type's current device."""
-        slot = self._slots.get(device_type)
-        if slot is not None and slot.backend is not None:
-            return slot.backend.ctx.device
-        return torch.device(device_type)
+        inst = self._instances.get(device_type)
+        return inst.device if inst is not None else torch.device(device_type)
 
-    def created(self) -> list[Backend]:
-        return [slot.backend for slot in self._slots.values() if slot.backend is not None]
-
-    def close(self) -> list[Backend]:
-        """Refuse further creation; return the backends created so far (the caller closes them).
-
-        A creation racing with this sees the flag under its slot lock and aborts
-        what it just built, so no backend escapes being closed.
-        """
-        self._closed = True
-        backends = []
-        for slot in self._slots.values():
-            with slot.lock:
-                if slot.backend is not None:
-                    backends.append(slot.backend)
-        return backends
-
-    # -- creation -------------------------------------------------------------
-    def backend(self, device: torch.device) -> Backend:
-        """The backend for ``device``'s type, created on first use."""
-        slot = self._slots.get(device.type)
-        if slot is None:
-            self.spec(device.type)  # raises the explanatory error
-            raise AssertionError("unreachable")
-        if slot.backend is not None:
-            return slot.backend
-        with slot.lock:
+    def instance(self, device: torch.device) -> Instance:
+        """The instance for ``device``'s type, created on first use (the caller checked that
+        the group has a backend for it)."""
+        inst = self._instances.get(device.type)
+        if inst is not None:
+            return inst
+        with self._locks[device.type]:
             if self._closed:
-                raise GroupClosedError(f"group {self._group_name!r} is closed")
-            if slot.backend is None:
-                backend = self._create(slot, device)
-                if self._closed:  # closed while we were connecting: nobody else will close it
-                    backend.abort()
-                    backend._stop_helpers()
-                    raise GroupClosedError(f"group {self._group_name!r} was closed while its backend was created")
-                slot.backend = backend
-            return slot.backend
+                raise GroupClosedError("the group is closed")
+            inst = self._instances.get(device.type)
+            if inst is None:
+                spec = self._specs[device.type]
+                inst = Instance(spec, self._ctx(spec, device))
+                if self._closed:  # closed while it was being created: nobody else will close it
+                    inst.close("abort")
+                    raise GroupClosedError("the group was closed while its backend was created")
+                self._instances[device.type] = inst
+            return inst
 
-    def _create(self, slot: _Slot, device: torch.device) -> Backend:
-        spec = slot.spec
-        store = PrefixStore(f"{slot.device_type}/{spec.name}", self._store)
-        self._check_same_backend(slot)
-        ctx = BackendContext(
-            store=store,
-            rank=self._rank,
-            size=self._size,
+    def close(self) -> list[Instance]:
+        """Refuse further creation; return the instances created so far (the caller closes them)."""
+        self._closed = True
+        instances = []
+        for device, lock in self._locks.items():
+            with lock:
+                inst = self._instances.get(device)
+            if inst is not None:
+                instances.append(inst)
+        return instances
+
+
+def context_factory(
+    store: Store,
+    *,
+    rank: int,
+    size: int,
+    timeout: float,
+    group_name: str,
+    group_uid: str,
+    options: Mapping[str, Mapping[str, Any]],
+) -> Callable[[BackendSpec, torch.device], BackendContext]:
+    """How a group's dispatcher builds each backend's context: the store under
+    ``<device type>/<backend name>``, the user's options for that backend."""
+
+    def ctx(spec: BackendSpec, device: torch.device) -> BackendContext:
+        return BackendContext(
+            store=PrefixStore(f"{device.type}/{spec.name}", store),
+            rank=rank,
+            size=size,
             device=device,
-            timeout=self._timeout,
-            group_name=self._group_name,
-            group_uid=self._group_uid,
+            timeout=timeout,
+            group_name=group_name,
+            group_uid=group_uid,
             backend_name=spec.name,
-            options=dict(self._options.get(spec.name, {})),
+            options=dict(options.get(spec.name, {})),
         )
-        backend = spec.load_factory()(ctx)
-        if not isinstance(backend, Backend):
-            raise TypeError(f"backend {spec.name!r} factory returned {type(backend).__name__}, not a pg_core Backend")
-        return backend
 
-    def _check_same_backend(self, slot: _Slot) -> None:
-        """Every rank must use the same backend for a device (``backends=None`` picks per host)."""
-        key = f"choice/{slot.device_type}"
-        mine = slot.spec.name
-        if self._rank == 0:
-            self._store.set(key, mine)
-            return
-        wait_for(self._store, [key], self._timeout)  # polled: other threads may share the store client
-        theirs = self._store.get(key).decode()
-        if theirs != mine:
-            raise CollectiveMismatchError(
-                f"group {self._group_name!r}: rank 0 uses backend {theirs!r} for {slot.device_type} but rank "
-                f"{self._rank} chose {mine!r}; install the same backends everywhere or name one with backends=",
-                peers=[0],
-            )
-
-
-# -- local validation -------------------------------------------------------------
-
-
-def dense(t: torch.Tensor) -> bool:
-    """Laid out exactly as ``torch.empty(t.shape)`` would be, with no lazy conjugation or
-    negation. Stricter than ``is_contiguous()``, which ignores the strides of size-1
-    dimensions: a backend may ``view`` the tensor as bytes, and that needs the canonical
-    strides and the values as they are in memory."""
-    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return False
-    expected = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
-
-def check_tensor_list(ts: object, what: str, length: int | None) -> list[torch.Tensor]:
-    if not isinstance(ts, (list, tuple)):
-        raise TypeError(f"{what} must be a list of tensors, got {type(ts).__name__}")
-    if length is not None and len(ts) != length:
-        raise ValueError(f"{what} must have one tensor per rank ({length}), got {len(ts)}")
-    return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(ts)]
-
-
-def _one_of(tensors: Sequence[torch.Tensor], attr: str, op: str, what: str) -> Any:
-    first = getattr(tensors[0], attr)
-    for t in tensors[1:]:
-        if getattr(t, attr) != first:
-            raise ValueError(f"{op}: all tensors of one call must have one {what}, got {first} and {getattr(t, attr)}")
-    return first
-
-
-def one_device(tensors: Sequence[torch.Tensor], op: str) -> torch.device:
-    """The single device of a call's tensors (``ValueError`` if they differ)."""
-    device: torch.device = _one_of(tensors, "device", op, "device")
-    return device
-
-
-def same_dtype(tensors: Sequence[torch.Tensor], op: str) -> torch.dtype:
-    """The single dtype of a call's tensors (``ValueError`` if they differ)."""
-    dtype: torch.dtype = _one_of(tensors, "dtype", op, "dtype")
-    return dtype
-
-
-def check_rank(value: object, size: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be an int group rank, got {value!r}")
-    if not 0 <= value < size:
-        raise ValueError(f"{what}={value} is out of range for a group of size {size} (valid: 0..{size - 1})")
-    return value
-
-
-def check_tag(tag: object) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int):
-        raise TypeError(f"tag must be an int, got {tag!r}")
-    if not 0 <= tag < _MAX_TAG:
-        raise ValueError(f"tag must be in [0, 2**62), got {tag}; negative tags are reserved for the core")
-    return tag
+    return ctx

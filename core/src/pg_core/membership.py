@@ -11,19 +11,42 @@ a rendezvous that timed out) is skipped by later arrivals.
 
 A member either claims the rank it was given (``ProcessGroup(store, rank, size)``)
 or, for :func:`pg_core.rendezvous`, takes the next rank in arrival order.
+
+A :class:`Formation` is everything a group is built from: the place taken, the backends
+every member resolved alike (checked as the member arrives, against the first arrival's,
+without waiting for anyone), and a ``uid`` that no other formation anywhere shares.
+Forming a name again while an earlier formation of it is alive is a new, independent
+formation (the next generation), not an error: that is how survivors re-form ``"world"``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .errors import CollectiveTimeout, PeerFailureError
+from .backend import BackendSpec
+from .dispatch import describe
+from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from .store import Store, wait_any
 
-__all__ = ["ROOT_NAMESPACE", "Membership", "check_name", "join", "wait_until_full"]
+if TYPE_CHECKING:
+    from .registry import Registry
+
+__all__ = [
+    "ROOT_NAMESPACE",
+    "Formation",
+    "Membership",
+    "Subgroups",
+    "check_name",
+    "form",
+    "join",
+    "wait_until_full",
+]
 
 ROOT_NAMESPACE = "pg-core"
 
@@ -113,3 +136,136 @@ def wait_until_full(store: Store, m: Membership, timeout: float, what: str) -> N
         f"{what}: {arrived} of {m.size} members arrived within {timeout:g} s (generation {m.generation}){later}",
         op="rendezvous",
     )
+
+
+@dataclass(frozen=True)
+class Formation:
+    """What a group is built from, formed before the group exists."""
+
+    store: Store  # the store the group was formed on (its keys live under ``membership.prefix``)
+    membership: Membership
+    name: str  # as the group shows it (a subgroup's is derived from its parent's)
+    uid: str  # unique to this formation, across jobs and hosts
+    specs: Mapping[str, BackendSpec]  # device type -> backend, the same on every member
+    timeout: float
+    options: Mapping[str, Mapping[str, Any]]
+    registry: Registry | None
+    parent_ranks: tuple[int, ...] | None = None
+
+
+def form(
+    store: Store,
+    namespace: str,
+    key: str,
+    rank: int | None,
+    size: int,
+    *,
+    name: str,
+    specs: Mapping[str, BackendSpec],
+    timeout: float,
+    options: Mapping[str, Mapping[str, Any]],
+    registry: Registry | None,
+    parent_ranks: tuple[int, ...] | None = None,
+    wait: bool = False,
+) -> Formation:
+    """Take a place in ``namespace/key`` (rank ``rank``, or the next in arrival order) and
+    agree on the formation's uid and backends with the first member to arrive, in one store
+    round trip; with ``wait``, also wait until every member arrived (:func:`wait_until_full`).
+    A member that resolved other backends than the first raises
+    :class:`~pg_core.errors.CollectiveMismatchError` here, and the generation is closed."""
+    m = join(store, namespace, key, rank, size)
+    mine = describe(specs)
+    proposal = f"{uuid.uuid4().hex[:16]} {m.rank} {mine}"  # backend and device names have no spaces
+    token, first, theirs = store.compare_set(f"{m.prefix}/formation", "", proposal).decode().split(" ", 2)
+    uid = f"{key}#{m.generation}-{token}"
+    if theirs != mine:
+        store.set(f"{m.prefix}/closed", "1")
+        raise CollectiveMismatchError(
+            f"group {name!r}: rank {first} uses backends {theirs!r} but rank {m.rank} resolved {mine!r}; install the "
+            "same backends everywhere or name them with backends=",
+            peers=[int(first)],
+        )
+    if wait:
+        wait_until_full(store, m, timeout, f"rendezvous {name!r}")
+    return Formation(store, m, name, uid, specs, timeout, options, registry, parent_ranks)
+
+
+class Subgroups:
+    """How one group forms its subgroups (``new_group``, ``split``): each in the parent's
+    namespace (``<parent prefix>/groups``), so two parents' subgroups never meet, under a key
+    every member derives alike from the calls made so far."""
+
+    def __init__(self, parent: Formation) -> None:
+        self._parent = parent
+        self._lock = threading.Lock()
+        self._new_groups: dict[tuple[int, ...], int] = {}  # new_group(ranks) calls so far, per ranks
+        self._splits = 0
+
+    def new_group(
+        self,
+        members: Sequence[int],
+        name: str | None,
+        *,
+        specs: Mapping[str, BackendSpec],
+        timeout: float,
+        options: Mapping[str, Mapping[str, Any]],
+    ) -> Formation:
+        """The formation of ``members`` (parent ranks, this one among them), the same ranks
+        formed again being a new formation."""
+        if name is None:
+            with self._lock:
+                count = self._new_groups.get(tuple(members), 0)
+                self._new_groups[tuple(members)] = count + 1
+            key = "[" + ",".join(map(str, members)) + "]" + (f"#{count}" if count else "")
+            display = f"{self._parent.name}{key}"
+        else:
+            key = display = check_name(name, "new_group name")
+        return self._form(key, display, list(members), specs=specs, timeout=timeout, options=options)
+
+    def split(
+        self,
+        color: int | None,
+        key: int,
+        name: str | None,
+        gather: Callable[[tuple[int | None, int]], list[tuple[int | None, int]]],
+        *,
+        specs: Mapping[str, BackendSpec],
+        timeout: float,
+        options: Mapping[str, Mapping[str, Any]],
+    ) -> Formation | None:
+        """``MPI_Comm_split``: ``gather`` is the parent's ``all_gather_object``."""
+        with self._lock:
+            number = self._splits
+            self._splits += 1
+        chosen = gather((color, key))
+        if color is None:
+            return None
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(chosen) if c == color)]
+        store_key = f"split{number}.{color}"
+        display = name or f"{self._parent.name}.{store_key}"
+        return self._form(store_key, display, members, specs=specs, timeout=timeout, options=options)
+
+    def _form(
+        self,
+        key: str,
+        display: str,
+        members: list[int],
+        *,
+        specs: Mapping[str, BackendSpec],
+        timeout: float,
+        options: Mapping[str, Mapping[str, Any]],
+    ) -> Formation:
+        parent = self._parent
+        return form(
+            parent.store,
+            f"{parent.membership.prefix}/groups",
+            key,
+            members.index(parent.membership.rank),
+            len(members),
+            name=display,
+            specs=specs,
+            timeout=timeout,
+            options=options,
+            registry=parent.registry,
+            parent_ranks=tuple(members),
+        )

@@ -39,7 +39,7 @@ backend, whatever the backend can carry:
   tensor whose size the first chunk announced. Never the three steps (size,
   metadata, data) that ``torch.distributed`` users write by hand.
 
-The message tags are the core's own (negative) tags, so object and tensor
+Messages travel on tags of their own (:mod:`pg_core.tags`), so object and tensor
 messages never mix with a user's ``send``/``recv`` traffic on the same tag.
 """
 
@@ -50,26 +50,27 @@ import mmap
 import pickle
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import torch
 
-from .backend import Backend, tensor_bytes
-from .dispatch import dense
-from .errors import CollectiveMismatchError, CollectiveTimeout
+from .algorithms import binomial_tree
+from .backend import tensor_bytes
+from .dtypes import dtype_code, dtype_from_code
+from .errors import CollectiveMismatchError
+from .instance import Instance
+from .timeouts import Deadline
+from .validation import dense
 
 __all__ = [
-    "COLLECTIVE_MESSAGE_TAG",
     "EAGER_BYTES",
     "KIND_NAMES",
     "OBJECT",
     "TENSOR",
     "TENSOR_DICT",
     "Buffer",
-    "Deadline",
     "Encoded",
     "Endpoint",
     "Incoming",
@@ -78,7 +79,6 @@ __all__ = [
     "Received",
     "check_collective",
     "encode",
-    "message_tag",
     "parse",
     "parse_tensor",
     "tree_broadcast",
@@ -88,19 +88,6 @@ __all__ = [
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 #: A received message: writable, owned by the receiver (``recv_bytes`` may hand over an mmap).
 Received = bytearray | mmap.mmap
-
-# -- tags ---------------------------------------------------------------------------------
-
-#: The tag of the object collectives' messages (collectives run one at a time per group).
-COLLECTIVE_MESSAGE_TAG: Final = -2
-_P2P_BASE: Final = -(2**62)
-
-
-def message_tag(tag: int) -> int:
-    """The core tag that carries point-to-point messages sent with user ``tag`` (``>= 0``):
-    a namespace of its own, apart from tensor ``send``/``recv`` and the collectives."""
-    return _P2P_BASE - tag
-
 
 # -- the wire format --------------------------------------------------------------------------
 
@@ -122,36 +109,6 @@ KIND_NAMES: Final = {OBJECT: "an object", TENSOR: "a tensor", TENSOR_DICT: "a te
 _SEPARATE: Final = 1  # sent after the message by the tensor's own device backend
 _REQUIRES_GRAD: Final = 2
 _PARAMETER: Final = 4
-
-#: Every dtype a message can carry, by code. The order is the wire format: append only.
-_DTYPE_NAMES: Final = (
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "uint64",
-    "complex32",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-)
-_DTYPE_CODE: Final[dict[torch.dtype, int]] = {
-    getattr(torch, name): i + 1
-    for i, name in enumerate(_DTYPE_NAMES)
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-_CODE_DTYPE: Final[dict[int, torch.dtype]] = {code: dtype for dtype, code in _DTYPE_CODE.items()}
 
 #: The first chunk of an emulated message (a backend without ``send_bytes``): the length
 #: and the start of the message. Messages up to ``EAGER_BYTES - 8`` bytes take one send.
@@ -215,7 +172,7 @@ class Outgoing:
             return None  # subclasses pickle themselves, in band
         if obj.layout != torch.strided or obj.is_quantized or obj.is_nested or obj.device.type == "meta":
             return None
-        if obj.dtype not in _DTYPE_CODE:
+        if dtype_code(obj.dtype) is None:
             return None
         known = self._ids.get(id(obj))
         if known is not None:
@@ -234,7 +191,7 @@ class Outgoing:
 
     def add_tensor(self, tensor: torch.Tensor) -> int:
         """Describe ``tensor`` in the table; returns its index."""
-        if tensor.dtype not in _DTYPE_CODE:
+        if dtype_code(tensor.dtype) is None:
             raise TypeError(f"tensors of dtype {tensor.dtype} cannot be sent as a message")
         if tensor.dim() > 255:
             raise ValueError(f"a tensor with {tensor.dim()} dimensions cannot be sent as a message (at most 255)")
@@ -259,7 +216,7 @@ class Outgoing:
         table = bytearray()
         for e in self.entries:
             dev = e.device.encode()
-            table += _SPEC.pack(_DTYPE_CODE[e.tensor.dtype], e.tensor.dim(), e.flags, len(dev))
+            table += _SPEC.pack(dtype_code(e.tensor.dtype), e.tensor.dim(), e.flags, len(dev))
             table += dev
             for size in e.tensor.shape:
                 table += _DIM.pack(size)
@@ -334,7 +291,7 @@ def encode(kind: int, value: Any, *, separate_devices: frozenset[str] = frozense
     before anything is sent.
     """
     if kind == TENSOR:
-        code = _DTYPE_CODE.get(value.dtype)
+        code = dtype_code(value.dtype)
         if (
             code is not None
             and type(value) is torch.Tensor
@@ -448,7 +405,7 @@ def parse_tensor(data: Received) -> torch.Tensor | None:
     )
     if magic != MAGIC or kind != TENSOR or ntensors != 1 or nbuffers or body_len:
         return None
-    dtype = _CODE_DTYPE.get(code)
+    dtype = dtype_from_code(code)
     if flags or devlen != 3 or dev != b"cpu" or dtype is None or table_len != _ONE_CPU_SPEC_SIZE + 8 * ndim:
         return None
     shape = struct.unpack_from(_SHAPES[ndim], data, _ONE_CPU_HEAD.size) if ndim < len(_SHAPES) else None
@@ -481,7 +438,7 @@ def parse(data: Received, *, src: int) -> Incoming:
         pos += devlen
         shape = struct.unpack_from(f"<{ndim}q", data, pos)
         pos += 8 * ndim
-        dtype = _CODE_DTYPE.get(code)
+        dtype = dtype_from_code(code)
         if dtype is None:
             raise ValueError(f"rank {src} sent a tensor of dtype code {code}, unknown to this torch")
         shapes.append((dtype, shape, flags, device))
@@ -515,24 +472,6 @@ def parse(data: Received, *, src: int) -> Incoming:
 # -- moving messages ----------------------------------------------------------------------------
 
 
-class Deadline:
-    """One timeout for an operation made of several steps."""
-
-    __slots__ = ("at", "op", "seconds")
-
-    def __init__(self, op: str, seconds: float) -> None:
-        self.op = op
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-
-    def left(self) -> float:
-        """Seconds left; raises :class:`CollectiveTimeout` once none are."""
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise CollectiveTimeout(f"{self.op} exceeded its timeout of {self.seconds:g} s", op=self.op)
-        return left
-
-
 class Progress(Protocol):
     """Whether a message's first transmission happened (see :meth:`Endpoint.stream`)."""
 
@@ -540,18 +479,16 @@ class Progress(Protocol):
 
 
 class Endpoint:
-    """How messages travel over one backend: one ``send_bytes`` each where the backend
-    has it, the eager emulation on ``send``/``recv`` otherwise.
+    """How messages travel over one backend instance: one ``send_bytes`` each where the
+    backend has it, the eager emulation on ``send``/``recv`` otherwise (a message's parts
+    joined where its ``send_bytes`` predates lists, contract 1.0)."""
 
-    ``scatter_gather``: the backend's ``send_bytes`` takes a list of buffers (contract
-    1.1); otherwise a message's parts are joined before they are handed over.
-    """
-
-    def __init__(self, backend: Backend, device: torch.device, *, scatter_gather: bool) -> None:
-        self.backend = backend
-        self.device = device
-        self.native = backend.supports_bytes
-        self.scatter_gather = scatter_gather
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self.backend = instance.backend
+        self.device = instance.device
+        self.native = instance.native_bytes
+        self.scatter_gather = instance.scatter_gather
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._broken: dict[tuple[str, int, int], str] = {}
         self._guard = threading.Lock()
@@ -694,25 +631,15 @@ def tree_broadcast(
     send: Callable[[Sequence[Buffer], int], None],
     recv: Callable[[int], Received],
 ) -> Sequence[Buffer]:
-    """Binomial-tree broadcast of one message from ``src``; returns what this rank has.
-
-    A rank forwards the message exactly as it arrived (no re-encoding), so every rank
-    ends with the same bytes.
+    """Binomial-tree broadcast of one message from ``src`` (the tree of
+    :func:`pg_core.algorithms.binomial_tree`); returns what this rank has. A rank forwards
+    the message exactly as it arrived (no re-encoding), so every rank ends with the same bytes.
     """
-    vrank = (rank - src) % size
-    parts: Sequence[Buffer] | None = root_parts if vrank == 0 else None
-    mask = 1
-    while mask < size:
-        if vrank & mask:
-            parts = [recv((vrank - mask + src) % size)]
-            break
-        mask <<= 1
+    parent, children = binomial_tree((rank - src) % size, size)
+    parts = root_parts if parent is None else [recv((parent + src) % size)]
     assert parts is not None
-    mask >>= 1
-    while mask > 0:
-        if vrank + mask < size:
-            send(parts, (vrank + mask + src) % size)
-        mask >>= 1
+    for child in reversed(children):  # largest subtree first
+        send(parts, (child + src) % size)
     return parts
 
 

@@ -138,9 +138,9 @@ class _Lane:
 
     def run_on(self, group: ProcessGroup) -> list[dict[str, Any]]:
         """Run the lane's calls on ``group`` (formed for this lane); the caller shuts it down."""
-        # Form the backend on every member now: a backend's first use must be collective,
+        # Form the backend on every member now: a backend's construction may be collective (Gloo's is),
         # and a lane may start with messages that leave some ranks out.
-        group._dispatch.backend(self.device)
+        group._dispatch.instance(self.device)
         for ci, call in enumerate(self.lane.calls):
             record: dict[str, Any] = {"call": ci, "error": None, "early": None, "supports": None}
             self.records.append(record)
@@ -753,7 +753,7 @@ def run_dead_peer(
             group.recv(t, victim)
 
     try:
-        group._dispatch.backend(device)
+        group._dispatch.instance(device)
         exchange()  # the group works
         if ctx.rank == victim:
             os._exit(0)

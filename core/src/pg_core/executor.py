@@ -1,0 +1,196 @@
+"""Executor: the order of one group's collectives (queue, progress thread, sequence numbers,
+the failure latch, drain on shutdown, abort).
+
+Collectives of a group run one at a time, in the order they were called, each with the
+next sequence number: a blocking one in the caller's thread when nothing is queued (no
+thread handoff), an asynchronous one on the group's progress thread, and a blocking one
+called while asynchronous ones are queued behind them. Calling collectives in the same
+order on every rank is the user's obligation; the sequence number is how backends that can
+see a mismatch name it.
+
+After a collective fails (timeout, peer failure, mismatch) the executor refuses the
+group's later collectives: the ranks may be out of step, with messages still in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
+from .work import Work
+
+__all__ = ["Executor"]
+
+_Item = tuple[Work, str, Callable[[int], Any]]
+
+
+class Executor:
+    """Runs one group's collectives in order; ``name`` is the group's, for messages."""
+
+    __slots__ = (
+        "__weakref__",
+        "_broken",
+        "_exec_lock",
+        "_lock",
+        "_name",
+        "_next_seq",
+        "_pending",
+        "_queue",
+        "_state",
+        "_worker",
+        "seq",
+    )
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()  # guards _pending, _worker, _state
+        self._exec_lock = threading.Lock()  # held while a collective runs
+        self._pending = 0
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._state: str | None = None  # None: open; else "shutting down", "shut down" or "aborted"
+        self._broken: tuple[type[PGError], str] | None = None
+        self._next_seq = 1
+        #: the sequence number of the collective running now (they run one at a time)
+        self.seq = 0
+
+    @property
+    def state(self) -> str | None:
+        """``None`` while open, else what closed it."""
+        return self._state
+
+    @property
+    def failed(self) -> bool:
+        """Whether a collective failed (the group refuses later ones)."""
+        return self._broken is not None
+
+    def check_open(self) -> None:
+        if self._state is not None:
+            raise GroupClosedError(f"group {self._name!r} is {self._state}; create a new group to communicate again")
+
+    def run(self, op: str, fn: Callable[[int], Any], *, async_op: bool) -> Any:
+        """Run collective ``op`` as ``fn(seq)`` in order. Blocking: returns ``fn``'s result;
+        ``async_op``: a :class:`Work` whose ``result()`` it is."""
+        if not async_op:
+            if threading.current_thread() is self._worker:
+                raise RuntimeError(
+                    f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
+                    "callback); pass async_op=True there"
+                )
+            with self._lock:
+                inline = self._pending == 0
+            if inline:
+                with self._exec_lock:
+                    self.check_open()
+                    return self._invoke(op, fn)
+        work = Work(op)
+        with self._lock:
+            self.check_open()
+            self._pending += 1
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=_work_loop, args=(self._queue, weakref.ref(self)), name=f"pg-core-{self._name}", daemon=True
+                )
+                self._worker.start()
+            self._queue.put((work, op, fn))
+        return work if async_op else work.result()
+
+    def _invoke(self, op: str, fn: Callable[[int], Any]) -> Any:
+        seq = self.seq = self._next_seq
+        self._next_seq = seq + 1
+        if self._broken is not None:
+            kind, reason = self._broken
+            raise kind(
+                f"{op}: collectives of group {self._name!r} stopped after {reason}; ranks may be out of step, "
+                "so form the group again (point to point still works)"
+            )
+        try:
+            return fn(seq)
+        except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
+            if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
+                exc.op, exc.seq = op, seq
+            self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
+            raise
+
+    def _run_queued(self, work: Work, op: str, fn: Callable[[int], Any]) -> None:
+        try:
+            with self._exec_lock:
+                if self._state in ("shut down", "aborted"):
+                    raise GroupClosedError(f"group {self._name!r} was {self._state} before this operation ran")
+                result = self._invoke(op, fn)
+        except BaseException as exc:
+            with self._lock:
+                self._pending -= 1
+            work.set_exception(exc)
+        else:
+            with self._lock:
+                self._pending -= 1
+            work.set_result(result)
+
+    # -- life -------------------------------------------------------------------------
+    def drain(self, timeout: float) -> bool:
+        """Refuse new operations, let queued ones finish (at most ``timeout`` seconds), then
+        wait for a running one. ``False`` if it was closed already."""
+        with self._lock:
+            if self._state is not None:
+                return False
+            self._state = "shutting down"
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                self._queue.put(None)
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout=timeout)
+        with self._lock:
+            self._state = "shut down"
+        return True
+
+    @property
+    def running(self) -> threading.Lock:
+        """Held while a collective runs: whoever closes the backends holds it, so none is
+        closed under a collective that is running inline in another thread."""
+        return self._exec_lock
+
+    def abort(self, release: Callable[[], None]) -> bool:
+        """Refuse everything now, call ``release`` (which aborts the backends, so operations
+        blocked in other threads raise), then fail what is still queued. ``False`` if it was
+        aborted already."""
+        with self._lock:
+            if self._state == "aborted":
+                return False
+            self._state = "aborted"
+            worker, self._worker = self._worker, None
+        release()
+        if worker is not None:
+            self._queue.put(None)
+            if worker is not threading.current_thread():
+                worker.join(timeout=10.0)
+        if worker is None or not worker.is_alive():
+            while True:  # fail what never ran (the worker is gone; nothing else reads the queue)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
+        return True
+
+
+def _work_loop(q: queue.SimpleQueue[_Item | None], ref: weakref.ref[Executor]) -> None:
+    """The progress thread: runs queued operations in order. It holds the executor only
+    weakly between operations, so a group dropped without shutdown() is collected."""
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        work, op, fn = item
+        del item  # nothing may keep the group (fn's closure) alive while waiting for the next item
+        executor = ref()
+        if executor is None:
+            work.set_exception(GroupClosedError("the group was garbage-collected before this operation ran"))
+        else:
+            executor._run_queued(work, op, fn)
+        del executor, work, fn

@@ -1,0 +1,226 @@
+"""Instances: one live backend of a group as the core drives it (tags, helper threads, order, cleanup).
+
+The plugin's object stays what the contract describes; everything the core needs around it
+lives here, so a plugin reserves no name and needs no ``super().__init__``:
+
+* the :class:`~pg_core.tags.TagMap` from the backend's declared tag range;
+* the default ``isend``/``irecv`` (``send``/``recv`` on a helper thread per stream) for a
+  backend that does not override them, and the helper threads of the group's asynchronous
+  messages;
+* the non-overtaking rule, written once (:meth:`Instance.ordered`): a blocking call on a
+  stream whose helper thread still has work queues behind it, since messages keep their
+  order per (peer, tag) (per peer on a backend without tags);
+* cleanup: helper threads stopped and the backend's ``shutdown``/``abort`` called, whatever
+  the backend's own methods do.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .backend import Backend, BackendContext, BackendSpec, parse_api_version
+from .errors import GroupClosedError
+from .tags import TagMap
+from .work import Work
+
+__all__ = ["Instance"]
+
+_Key = tuple[Any, ...]
+
+
+class Instance:
+    """A backend of one group and device type, created by the dispatcher on first use."""
+
+    __slots__ = (
+        "_streams",
+        "backend",
+        "device",
+        "native_bytes",
+        "native_irecv",
+        "native_isend",
+        "scatter_gather",
+        "spec",
+        "tags",
+    )
+
+    def __init__(self, spec: BackendSpec, ctx: BackendContext) -> None:
+        backend = spec.load_factory()(ctx)
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend {spec.name!r} factory returned {type(backend).__name__}, not a pg_core Backend")
+        for attr, value in (("ctx", ctx), ("rank", ctx.rank), ("size", ctx.size)):
+            if not hasattr(backend, attr):  # its constructor did not call Backend.__init__
+                setattr(backend, attr, value)
+        cls = type(backend)
+        self.backend = backend
+        self.spec = spec
+        self.device: torch.device = ctx.device
+        self.tags = TagMap(spec.capabilities_for(ctx.device.type).max_tag, spec.name)
+        self.native_isend = cls.isend is not Backend.isend
+        self.native_irecv = cls.irecv is not Backend.irecv
+        self.native_bytes = cls.send_bytes is not Backend.send_bytes and cls.recv_bytes is not Backend.recv_bytes
+        #: ``send_bytes`` takes a list of buffers (contract 1.1); else the parts are joined
+        self.scatter_gather = (parse_api_version(spec.api_version) or (0, 0)) >= (1, 1)
+        self._streams = _Streams(
+            f"pg-core-{ctx.group_name}-{spec.name}", f"backend {spec.name!r} of group {ctx.group_name!r}"
+        )
+
+    def _key(self, kind: str, peer: int, wire: int) -> _Key:
+        return (kind, peer) if self.tags.ordered_per_peer else (kind, peer, wire)
+
+    def ordered(self, kind: str, peer: int, wire: int, op: str, fn: Callable[[], Any], *, async_op: bool) -> Any:
+        """Run ``fn`` (one call on stream (``kind``, ``peer``, ``wire``)) in the stream's order:
+        with ``async_op`` on the stream's helper thread, returning its :class:`Work`; else
+        here, unless the helper still has work, behind which it queues. Returns ``fn()``."""
+        key = self._key(kind, peer, wire)
+        if async_op:
+            return self._streams.get(key).submit(op, fn)
+        queued = self._streams.queued(key)
+        if queued is not None:
+            return queued.submit(op, fn).result()
+        return fn()
+
+    # -- the user's point to point ----------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> None:
+        wire = self.tags.user(tag)
+        backend = self.backend
+        self.ordered(
+            "send", dst, wire, "send", lambda: backend.send(tensor, dst, wire, timeout=timeout), async_op=False
+        )
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> None:
+        wire = self.tags.user(tag)
+        backend = self.backend
+        self.ordered(
+            "recv", src, wire, "recv", lambda: backend.recv(tensor, src, wire, timeout=timeout), async_op=False
+        )
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> Work:
+        wire = self.tags.user(tag)
+        backend = self.backend
+        if self.native_isend:
+            return backend.isend(tensor, dst, wire, timeout=timeout)
+        return self.ordered(  # type: ignore[no-any-return]
+            "send", dst, wire, "isend", lambda: backend.send(tensor, dst, wire, timeout=timeout), async_op=True
+        )
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> Work:
+        wire = self.tags.user(tag)
+        backend = self.backend
+        if self.native_irecv:
+            return backend.irecv(tensor, src, wire, timeout=timeout)
+        return self.ordered(  # type: ignore[no-any-return]
+            "recv", src, wire, "irecv", lambda: backend.recv(tensor, src, wire, timeout=timeout), async_op=True
+        )
+
+    # -- life -------------------------------------------------------------------------
+    def close(self, how: str) -> BaseException | None:
+        """``how`` is ``"shutdown"`` or ``"abort"``: the backend's, then the helper threads
+        stopped. Returns the backend's error, if it raised one."""
+        error = None
+        try:
+            getattr(self.backend, how)()
+        except BaseException as exc:
+            error = exc
+        finally:
+            self._streams.stop()
+        return error
+
+
+class _Streams:
+    """Helper threads keyed by stream, created on first use: one FIFO of calls each.
+    Closed once; ``get`` afterwards raises."""
+
+    def __init__(self, prefix: str, owner: str) -> None:
+        self._prefix, self._owner = prefix, owner
+        self._by_key: dict[_Key, _Helper] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def get(self, key: _Key) -> _Helper:
+        with self._lock:
+            if self._closed:
+                raise GroupClosedError(f"{self._owner} is closed")
+            helper = self._by_key.get(key)
+            if helper is None:
+                helper = self._by_key[key] = _Helper(f"{self._prefix}-" + "-".join(map(str, key)))
+            return helper
+
+    def queued(self, key: _Key) -> _Helper | None:
+        """The stream's helper while a submitted call has not returned (``None`` from the
+        helper's own thread: a call it runs may make blocking calls on its stream)."""
+        helper = self._by_key.get(key)
+        if helper is None or not helper.busy or helper.thread is threading.current_thread():
+            return None
+        return helper
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closed = True
+            helpers, self._by_key = list(self._by_key.values()), {}
+        for helper in helpers:
+            helper.stop()
+
+
+class _Helper:
+    """One daemon thread running submitted calls in order, each completing a Work with
+    the call's return value (or its exception)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Work, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._pending = 0  # submitted calls not yet returned
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, op: str, fn: Callable[[], Any]) -> Work:
+        work = Work(op)
+        with self._lock:
+            if self._stopped:
+                raise GroupClosedError(f"{op}: the backend is closed")
+            self._pending += 1
+            self._queue.put((work, fn))
+        return work
+
+    @property
+    def busy(self) -> bool:
+        """Whether a submitted call has not returned yet."""
+        return self._pending > 0
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, fn = item
+            try:
+                result = fn()
+            except BaseException as exc:
+                self._done()
+                work.set_exception(exc)
+            else:
+                self._done()  # before completing: whoever waited for it may go on inline
+                work.set_result(result)
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=5.0)
+        # whatever was queued behind the stop never runs: fail it rather than leave it pending
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].set_exception(GroupClosedError(f"{item[0].op}: the backend was closed before it ran"))
+        if self.thread.is_alive():  # stuck in a call: leave it its stop signal for when it returns
+            self._queue.put(None)

@@ -1,0 +1,225 @@
+"""Validation: the local checks every operation passes before any byte is sent, and staging.
+
+Everything here raises in the caller's thread (``TypeError``, ``ValueError``,
+:class:`~pg_core.errors.NotSupportedError`) and talks to no peer. Staging gives a backend
+the dense tensors the contract promises and copies results back into the user's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .backend import BackendSpec
+from .errors import NotSupportedError
+from .ops import ReduceOp
+
+__all__ = [
+    "Staging",
+    "Supported",
+    "check_dict",
+    "check_members",
+    "check_peer",
+    "check_rank",
+    "check_tensor",
+    "check_tensor_list",
+    "dense",
+    "device_arg",
+    "one_device",
+    "same_dtype",
+    "same_numel",
+    "split_sizes",
+]
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Laid out exactly as ``torch.empty(t.shape)`` would be, with no lazy conjugation or
+    negation. Stricter than ``is_contiguous()``, which ignores the strides of size-1
+    dimensions: a backend may ``view`` the tensor as bytes, and that needs the canonical
+    strides and the values as they are in memory."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class Staging:
+    """Dense stand-ins for tensors that are not dense, and the copies back into the originals."""
+
+    __slots__ = ("_back",)
+
+    def __init__(self) -> None:
+        self._back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def input(self, t: torch.Tensor) -> torch.Tensor:
+        """What a backend reads: ``t`` itself when dense (detached from autograd)."""
+        if t.requires_grad:
+            t = t.detach()
+        return t if dense(t) else t.clone(memory_format=torch.contiguous_format)
+
+    def output(self, t: torch.Tensor) -> torch.Tensor:
+        """What a backend writes: ``t`` itself when dense (detached: communication is not
+        differentiable, and a parameter is written in place), else a stand-in copied back
+        by :meth:`finish`."""
+        if t.requires_grad:
+            t = t.detach()
+        if dense(t):
+            return t
+        staged = t.clone(memory_format=torch.contiguous_format)
+        self._back.append((t, staged))
+        return staged
+
+    @property
+    def pending(self) -> bool:
+        """Whether any output was staged (and must be copied back)."""
+        return bool(self._back)
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for original, staged in self._back:
+                original.copy_(staged)
+
+
+class Supported:
+    """The capability check of one group: every (op, device type, dtype, reduce op) against the
+    spec configured for that device type. Capabilities are immutable, so what passed once is
+    remembered."""
+
+    __slots__ = ("_allowed", "_group", "_specs")
+
+    def __init__(self, specs: Mapping[str, BackendSpec], group: str) -> None:
+        self._specs = specs
+        self._group = group
+        self._allowed: set[tuple[object, ...]] = set()
+
+    def spec(self, device_type: str) -> BackendSpec:
+        try:
+            return self._specs[device_type]
+        except KeyError:
+            configured = ", ".join(f"{d}:{s.name}" for d, s in self._specs.items())
+            raise NotSupportedError(
+                f"group {self._group!r} has no backend for device type {device_type!r} "
+                f"(configured: {configured}); pass backends={{'{device_type}': NAME}} when creating the group"
+            ) from None
+
+    def check(self, op: str, device_type: str, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None) -> None:
+        """Raise :class:`NotSupportedError` unless the backend declared this combination."""
+        key = (op, device_type, dtype, None if reduce_op is None else reduce_op.type)
+        if key in self._allowed:
+            return
+        spec = self.spec(device_type)
+        reason = spec.capabilities_for(device_type).why_not(op, dtype, reduce_op)
+        if reason is not None:
+            raise NotSupportedError(f"backend {spec.name!r} on {device_type}: {reason}")
+        self._allowed.add(key)
+
+
+def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_tensor_list(ts: object, what: str, length: int | None) -> list[torch.Tensor]:
+    if not isinstance(ts, (list, tuple)):
+        raise TypeError(f"{what} must be a list of tensors, got {type(ts).__name__}")
+    if length is not None and len(ts) != length:
+        raise ValueError(f"{what} must have one tensor per rank ({length}), got {len(ts)}")
+    return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(ts)]
+
+
+def _one_of(tensors: Sequence[torch.Tensor], attr: str, op: str, what: str) -> Any:
+    first = getattr(tensors[0], attr)
+    for t in tensors[1:]:
+        if getattr(t, attr) != first:
+            raise ValueError(f"{op}: all tensors of one call must have one {what}, got {first} and {getattr(t, attr)}")
+    return first
+
+
+def one_device(tensors: Sequence[torch.Tensor], op: str) -> torch.device:
+    """The single device of a call's tensors (``ValueError`` if they differ)."""
+    device: torch.device = _one_of(tensors, "device", op, "device")
+    return device
+
+
+def same_dtype(tensors: Sequence[torch.Tensor], op: str) -> torch.dtype:
+    """The single dtype of a call's tensors (``ValueError`` if they differ)."""
+    dtype: torch.dtype = _one_of(tensors, "dtype", op, "dtype")
+    return dtype
+
+
+def same_numel(tensors: Sequence[torch.Tensor], numel: int, op: str, what: str) -> None:
+    for i, t in enumerate(tensors):
+        if t.numel() != numel:
+            raise ValueError(f"{op}: {what}[{i}] has {t.numel()} elements, expected {numel}")
+
+
+def check_rank(value: object, size: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int group rank, got {value!r}")
+    if not 0 <= value < size:
+        raise ValueError(f"{what}={value} is out of range for a group of size {size} (valid: 0..{size - 1})")
+    return value
+
+
+def check_peer(value: object, size: int, rank: int, what: str, op: str) -> int:
+    """A point-to-point peer: a rank of the group other than this one."""
+    peer = check_rank(value, size, what)
+    if peer == rank:
+        way = "send to" if what == "dst" else "receive from"
+        raise ValueError(f"{op}: {what}={peer} is this rank; a rank cannot {way} itself")
+    return peer
+
+
+def split_sizes(sizes: Sequence[int] | None, rows: int, size: int, what: str) -> list[int]:
+    """``all_to_all_single``'s split sizes for ``rows`` rows: given, or even (``ValueError`` if not even)."""
+    if sizes is None or len(sizes) == 0:
+        if rows % size:
+            raise ValueError(
+                f"all_to_all_single: {what} has {rows} rows, not divisible by the group size {size}; "
+                f"pass {what}_split_sizes"
+            )
+        return [rows // size] * size
+    out = list(sizes)
+    if len(out) != size:
+        raise ValueError(f"all_to_all_single: {what}_split_sizes has {len(out)} entries, expected {size}")
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"all_to_all_single: {what}_split_sizes must be non-negative ints, got {out}")
+    if sum(out) != rows:
+        raise ValueError(f"all_to_all_single: {what}_split_sizes sum to {sum(out)} but {what} has {rows} rows")
+    return out
+
+
+def check_members(ranks: object, size: int) -> list[int]:
+    """``new_group``'s ``ranks``: distinct ranks of the parent, at least one."""
+    if not isinstance(ranks, (list, tuple, range)):
+        raise TypeError(f"new_group: ranks must be a list of group ranks, got {type(ranks).__name__}")
+    members = [check_rank(r, size, "new_group rank") for r in ranks]
+    if not members:
+        raise ValueError("new_group: ranks is empty")
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks {members} lists a rank twice")
+    return members
+
+
+def check_dict(value: object, op: str) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{op}: expected a dict of tensors and values, got {type(value).__name__}")
+
+
+def device_arg(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device={device!r} is not a device: {exc}") from None
