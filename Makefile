@@ -1,6 +1,8 @@
 # Two commands set everything up from nothing:
 #   make demo   installs, then runs a 4-rank example on the default backend
-#   make test   installs every in-repo distribution, runs ruff, mypy and every test
+#   make test   installs every in-repo distribution, runs ruff, mypy, `make package` and every test
+#   make package builds every distribution's sdist and wheel into build/dist and tests them
+#                installed (not editable) in a fresh venv, build/pkg-venv
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +13,10 @@ PIP    := $(PY) -m pip
 DISTS  := core backends/tcp_reference examples/third_party_plugin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit install clean bench
+# The release check (tests/integration/test_packaging.py): `make package` runs it, `make unit` leaves it out.
+PACKAGING := tests/integration/test_packaging.py
+
+.PHONY: demo test lint typecheck unit package install clean bench
 
 install: $(STAMP)
 
@@ -20,7 +25,7 @@ $(STAMP): constraints-dev.txt pyproject.toml $(addsuffix /pyproject.toml,$(DISTS
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt setuptools
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt \
 		-e 'core[testing]' $(addprefix -e ,$(filter-out core,$(DISTS))) \
-		numpy matplotlib pytest-timeout ruff mypy
+		numpy matplotlib pytest-timeout ruff mypy build
 	touch $@
 
 demo: $(STAMP)
@@ -34,12 +39,18 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=$(PACKAGING)
 
-test: lint typecheck unit
+# sdist, then a wheel built from the sdist, per distribution (build/dist); a fresh build/pkg-venv
+# with the wheels and torch from constraints-dev.txt; then, from outside the repository:
+# `pg-core backends`, a 2-rank all_reduce, a few conformance examples, versions and changelogs.
+package: $(STAMP)
+	$(PY) -m pytest -p no:cacheprovider $(PACKAGING)
+
+test: lint typecheck package unit
 
 bench: $(STAMP)
 	$(VENV)/bin/pg-core bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/dist build/pkg-venv
