@@ -1,28 +1,44 @@
-"""The plugin contract: everything a backend author needs, in one file.
+"""The plugin contract: everything a backend author implements and may call, in one file.
 
 A backend is a class derived from :class:`Backend`, described by a
 :class:`BackendSpec` that a plugin distribution returns from its
-``pg_core_backends()`` hook (entry-point group ``pg_core.backends``).
+``pg_core_backends()`` hook (entry-point group ``pg_core.backends``). The core wraps
+each instance in an object of its own (helper threads, tag mapping, order, cleanup):
+a plugin needs no ``super().__init__`` and no private name of :class:`Backend` is
+reserved.
+
+**Instances.** One instance serves one device *type* of one group formation
+(``ctx.device`` is the device of the first tensor of that type, ``cuda:1`` say), created
+on the first operation on that type. The core hands it tensors of that type on any
+device index; a backend bound to one device (a communicator per GPU) raises
+``ValueError`` naming both devices for a tensor on another. Construction may talk to
+the other members (Gloo's connects them all): the core never assumes it does not.
 
 **What the core guarantees before it calls a backend method**
 
 * Arguments are validated: ranks are in ``range(size)``, list lengths equal the
   group size, shapes and dtypes agree where the operation needs them to, every
-  tensor of one call is on the same device (the backend's), user tags are
-  ``>= 0``.
+  tensor of one call is on the same device.
 * The (op, dtype, reduce op) combination is one the backend declared in its
   :class:`Capabilities`; anything else raised :class:`~pg_core.errors.NotSupportedError`
-  in the core, and the backend never sees it.
+  in the core, and the backend never sees it. The core emulates nothing a backend does
+  not declare: ``ReduceOp.AVG`` and ``PREMUL_SUM`` reach an overridden collective only
+  if declared for the dtype, and then the override implements them (the inherited
+  defaults implement every reduce op :func:`default_reduce_ops` lists).
+* Tags are within what the backend declared (``Capabilities.max_tag``, see
+  :mod:`pg_core.tags`): the user's, the core's messages' and the core's collectives' tags
+  are mapped into ``0 .. max_tag``, each kind apart; a backend without tags
+  (``max_tag=None``) always sees tag ``0``.
 * Tensors are dense: contiguous, with the strides ``torch.empty`` would give them
   (the core stages any other layout, a strided 1-element view included, and copies results
-  back). Lists are Python lists. ``timeout`` is a positive number of seconds
-  already resolved from the call or the group default.
-* Calls come in the same order on every rank of the group (for collectives), one
-  at a time per backend instance for collectives, from one thread at a time;
-  ``isend``/``irecv`` and ``send``/``recv`` may come from any thread while a
-  collective runs on another.
-* ``ReduceOp.PREMUL_SUM`` and ``AVG`` reach the backend only if declared; the
-  default algorithms implement them.
+  back), and detached from autograd. Lists are Python lists. ``timeout`` is a positive
+  number of seconds already resolved from the call or the group default.
+* Collectives come one at a time per instance, in the order the user called them; that
+  every rank calls the same collectives in the same order is the *user's* obligation (the
+  core numbers them, and a backend that can see ranks disagree says so).
+  ``send``/``recv``/``isend``/``irecv`` and ``send_bytes``/``recv_bytes`` may come from
+  any thread, also while a collective runs on another; calls on one (peer, tag) stream
+  come in the user's order.
 
 **What a backend guarantees back**
 
@@ -31,10 +47,15 @@ A backend is a class derived from :class:`Backend`, described by a
   final values.
 * ``send`` must not wait for the receiver to post its ``recv`` (buffer eagerly,
   or let a progress thread drain incoming data); otherwise override ``isend`` and
-  ``irecv`` with truly asynchronous versions, because the default collectives
-  send and receive at once (``sendrecv``).
-* ``send``/``recv`` match on (peer, tag), in order per (peer, tag). Negative
-  tags are used by the core's own algorithms; they follow the same rule.
+  ``irecv`` with truly asynchronous versions, because the inherited collectives
+  send before they receive.
+* ``send``/``recv`` match on (peer, tag), in order per (peer, tag) (per peer without
+  tags). A ``recv`` whose tensor does not match the message's size (or its dtype, where
+  the wire carries it) raises :class:`~pg_core.errors.CollectiveMismatchError` naming the
+  peer, never a silent truncation; a backend that cannot see the size fails the receive
+  at the timeout.
+* ``send_bytes`` may be called from several threads at once (one thread per stream at a
+  time); each call is one whole message.
 * Errors are pg-core's: :class:`~pg_core.errors.CollectiveTimeout` when
   ``timeout`` passes (give ``peers=``, the ranks not heard from; the core fills
   in the collective's ``op`` and ``seq``), :class:`~pg_core.errors.PeerFailureError`
@@ -45,34 +66,34 @@ A backend is a class derived from :class:`Backend`, described by a
 * All reduce results are bitwise identical on every rank.
 * ``shutdown`` releases every thread, socket and process the backend started;
   ``abort`` does so at once and makes operations blocked in other threads raise.
-  (The helper threads of the default ``isend``/``irecv`` are stopped by the core
-  whether or not an override calls ``super()``.) Pending operations are drained
-  by the core before ``shutdown`` is called.
+  The core drains pending operations before ``shutdown``, and stops its own helper
+  threads whatever the backend's methods do.
 
 ``ctx.store`` may be shared with other groups forming on other threads at the
 same moment. A ``TCPStore`` client serves one request at a time, and ``store.wait``
 (or ``store.get`` of a key that is not set yet) holds it until the key appears,
 stalling every other user of that client. Wait for keys with
-:func:`pg_core.store.wait_for`, which polls ``check``; ``get`` only keys that are set.
+:func:`pg_core.store.wait_for`, which polls ``check`` and raises
+:class:`~pg_core.errors.CollectiveTimeout`; ``get`` only keys that are set.
+``ctx.group_uid`` is unique to the formation across jobs and hosts: name host-wide
+resources (shared memory, sockets' paths) with it.
 
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.
 
 Only ``send`` and ``recv`` are required: every collective has a default in
-:mod:`pg_core.algorithms` written on them, so two methods make a complete,
-correct backend. Override what your hardware does better.
+:mod:`pg_core.algorithms` written on them (inherited from :class:`Backend`, and
+callable through ``super()``), so two methods make a complete, correct backend.
+Override what your hardware does better.
 
 Objects, tensors of unknown shape and tensor dicts (:mod:`pg_core.messages`) are the
-core's, written on this contract: one ``send_bytes`` per message where the backend
-implements ``send_bytes``/``recv_bytes`` (it receives the message's parts as a list, API
-1.1), otherwise at most two ``send`` calls of ``uint8`` tensors; tensors on a device
-with a backend of its own follow as that backend's ``send``/``broadcast``.
-
-Tags: user tags are ``>= 0``. The core uses negative ones, which a backend carries like
-any other: ``-1`` for the default collectives, ``-2`` for the object collectives, and
-``-(2**62) - t`` for object and tensor messages with user tag ``t`` (so every tag fits a
-signed 64-bit field).
+core's, written on this contract. They need ``send`` and ``recv`` declared on the
+group's message device (its cpu backend, else its first); then one ``send_bytes`` per
+message where the backend implements ``send_bytes``/``recv_bytes`` (it receives the
+message's parts as a list, API 1.1), otherwise at most two ``send`` calls of ``uint8``
+tensors, for which ``uint8`` must be declared. Tensors on a device with a backend of its
+own follow as that backend's ``send``/``broadcast``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from torch.distributed import DistStoreError, FileStore, HashStore, PrefixStore, Store, TCPStore
+from torch.distributed import FileStore, HashStore, PrefixStore, Store, TCPStore
+
+from .errors import CollectiveTimeout
 
 __all__ = [
     "FileStore",
@@ -77,10 +79,11 @@ _POLL_FIRST_S = 0.0002
 _POLL_MAX_S = 0.01
 
 
-def wait_for(store: Store, keys: list[str], timeout: float) -> None:
+def wait_for(store: Store, keys: list[str], timeout: float, *, what: str = "a store wait") -> None:
     """Wait until every key in ``keys`` is set, at most ``timeout`` seconds, by
     polling ``store.check`` (0.2 ms, doubling to 10 ms); past it, raise
-    :class:`~torch.distributed.DistStoreError` naming the missing keys.
+    :class:`~pg_core.errors.CollectiveTimeout` naming ``what`` waited (say, ``"group 'world'
+    rank 1: connect to rank 2"``) and the keys still missing.
 
     Use this rather than ``store.wait`` or a ``store.get`` of a key that may not
     exist yet on a store other threads use: a ``TCPStore`` client serves one
@@ -89,7 +92,11 @@ def wait_for(store: Store, keys: list[str], timeout: float) -> None:
     """
     if _poll(lambda: True if store.check(keys) else None, timeout) is None:
         missing = [k for k in keys if not store.check([k])]
-        raise DistStoreError(f"keys not set within {timeout:g} s: {', '.join(missing)}")
+        raise CollectiveTimeout(
+            f"{what}: waited {timeout:g} s for the store keys {', '.join(missing)}, which no member set; is every "
+            "member running, with the same group name and store?",
+            op=what,
+        )
 
 
 def wait_any(store: Store, keys: list[str], timeout: float) -> str | None:
