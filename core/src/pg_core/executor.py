@@ -76,17 +76,18 @@ class Executor:
         """Run collective ``op`` as ``fn(seq)`` in order. Blocking: returns ``fn``'s result;
         ``async_op``: a :class:`Work` whose ``result()`` it is."""
         if not async_op:
-            if threading.current_thread() is self._worker:
+            worker = self._worker
+            if worker is not None and worker is threading.current_thread():
                 raise RuntimeError(
                     f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
                     "callback); pass async_op=True there"
                 )
-            with self._lock:
-                inline = self._pending == 0
-            if inline:
+            if self._pending == 0:  # nothing queued (read again under the lock that queued ones need)
                 with self._exec_lock:
-                    self.check_open()
-                    return self._invoke(op, fn)
+                    if self._pending == 0:
+                        if self._state is not None:
+                            self.check_open()
+                        return self._invoke(op, fn)
         work = Work(op)
         with self._lock:
             self.check_open()
