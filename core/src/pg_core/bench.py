@@ -92,7 +92,6 @@ failed, 2 for bad arguments or a backend that cannot run here.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
 import importlib
@@ -103,13 +102,10 @@ import math
 import os
 import pickle
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -117,6 +113,8 @@ from pathlib import Path
 from typing import Any, Final, Protocol, TextIO
 
 import torch
+
+from .procs import RankProcesses, prepare_rank
 
 __all__ = [
     "BASELINE",
@@ -1182,44 +1180,13 @@ class _Rank:
             self.results.close()
 
 
-def _die_with_parent(parent: int) -> None:
-    """End this rank when the parent dies: a killed parent must not leave ranks behind.
-
-    On Linux the kernel delivers SIGKILL (``PR_SET_PDEATHSIG``), which also ends a rank
-    blocked inside C++ with the GIL held (a store connecting, a socket waiting); elsewhere
-    a thread checks the parent every second.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent:  # died before we could ask
-        os._exit(3)
-
-    def loop() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=loop, name="pg-core-bench-parent-watch", daemon=True).start()
-
-
 def _worker_main(argv: Sequence[str]) -> int:
-    import faulthandler
-
     rank, config_path = int(argv[0]), argv[1]
     cfg = _Config(**json.loads(Path(config_path).read_text()))
     if cfg.pin_ranks:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    torch.set_num_threads(1)
-    _die_with_parent(cfg.parent_pid)
-    faulthandler.enable()
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    prepare_rank(parent_pid=cfg.parent_pid)  # one intra-op thread, stacks on SIGUSR1, dies with the parent
     worker = _Rank(cfg, rank)
     try:
         worker.run()
@@ -1260,30 +1227,6 @@ class _Results:
                 yield json.loads(line)
 
 
-def _tail(path: Path, lines: int = 60) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"(no log: {exc})"
-    kept = text.rstrip().splitlines()[-lines:]
-    return "\n".join(kept) if kept else "(no output)"
-
-
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        p.terminate()
-    deadline = time.monotonic() + 3.0
-    for p in alive:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    for p in alive:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(5.0)
-
-
 def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
     from .store import TCPStore
 
@@ -1300,26 +1243,15 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
         # this very module in worker mode; its folder goes last on sys.path, so it shadows nothing
         src = str(Path(__file__).resolve().parent.parent)
         boot = f"import sys; sys.path.append({src!r}); from pg_core.bench import _cli; sys.exit(_cli())"
-        logs = [tmpdir / f"rank{r}.log" for r in range(cfg.world_size)]
-        procs: list[subprocess.Popen[bytes]] = []
+        commands = [[sys.executable, "-c", boot, _WORKER_FLAG, str(r), str(config_path)] for r in range(cfg.world_size)]
         results = _Results(Path(cfg.results))
+        ranks: RankProcesses | None = None
         try:
-            for r in range(cfg.world_size):
-                with logs[r].open("wb") as log:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, "-c", boot, _WORKER_FLAG, str(r), str(config_path)],
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env=env,
-                        )
-                    )
-            failure = _supervise(
-                cfg, procs=procs, logs=logs, results=results, rows=rows, total=total, progress=progress
-            )
+            ranks = RankProcesses(commands, env=env, log_dir=tmpdir)
+            failure = _supervise(cfg, ranks=ranks, results=results, rows=rows, total=total, progress=progress)
         finally:
-            _stop(procs)
+            if ranks is not None:
+                ranks.stop()
             del store
     return _Outcome(rows, failure)
 
@@ -1327,8 +1259,7 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
 def _supervise(
     cfg: _Config,
     *,
-    procs: list[subprocess.Popen[bytes]],
-    logs: list[Path],
+    ranks: RankProcesses,
     results: _Results,
     rows: list[Row],
     total: int,
@@ -1361,17 +1292,17 @@ def _supervise(
             elif kind == "done":
                 done, waiting_for = True, "the ranks to exit"
                 deadline = now + t + 30.0
-        codes = [p.poll() for p in procs]
+        codes = ranks.poll()
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             running = [r for r, c in enumerate(codes) if c is None]
-            _dump_stacks([procs[r] for r in running])
-            _stop(procs)
+            stacks = ranks.dump_stacks(running)
+            ranks.stop()
             parts = [
-                f"rank {r} exited with status {procs[r].returncode}; its output ends with:\n{_tail(logs[r])}"
+                f"rank {r} exited with status {codes[r]}; its output ends with:\n{_said(ranks.tail(r, lines=60))}"
                 for r in failed
             ]
-            parts += [f"rank {r} was still running (stopped); its stacks:\n{_tail(logs[r], 30)}" for r in running]
+            parts += [f"rank {r} was still running (stopped); its stacks:\n{_said(stacks[r])}" for r in running]
             return "\n\n".join(parts)
         if all(c == 0 for c in codes):
             for event in results.read():  # anything written just before exit
@@ -1380,29 +1311,17 @@ def _supervise(
                     rows.append(Row.from_dict(event))
                 elif event.get("event") == "done":
                     done = True
-            return None if done else "the ranks exited before finishing the sweep:\n" + _tail(logs[0])
+            return None if done else "the ranks exited before finishing the sweep:\n" + _said(ranks.tail(0, lines=60))
         if time.monotonic() > deadline:
-            return _hung(procs, logs, waiting_for)
+            stacks = ranks.dump_stacks()
+            ranks.stop()
+            dumps = "\n\n".join(f"rank {r}:\n{_said(stacks[r] or ranks.tail(r, lines=40))}" for r in range(len(ranks)))
+            return f"no progress while waiting for {waiting_for}; stopped every rank. Their stacks:\n{dumps}"
         time.sleep(0.05)
 
 
-def _dump_stacks(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Have running ranks write their Python stacks (faulthandler on SIGUSR1) into their logs."""
-    usr1 = getattr(signal, "SIGUSR1", None)
-    alive = [p for p in procs if p.poll() is None]
-    if usr1 is None or not alive:
-        return
-    for p in alive:
-        with contextlib.suppress(OSError):
-            p.send_signal(usr1)
-    time.sleep(0.5)
-
-
-def _hung(procs: list[subprocess.Popen[bytes]], logs: list[Path], waiting_for: str) -> str:
-    _dump_stacks(procs)
-    _stop(procs)
-    dumps = "\n\n".join(f"rank {r}:\n{_tail(log, 40)}" for r, log in enumerate(logs))
-    return f"no progress while waiting for {waiting_for}; stopped every rank. Their stacks:\n{dumps}"
+def _said(text: str) -> str:
+    return text.rstrip() or "(no output)"
 
 
 # -- command line ----------------------------------------------------------------------------------

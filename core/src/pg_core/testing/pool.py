@@ -30,8 +30,6 @@ import importlib.util
 import os
 import pickle
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +38,10 @@ import traceback
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
 from typing import Any
+
+from ..procs import RankProcesses, prepare_rank, tail
 
 __all__ = ["RankContext", "RankPool", "RanksFailed", "leaks", "resources"]
 
@@ -105,9 +106,9 @@ class RankPool:
         self.world_size = world_size
         self.op_timeout = op_timeout
         self._env = env or {}
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._ranks: RankProcesses | None = None
         self._conns: list[Connection] = []
-        self._logs: list[str] = []
+        self._logs: list[Path] = []
         self._store: Any = None
         self._jobs = 0
         self._lock = threading.Lock()
@@ -127,36 +128,23 @@ class RankPool:
             env["PG_CORE_POOL_AUTHKEY"] = authkey.hex()
             env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
             host, port = listener.address
-            self._logs = [os.path.join(self._tmp, f"rank{r}.log") for r in range(self.world_size)]
-            for rank in range(self.world_size):
-                with open(self._logs[rank], "ab") as log:  # append mode: truncating between jobs stays safe
-                    self._procs.append(
-                        subprocess.Popen(
-                            [
-                                sys.executable,
-                                "-m",
-                                "pg_core.testing.pool",
-                                host,
-                                str(port),
-                                str(rank),
-                                str(self.world_size),
-                                str(self._store.port),
-                            ],
-                            env=env,
-                            stdin=subprocess.DEVNULL,
-                            stdout=log,
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
+            worker = [sys.executable, "-m", "pg_core.testing.pool", host, str(port)]
+            size, store_port = str(self.world_size), str(self._store.port)
+            self._ranks = ranks = RankProcesses(
+                [[*worker, str(rank), size, store_port] for rank in range(self.world_size)],
+                env=env,
+                log_dir=self._tmp,
+            )
+            self._logs = ranks.logs
             conns: dict[int, Connection] = {}
             deadline = time.monotonic() + 120.0
             listener._listener._socket.settimeout(1.0)  # type: ignore[attr-defined]
             while len(conns) < self.world_size:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"rank processes did not start within 120 s:\n{self._tails()}")
-                for rank, proc in enumerate(self._procs):
-                    if proc.poll() is not None and rank not in conns:
-                        raise RuntimeError(f"rank {rank} exited with {proc.returncode} at start:\n{self._tails()}")
+                for rank, code in enumerate(ranks.poll()):
+                    if code is not None and rank not in conns:
+                        raise RuntimeError(f"rank {rank} exited with {code} at start:\n{self._tails()}")
                 try:
                     conn = listener.accept()
                 except (TimeoutError, OSError):
@@ -176,22 +164,16 @@ class RankPool:
             for conn in self._conns:
                 with contextlib.suppress(OSError):
                     conn.send(None)
-            for proc in self._procs:
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            if self._ranks is not None:
+                self._ranks.stop(grace_s=10.0, terminate=False)  # told to exit: no SIGTERM
             self._kill()
 
     def _kill(self) -> None:
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if self._ranks is not None:
+            self._ranks.kill()
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns, self._store = [], [], None
+        self._ranks, self._conns, self._store = None, [], None
 
     def __enter__(self) -> RankPool:
         return self
@@ -202,14 +184,7 @@ class RankPool:
     def _tails(self, ranks: Iterable[int] | None = None, limit: int = 4000) -> str:
         out = []
         for rank in ranks if ranks is not None else range(len(self._logs)):
-            try:
-                with open(self._logs[rank], "rb") as f:
-                    f.seek(0, os.SEEK_END)
-                    size = f.tell()
-                    f.seek(max(0, size - limit))
-                    text = f.read().decode(errors="replace")
-            except OSError:
-                text = ""
+            text = tail(self._logs[rank], chars=limit)
             if text.strip():
                 out.append(f"--- rank {rank} output (tail) ---\n{text}")
         return "\n".join(out)
@@ -226,12 +201,13 @@ class RankPool:
         """Run ``fn(ctx, *args)`` on every rank; return the per-rank results."""
         may_exit = set(may_exit)
         with self._lock:
-            if not self._procs:
+            if self._ranks is None:
                 self._start()
+            ranks = self._ranks
+            assert ranks is not None
             self._jobs += 1
             job = self._jobs
-            for log in self._logs:  # each job's output starts clean
-                os.truncate(log, 0)
+            ranks.truncate_logs()  # each job's output starts clean
             payload = pickle.dumps(("run", job, _fn_ref(fn), args, self.op_timeout, check_leaks))
             try:
                 for conn in self._conns:
@@ -254,22 +230,21 @@ class RankPool:
                     try:
                         status, value = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
-                        try:  # its sockets close before it is reaped: wait for the exit itself
-                            code: int | str = self._procs[rank].wait(timeout=10)
-                        except subprocess.TimeoutExpired:
-                            code = "unknown: it closed its connection but is still running"
+                        # its sockets close before it is reaped: wait for the exit itself
+                        code = ranks.wait(rank, timeout=10)
                         if rank in may_exit:
                             results[rank] = None
                         else:
-                            outcomes[rank] = f"died (exit code {code})"
+                            said = "unknown: it closed its connection but is still running" if code is None else code
+                            outcomes[rank] = f"died (exit code {said})"
                         continue
                     if status == "ok":
                         results[rank] = value
                     else:
                         outcomes[rank] = value
-            died = any(proc.poll() is not None for proc in self._procs)
+            died = len(ranks.running()) < self.world_size
             if pending:
-                stacks = self._dump_stacks(list(pending))
+                stacks = ranks.dump_stacks(list(pending))
                 for rank in pending:
                     outcomes[rank] = f"did not finish within {timeout:g} s; its stacks:\n{stacks.get(rank, '')}"
                 self._kill()
@@ -283,32 +258,6 @@ class RankPool:
                 tails = self._tails(sorted(set(outcomes) - told)) if self._logs else ""
                 raise RanksFailed("\n".join(lines) + ("\n" + tails if tails else ""), outcomes)
             return [results.get(r) for r in range(self.world_size)]
-
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        sizes = {}
-        for rank in ranks:
-            proc = self._procs[rank]
-            sizes[rank] = os.path.getsize(self._logs[rank])
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGUSR1)
-        # faulthandler writes from its signal handler; wait (bounded) until each log stops growing.
-        deadline = time.monotonic() + 3.0
-        last = dict(sizes)
-        stable: dict[int, int] = {}
-        while time.monotonic() < deadline and len(stable) < len(ranks):
-            time.sleep(0.1)
-            for rank in ranks:
-                now = os.path.getsize(self._logs[rank])
-                if now > sizes[rank] and now == last[rank]:
-                    stable[rank] = now
-                last[rank] = now
-        dumps: dict[int, str] = {}
-        for rank in ranks:
-            with open(self._logs[rank], "rb") as f:
-                f.seek(sizes[rank])
-                dumps[rank] = f.read().decode(errors="replace")
-        return dumps
 
 
 # -- the worker side ---------------------------------------------------------------
@@ -350,13 +299,9 @@ def leaks(before: tuple[set[threading.Thread], set[str]], grace_s: float = _LEAK
 
 
 def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None:
-    import faulthandler
-
-    import torch
     from torch.distributed import PrefixStore, TCPStore
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    torch.set_num_threads(1)
+    prepare_rank()  # stacks on SIGUSR1 for the parent's dump_stacks; one intra-op thread
     conn = Client((host, port), authkey=bytes.fromhex(os.environ["PG_CORE_POOL_AUTHKEY"]))
     conn.send(rank)
     base = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))

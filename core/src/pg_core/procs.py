@@ -1,0 +1,247 @@
+"""Rank processes: start them, watch them, dump their stacks, stop them. Written once,
+for everything in pg-core that runs ranks of its own: the test pool
+(:class:`pg_core.testing.pool.RankPool`) and ``pg-core bench``.
+
+The parent side is :class:`RankProcesses`: ``n`` processes started together, each with
+its stdout and stderr in a log file of its own (a pipe that nobody drains blocks the
+rank that fills it; a file never does, and survives the rank for the post-mortem)::
+
+    ranks = RankProcesses([[sys.executable, "-m", "my.worker", str(r)] for r in range(n)], env=env, log_dir=tmp)
+    try:
+        ...                                  # talk to them; ranks.poll() says who exited and how
+        if hung:
+            stacks = ranks.dump_stacks()     # rank -> its Python stacks, all threads
+    finally:
+        ranks.stop()                         # SIGTERM, a grace period, SIGKILL; reaped either way
+
+The rank side calls :func:`prepare_rank` first thing, so the parent's
+:meth:`RankProcesses.dump_stacks` works (faulthandler on ``SIGUSR1``, and on a crash),
+intra-op parallelism does not oversubscribe the CPUs, and, if asked, the rank ends when
+its parent dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["RankProcesses", "die_with_parent", "prepare_rank", "tail"]
+
+#: How long :meth:`RankProcesses.dump_stacks` waits at most for the dumps to be written.
+STACK_DUMP_S = 3.0
+_STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows: no stack dumps there
+
+
+class RankProcesses:
+    """One process per command in ``commands`` (rank ``r`` runs ``commands[r]``), started
+    now, stdin from ``/dev/null``, stdout and stderr appended to ``log_dir/rank{r}.log``.
+
+    If a start fails, the ranks already started are killed and the error propagates.
+    The object is also a context manager that :meth:`stop`\\ s the ranks on exit.
+    """
+
+    def __init__(
+        self,
+        commands: Sequence[Sequence[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        log_dir: str | os.PathLike[str],
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.logs: list[Path] = [Path(log_dir) / f"rank{r}.log" for r in range(len(commands))]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank, argv in enumerate(commands):
+                with self.logs[rank].open("ab") as log:  # append: truncating it between jobs stays safe
+                    self.procs.append(
+                        subprocess.Popen(
+                            list(argv),
+                            env=None if env is None else dict(env),
+                            cwd=cwd,
+                            stdin=subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
+        except BaseException:
+            self.kill()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def __enter__(self) -> RankProcesses:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- watching -----------------------------------------------------------------------------
+    def poll(self) -> list[int | None]:
+        """Each rank's exit status, ``None`` while it runs (negative: killed by that signal)."""
+        return [p.poll() for p in self.procs]
+
+    def running(self) -> list[int]:
+        """The ranks still running."""
+        return [r for r, code in enumerate(self.poll()) if code is None]
+
+    def failed(self) -> list[int]:
+        """The ranks that exited with a non-zero status."""
+        return [r for r, code in enumerate(self.poll()) if code not in (None, 0)]
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        """Rank ``rank``'s exit status once it exits, or ``None`` if it still runs after ``timeout`` s."""
+        try:
+            return self.procs[rank].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    # -- logs ---------------------------------------------------------------------------------
+    def truncate_logs(self) -> None:
+        """Empty every log (the ranks append, so they keep writing at the new end)."""
+        for log in self.logs:
+            with contextlib.suppress(OSError):
+                os.truncate(log, 0)
+
+    def tail(self, rank: int, *, lines: int | None = None, chars: int | None = None) -> str:
+        """The end of rank ``rank``'s output; see :func:`tail`."""
+        return tail(self.logs[rank], lines=lines, chars=chars)
+
+    def dump_stacks(self, ranks: Iterable[int] | None = None, *, wait_s: float = STACK_DUMP_S) -> dict[int, str]:
+        """Have the running ranks among ``ranks`` (default: all) write the Python stacks of all
+        their threads into their logs (``SIGUSR1``, which :func:`prepare_rank` hands to
+        faulthandler), wait until each log stops growing (at most ``wait_s``), and return
+        what each rank wrote meanwhile (``""`` for a rank that wrote nothing, or had exited)."""
+        ranks = list(range(len(self.procs)) if ranks is None else ranks)
+        start = {r: self._size(r) for r in ranks}
+        signalled = []
+        for rank in ranks:
+            proc = self.procs[rank]
+            if _STACK_SIGNAL is not None and proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.send_signal(_STACK_SIGNAL)
+                    signalled.append(rank)
+        # faulthandler writes from its signal handler: wait (bounded) until each log stops growing
+        deadline = time.monotonic() + wait_s
+        last = dict(start)
+        settled: set[int] = set()
+        while signalled and time.monotonic() < deadline and len(settled) < len(signalled):
+            time.sleep(0.1)
+            for rank in signalled:
+                now = self._size(rank)
+                if now > start[rank] and now == last[rank]:
+                    settled.add(rank)
+                last[rank] = now
+        dumps: dict[int, str] = {}
+        for rank in ranks:
+            try:
+                with self.logs[rank].open("rb") as f:
+                    f.seek(start[rank])
+                    dumps[rank] = f.read().decode(errors="replace")
+            except OSError:
+                dumps[rank] = ""
+        return dumps
+
+    def _size(self, rank: int) -> int:
+        try:
+            return os.path.getsize(self.logs[rank])
+        except OSError:
+            return 0
+
+    # -- stopping -----------------------------------------------------------------------------
+    def stop(self, grace_s: float = 3.0, *, terminate: bool = True) -> None:
+        """Stop every rank: ``SIGTERM`` (unless ``terminate=False``, for ranks already told to
+        exit some other way), up to ``grace_s`` seconds in all for them to exit, then
+        ``SIGKILL``. Every rank is reaped before this returns."""
+        alive = [p for p in self.procs if p.poll() is None]
+        if terminate:
+            for p in alive:
+                with contextlib.suppress(OSError):
+                    p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """``SIGKILL`` every rank still running, now, and reap them all."""
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(OSError):
+                    p.kill()
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10.0)  # SIGKILL cannot be ignored; a process in uninterruptible sleep is not waited out
+
+
+def tail(path: str | os.PathLike[str], *, lines: int | None = None, chars: int | None = None) -> str:
+    """The end of a log: its last ``chars`` characters and/or ``lines`` lines (everything if
+    neither is given); ``""`` if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            if chars is not None:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - chars))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    if lines is not None:
+        text = "\n".join(text.rstrip().splitlines()[-lines:])
+    return text
+
+
+# -- the rank side ------------------------------------------------------------------------------
+
+
+def prepare_rank(*, parent_pid: int | None = None, threads: int | None = 1) -> None:
+    """What a rank process does first: Python stacks of every thread into its output on
+    ``SIGUSR1`` (for :meth:`RankProcesses.dump_stacks`) and on a fatal signal; ``threads``
+    intra-op threads for torch (``None``: torch's default); and, given ``parent_pid``,
+    :func:`die_with_parent`."""
+    import faulthandler
+
+    faulthandler.enable()
+    if _STACK_SIGNAL is not None:
+        faulthandler.register(_STACK_SIGNAL, all_threads=True)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (its parent's pid) dies: a killed parent must not
+    leave ranks behind.
+
+    On Linux the kernel delivers SIGKILL (``PR_SET_PDEATHSIG``), which also ends a rank
+    blocked inside C++ with the GIL held (a store connecting, a socket waiting); note that
+    Linux sends it when the parent's *thread* that started the process ends, so start
+    ranks that use this from a thread that outlives them. Elsewhere, and as a backstop,
+    a daemon thread checks the parent every second.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() != parent:  # died before we could ask
+        os._exit(3)
+
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="pg-core-parent-watch", daemon=True).start()
