@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pluggy
 
-from .backend import API_VERSION, BackendSpec
+from .backend import API_VERSION, BackendSpec, parse_api_version
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -230,22 +230,23 @@ def _api_error(spec: BackendSpec, where: str, distribution: str | None) -> tuple
     """``None`` if ``spec.api_version`` has the core's major version, else the error and a short reason."""
     from . import __version__
 
-    core_major = API_VERSION.split(".")[0]
+    core = parse_api_version(API_VERSION)
+    assert core is not None
     declared = spec.api_version
-    match = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", declared) if isinstance(declared, str) else None
-    if match is None:
+    parsed = parse_api_version(declared)
+    if parsed is None:
         return PluginVersionError(
             f"Backend {spec.name!r} from {where} declares api_version {declared!r}, which is not 'MAJOR.MINOR'; "
             f"this pg-core ({__version__}) implements backend API {API_VERSION}. "
             f"The plugin must set api_version={API_VERSION!r} (or leave the default).",
             distribution=distribution,
         ), f"PluginVersionError: api_version {declared!r} is not 'MAJOR.MINOR'"
-    if match.group(1) != core_major:
+    if parsed[0] != core[0]:
         return PluginVersionError(
             f"Backend {spec.name!r} from {where} was written for backend API {declared.strip()}, "
             f"but this pg-core ({__version__}) implements API {API_VERSION}. "
-            f"Install a release of {distribution or 'the plugin'} built for API {core_major}.x, "
-            f"or a pg-core that implements API {match.group(1)}.x.",
+            f"Install a release of {distribution or 'the plugin'} built for API {core[0]}.x, "
+            f"or a pg-core that implements API {parsed[0]}.x.",
             distribution=distribution,
         ), f"PluginVersionError: written for backend API {declared.strip()}, pg-core implements {API_VERSION}"
     return None
