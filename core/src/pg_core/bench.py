@@ -114,6 +114,7 @@ from typing import Any, Final, Protocol, TextIO
 
 import torch
 
+from .dtypes import NAMES, dtype_code, dtype_from_code, dtype_name
 from .procs import RankProcesses, prepare_rank
 
 __all__ = [
@@ -171,14 +172,11 @@ REFERENCE_OPS: Final[dict[str, str]] = {"send_tensor": "send_recv"}
 #: The label of torch's Gloo, measured as the baseline.
 BASELINE: Final[str] = "torch-gloo"
 
-#: ``--dtype`` choices.
+#: ``--dtype`` choices: the dtypes of :data:`pg_core.dtypes.NAMES` whose inputs and
+#: expected outputs (:func:`input_values`, :func:`expected_output`) are exact or within
+#: a stated tolerance, and that torch's Gloo reduces.
 DTYPES: Final[dict[str, torch.dtype]] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int32": torch.int32,
-    "int64": torch.int64,
+    name: NAMES[name] for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 }
 
 DEFAULT_SIZES: Final[str] = "4,1K,64K,1M,64M"
@@ -737,7 +735,7 @@ class _PgCoreRunner:
         of = None if op == "send_object" else dtype
         for name in ("send", "recv") if op in _ECHO_OPS else (op,):
             if not self.group.supports(name, "cpu", of, reduce_op):
-                return f"{self.label} does not declare {name}" + ("" if of is None else f" for {_dtype_name(of)}")
+                return f"{self.label} does not declare {name}" + ("" if of is None else f" for {dtype_name(of)}")
         return None
 
     def barrier(self) -> bool:
@@ -788,10 +786,6 @@ class _PgCoreRunner:
 
     def close(self) -> None:
         self.group.shutdown()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class _TorchGlooRunner:
@@ -875,7 +869,7 @@ class _TorchGlooRunner:
         self.pg.recv([t], src, 0).wait()
 
     def send_tensor(self, t: torch.Tensor, dst: int) -> None:
-        header = torch.tensor([t.dim(), _WIRE_DTYPES.index(t.dtype)], dtype=torch.int64)
+        header = torch.tensor([t.dim(), dtype_code(t.dtype)], dtype=torch.int64)  # pg-core's wire codes
         self.pg.send([header], dst, 0).wait()
         self.pg.send([torch.tensor(t.shape, dtype=torch.int64)], dst, 0).wait()
         self.pg.send([t], dst, 0).wait()
@@ -886,7 +880,10 @@ class _TorchGlooRunner:
         ndim, code = header.tolist()
         shape = torch.empty(ndim, dtype=torch.int64)
         self.pg.recv([shape], src, 0).wait()
-        t = torch.empty(shape.tolist(), dtype=_WIRE_DTYPES[code])
+        dtype = dtype_from_code(code)
+        if dtype is None:
+            raise ValueError(f"send_tensor: received unknown dtype code {code}")
+        t = torch.empty(shape.tolist(), dtype=dtype)
         self.pg.recv([t], src, 0).wait()
         return t
 
@@ -910,10 +907,6 @@ class _TorchGlooRunner:
         self.pg = None
         if self._default_group:
             self._dist.destroy_process_group()
-
-
-# dtype codes of the torch baseline's send_tensor header
-_WIRE_DTYPES: Final[tuple[torch.dtype, ...]] = tuple(DTYPES.values())
 
 
 @dataclasses.dataclass

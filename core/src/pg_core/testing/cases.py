@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import NAMES
 from ..ops import RedOpType, ReduceOp
 
 __all__ = [
@@ -41,20 +42,8 @@ __all__ = [
     "tolerance_note",
 ]
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
+#: The declarable dtypes by name: :data:`pg_core.dtypes.NAMES`, the one table.
+DTYPE_NAMES: dict[str, torch.dtype] = NAMES
 
 
 #: Ops whose calls move values (objects, tensors of unknown shape, tensor dicts) or
