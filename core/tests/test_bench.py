@@ -385,7 +385,7 @@ def _args(*argv: str) -> Any:
     [
         (["--ops", "all_reduce,allreduce"], "--ops: unknown allreduce"),
         (["--backends", "no-such-backend"], "no-such-backend"),
-        (["--backends", "pg_core.bench:Nope"], "cannot load 'pg_core.bench:Nope'"),
+        (["--backends", "pg_core.bench:Nope"], "cannot load 'pg_core.bench:Nope': module pg_core.bench defines no"),
         (["--backends", "", "--no-baseline"], "nothing to measure"),
         (["--sizes", "4,1T"], "cannot read '1T'"),
         (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or"),

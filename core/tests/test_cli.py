@@ -202,3 +202,69 @@ def test_no_command_prints_usage_and_fails(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as info:
         main(["no-such-command"])
     assert info.value.code == 2
+
+
+# -- backends named by a file: path/to/file.py:ATTR, for `pg-core conformance` and `pg-core bench` ------------
+
+_SPEC_FILE = """
+from pg_core.backend import BackendSpec
+
+SPEC = BackendSpec(name="mytcp", factory="pg_tcp.backend:TCPBackend", devices=("cpu",))
+"""
+
+
+@pytest.fixture(scope="module")
+def file_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Both commands on a spec in a file that no distribution installs (wrapping pg-tcp's
+    backend), started at once; bench with a path relative to its working directory."""
+    tmp = tmp_path_factory.mktemp("file-spec")
+    (tmp / "my_spec.py").write_text(_SPEC_FILE)
+    cli = [sys.executable, "-m", "pg_core"]
+    tiny = ["--sizes", "4", "--iters", "5", "--warmup", "1", "--time-budget", "0.2"]
+    commands = {
+        "conformance": [*cli, "conformance", f"{tmp / 'my_spec.py'}:SPEC", "-k", "all_reduce"],
+        "bench": [*cli, "bench", "--backends", "my_spec.py:SPEC", "--no-baseline", "--ops", "all_reduce", "--json"],
+    }
+    commands["conformance"] += ["--world-sizes", "1,2", "--max-examples", "2"]
+    commands["bench"] += tiny
+    procs = {
+        name: subprocess.Popen(argv, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, argv in commands.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return results
+
+
+@pytest.mark.slow
+def test_conformance_certifies_a_spec_in_a_file(file_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    run = file_runs["conformance"]
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_conformance[all_reduce] PASSED" in run.stdout
+    assert "my_spec.py:SPEC: exit 0" in run.stdout
+
+
+@pytest.mark.slow
+def test_bench_measures_a_spec_in_a_file(file_runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    run = file_runs["bench"]
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert [(r["op"], r["backend"], r["status"]) for r in rows] == [("all_reduce", "mytcp", "ok")]
+
+
+@pytest.mark.parametrize("command", ["conformance", "bench"])
+def test_a_wrong_attribute_in_a_file_says_what_the_file_defines(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "my_spec.py"
+    path.write_text(_SPEC_FILE)
+    argv = [command, f"{path}:SPECC"] if command == "conformance" else [command, "--backends", f"{path}:SPECC"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"cannot load '{path}:SPECC': file {path} defines no 'SPECC'. It defines: SPEC (BackendSpec named 'mytcp')"
+        in err
+    )
+    assert "Did you mean 'SPEC'?" in err

@@ -474,3 +474,95 @@ def test_register_over_an_installed_plugin_needs_override(installed: Callable[..
     assert [(e.status, e.reason) for e in shadowed] == [
         ("disabled", "overridden in-process by register_backend(override=True)")
     ]
+
+
+# -- backend references on command lines (resolve_backend_ref) ---------------------------------------
+
+_SPEC_FILE = """
+import threading
+
+from pg_core.backend import Backend, BackendSpec
+
+SPEC = BackendSpec(name="mytcp", factory="pg_tcp.backend:TCPBackend", devices=("cpu",))
+FUTURE = BackendSpec(name="future", factory="pg_tcp.backend:TCPBackend", devices=("cpu",), api_version="2.0")
+NOWHERE = BackendSpec(name="nowhere", factory="pg_tcp.backend:TCPBackend", devices=("cpu",), is_available=lambda: "no unicorn")
+LIMIT = 4
+
+
+class MyBackend(Backend):
+    devices = ("cpu",)
+
+
+def helper():
+    return None
+"""
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "my_spec.py"
+    path.write_text(_SPEC_FILE)
+    return path
+
+
+def test_a_file_reference_names_a_spec_and_loads_once(spec_file: Path) -> None:
+    from pg_core.registry import resolve_backend_ref
+
+    got = resolve_backend_ref(f"{spec_file}:SPEC", "cpu")
+    assert (got.name, got.factory, got.devices) == ("mytcp", "pg_tcp.backend:TCPBackend", ("cpu",))
+    assert resolve_backend_ref(f" {spec_file}:SPEC ") is got  # the file ran once in this process
+    with pytest.raises(NotSupportedError, match=r"'mytcp'.*does not support device 'cuda'.*declares cpu"):
+        resolve_backend_ref(f"{spec_file}:SPEC", "cuda")
+
+
+def test_a_wrong_attribute_names_the_file_the_attribute_and_what_the_file_defines(spec_file: Path) -> None:
+    from pg_core.registry import resolve_backend_ref
+
+    ref = f"{spec_file}:SPECC"
+    with pytest.raises(BackendNotFoundError) as info:
+        resolve_backend_ref(ref)
+    message = str(info.value)
+    assert message.startswith(f"cannot load {ref!r}: file {spec_file} defines no 'SPECC'. It defines: ")
+    assert "SPEC (BackendSpec named 'mytcp')" in message and "MyBackend (Backend subclass)" in message
+    assert "LIMIT (int)" in message and "helper (function)" in message
+    assert "threading" not in message and "BackendSpec (" not in message  # imported, not defined there
+    assert message.endswith("Did you mean 'SPEC'?")
+    assert "pg_core_backend_file_" not in message  # never the private module name it runs under
+
+
+def test_file_and_module_references_of_every_kind(spec_file: Path, tmp_path: Path) -> None:
+    from pg_core.registry import resolve_backend_ref
+
+    wrapped = resolve_backend_ref(f"{spec_file}:MyBackend")  # a Backend subclass gets a spec named after it
+    assert (wrapped.name, wrapped.devices, wrapped.factory.__name__) == ("MyBackend", ("cpu",), "MyBackend")
+    with pytest.raises(BackendNotFoundError, match=r"MyBackend in file .* is a Backend subclass, not a BackendSpec\."):
+        resolve_backend_ref(f"{spec_file}:MyBackend", factories=False)
+    with pytest.raises(BackendNotFoundError, match=r"LIMIT in file .* is an int, not a BackendSpec"):
+        resolve_backend_ref(f"{spec_file}:LIMIT")
+    with pytest.raises(PluginVersionError, match=r"'future' from file .* written for backend API 2\.0"):
+        resolve_backend_ref(f"{spec_file}:FUTURE")
+    with pytest.raises(BackendUnavailableError, match=r"'nowhere' .* cannot run here: no unicorn"):
+        resolve_backend_ref(f"{spec_file}:NOWHERE")
+    with pytest.raises(BackendNotFoundError, match=r"there is no file .*missing\.py"):
+        resolve_backend_ref(f"{tmp_path / 'missing.py'}:SPEC")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('planted')\n")
+    with pytest.raises(PluginLoadError, match=r"running .*broken\.py failed: RuntimeError: planted"):
+        resolve_backend_ref(f"{broken}:SPEC")
+    with pytest.raises(BackendNotFoundError, match=r"module pg_core\.backend defines no 'Nope'"):
+        resolve_backend_ref("pg_core.backend:Nope")
+    with pytest.raises(BackendNotFoundError, match=r"there is no module 'no_such_module_pg'"):
+        resolve_backend_ref("no_such_module_pg:SPEC")
+    with pytest.raises(BackendNotFoundError, match=r"is not a backend reference"):
+        resolve_backend_ref("tcp:")
+
+
+def test_a_name_reference_is_the_registrys() -> None:
+    from pg_core.registry import resolve_backend_ref
+
+    reg = Registry(load_entry_points=False)
+    s = spec("mine")
+    reg.register(s)
+    assert resolve_backend_ref("mine", "cpu", registry=reg) is s
+    with pytest.raises(BackendNotFoundError, match="Unknown backend 'theirs'"):
+        resolve_backend_ref("theirs", registry=reg)

@@ -8,8 +8,9 @@ with torch's own Gloo measured side by side in the same run.
 **What runs.** The program hosts a ``TCPStore`` and starts ``--world-size`` rank
 processes of its own (one thread of intra-op parallelism each). Every rank forms
 one :class:`~pg_core.ProcessGroup` per pg-core backend named in ``--backends``
-(a name that ``pg-core backends`` lists, or ``module:attr`` of a ``Backend``
-factory under development), plus, unless ``--no-baseline``, torch's
+(a name that ``pg-core backends`` lists, or ``module:attr`` / ``path/file.py:attr``
+of a ``BackendSpec`` or ``Backend`` subclass under development, read as ``pg-core
+conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`), plus, unless ``--no-baseline``, torch's
 ``ProcessGroupGloo`` used directly through its own API: the baseline, labelled
 ``torch-gloo``. Rows are measured in the order op, size, backend, so the
 baseline and the pg-core backends are measured one right after the other at
@@ -657,25 +658,6 @@ class _Config:
         return len(self.backends) + int(self.baseline)
 
 
-def _load_factory(spec: str) -> Any:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise BenchError(f"--backends: {spec!r} is neither a backend name nor 'module:attr'")
-    try:
-        obj: Any = importlib.import_module(module.strip())
-        for part in attr.strip().split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise BenchError(f"--backends: cannot load {spec!r}: {type(exc).__name__}: {exc}") from exc
-    if not callable(obj):
-        raise BenchError(f"--backends: {spec!r} is not a Backend class or factory")
-    return obj
-
-
-def _label(spec: str) -> str:
-    return spec.rpartition(":")[2].strip().rpartition(".")[2] if ":" in spec else spec
-
-
 # -- the ranks -------------------------------------------------------------------------------------
 
 
@@ -716,9 +698,10 @@ class _PgCoreRunner:
 
     def __init__(self, store: Any, rank: int, size: int, *, spec: str, label: str, timeout: float) -> None:
         from .group import ProcessGroup
+        from .registry import resolve_backend_ref
 
-        value: Any = _load_factory(spec) if ":" in spec else spec
         self.label = label
+        value = resolve_backend_ref(spec, "cpu")
         self.group = ProcessGroup(
             store, rank=rank, size=size, backends={"cpu": value}, name=f"bench-{label}", timeout=timeout
         )
@@ -1360,8 +1343,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backends",
         default=None,
         metavar="LIST",
-        help="comma-separated pg-core backends: names from `pg-core backends`, or module:attr of a Backend "
-        "factory; '' for the baseline alone (default: every backend available for cpu)",
+        help="comma-separated pg-core backends: names from `pg-core backends`, or module:attr / path/file.py:attr "
+        "of a BackendSpec (or of a Backend subclass) not installed yet; '' for the baseline alone (default: every "
+        "backend available for cpu)",
     )
     parser.add_argument("--no-baseline", action="store_true", help=f"do not measure {BASELINE}")
     parser.add_argument(
@@ -1439,7 +1423,7 @@ def _config(args: argparse.Namespace) -> _Config:
         raise BenchError(str(exc)) from None
     if not sizes or min(sizes) < 1:
         raise BenchError("sizes must be at least 1 byte")
-    backends = _backends(args.backends)
+    backends, labels = _backends(args.backends)
     baseline = not args.no_baseline
     if baseline:
         import torch.distributed as dist
@@ -1448,7 +1432,6 @@ def _config(args: argparse.Namespace) -> _Config:
             raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
     if not backends and not baseline:
         raise BenchError("nothing to measure: no pg-core backend named and --no-baseline")
-    labels = [_label(b) for b in backends]
     if len(set(labels)) != len(labels) or BASELINE in labels or any("/" in label for label in labels):
         raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and not {BASELINE!r}")
     return _Config(
@@ -1467,10 +1450,13 @@ def _config(args: argparse.Namespace) -> _Config:
     )
 
 
-def _backends(text: str | None) -> list[str]:
-    """Resolve ``--backends`` here, so a wrong name fails before any rank starts."""
+def _backends(text: str | None) -> tuple[list[str], list[str]]:
+    """``--backends`` as references and the labels of their rows, resolved here (with
+    :func:`pg_core.registry.resolve_backend_ref`, as the ranks do), so a wrong one fails
+    before any rank starts. A name's label is the name; a ``module:attr`` or
+    ``file.py:attr`` one's, the name of the spec it resolves to."""
     from .errors import PGError
-    from .registry import default_registry
+    from .registry import default_registry, resolve_backend_ref
 
     registry = default_registry()
     if text is None:
@@ -1480,17 +1466,16 @@ def _backends(text: str | None) -> list[str]:
                 registry.default_for("cpu")
             except PGError as exc:
                 raise BenchError(f"{exc} Pass --backends '' to measure the {BASELINE} baseline alone.") from None
-        return names
-    names = list(dict.fromkeys(_csv_list(text)))
-    for name in names:
-        if ":" in name:
-            _load_factory(name)
-            continue
+        return names, list(names)
+    refs = list(dict.fromkeys(_csv_list(text)))
+    labels = []
+    for ref in refs:
         try:
-            registry.require(name, "cpu")
+            spec = resolve_backend_ref(ref, "cpu", registry=registry)
         except PGError as exc:
-            raise BenchError(str(exc)) from None
-    return names
+            raise BenchError(f"--backends: {exc}") from None
+        labels.append(spec.name if ":" in ref else ref)
+    return refs, labels
 
 
 def main(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pluggy
 
-from .backend import API_VERSION, BackendSpec, parse_api_version
+from .backend import API_VERSION, Backend, BackendSpec, Capabilities, parse_api_version
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -86,6 +86,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "register_backend",
+    "resolve_backend_ref",
 ]
 
 #: The entry-point group plugin distributions declare their hook module in.
@@ -773,3 +774,174 @@ def default_registry() -> Registry:
 def register_backend(spec: BackendSpec, *, override: bool = False) -> None:
     """Add a backend to the process-wide registry; see :meth:`Registry.register`."""
     default_registry().register(spec, override=override)
+
+
+# -- backend references on command lines ---------------------------------------------------------
+
+#: sys.modules names of spec files loaded by :func:`resolve_backend_ref` start with this.
+_FILE_MODULE_PREFIX: Final = "pg_core_backend_file_"
+
+
+def resolve_backend_ref(
+    ref: str, device: str | None = None, *, registry: Registry | None = None, factories: bool = True
+) -> BackendSpec:
+    """The backend that a command-line reference names, ready to use here. One function
+    for every command that takes a backend (``pg-core conformance``, ``pg-core bench``):
+
+    * ``"tcp"`` or ``"tcp@pg-tcp"``: a registered backend (:meth:`Registry.require`);
+    * ``"package.module:ATTR"``: ``ATTR`` of an importable module;
+    * ``"path/to/file.py:ATTR"``: ``ATTR`` of a Python file, not installed anywhere
+      (loaded once per process under a private module name).
+
+    ``ATTR`` (dotted for nested attributes) names a :class:`~pg_core.backend.BackendSpec`
+    or, with ``factories=True``, a :class:`~pg_core.backend.Backend` subclass or a factory
+    function, which gets a spec named after the attribute's last part, declaring the
+    ``devices`` and ``capabilities`` class attributes it has (default ``cpu``, every op).
+
+    With ``device``, the backend must declare it. Raises
+    :class:`~pg_core.errors.BackendNotFoundError` for a reference that names nothing usable
+    (the message names the module or file and the attribute, and lists what it does
+    define), :class:`~pg_core.errors.PluginLoadError` if importing the module or running
+    the file fails, :class:`~pg_core.errors.PluginVersionError` for a spec of another API
+    major version, :class:`~pg_core.errors.NotSupportedError` /
+    :class:`~pg_core.errors.BackendUnavailableError` as :meth:`Registry.require` does.
+    """
+    if not isinstance(ref, str):
+        raise TypeError(f"a backend reference is a str, got {type(ref).__name__}: {ref!r}")
+    ref = ref.strip()
+    if ":" not in ref:
+        return (registry or default_registry()).require(ref, device)
+    where, _, attr = (part.strip() for part in ref.rpartition(":"))
+    if not where or not attr or not all(part.isidentifier() for part in attr.split(".")):
+        raise BackendNotFoundError(
+            f"{ref!r} is not a backend reference: expected a backend name (see `pg-core backends`), "
+            f"'package.module:ATTR' or 'path/to/file.py:ATTR'"
+        )
+    is_file = where.endswith(".py") or os.sep in where or "/" in where
+    module, source = _load_ref_module(ref, where) if is_file else _import_ref_module(ref, where)
+    obj: Any = module
+    parts = attr.split(".")
+    for i, part in enumerate(parts):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            owner = source if i == 0 else f"{'.'.join(parts[:i])} in {source}"
+            raise BackendNotFoundError(
+                f"cannot load {ref!r}: {owner} defines no {part!r}. {_defined(obj, module.__name__, part)}"
+            ) from None
+    if isinstance(obj, BackendSpec):
+        spec = obj
+    elif factories and _is_factory(obj):
+        devices = getattr(obj, "devices", None) or ("cpu",)
+        caps = getattr(obj, "capabilities", None)
+        spec = BackendSpec(
+            name=attr.rpartition(".")[2],
+            factory=obj,
+            devices=tuple(devices),
+            capabilities=caps if isinstance(caps, Capabilities) else Capabilities(),
+        )
+    else:
+        wanted = "a BackendSpec" + (", a Backend subclass or a factory function" if factories else "")
+        raise BackendNotFoundError(
+            f"cannot load {ref!r}: {attr} in {source} is {_describe(obj)}, not {wanted}. "
+            f"{_defined(module, module.__name__, attr)}"
+        )
+    mismatch = _api_error(spec, source, None)
+    if mismatch is not None:
+        raise mismatch[0]
+    if device is not None and device not in spec.devices:
+        raise NotSupportedError(
+            f"Backend {spec.name!r} ({ref}) does not support device {device!r}: it declares {', '.join(spec.devices)}."
+        )
+    reason = spec.why_unavailable()
+    if reason is not None:
+        raise BackendUnavailableError(f"Backend {spec.name!r} ({ref}) cannot run here: {_clause(reason)}.")
+    return spec
+
+
+def _import_ref_module(ref: str, name: str) -> tuple[Any, str]:
+    try:
+        return importlib.import_module(name), f"module {name}"
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and name.startswith(exc.name):  # the module itself, not one it imports
+            hint = " (a file is named as path/to/file.py:ATTR)"
+            raise BackendNotFoundError(f"cannot load {ref!r}: there is no module {name!r}{hint}") from None
+        raise PluginLoadError(f"cannot load {ref!r}: importing {name} failed: {_error_text(exc)}") from exc
+    except Exception as exc:
+        raise PluginLoadError(f"cannot load {ref!r}: importing {name} failed: {_error_text(exc)}") from exc
+
+
+def _load_ref_module(ref: str, where: str) -> tuple[Any, str]:
+    import hashlib
+    import importlib.util
+    import sys
+
+    path = os.path.abspath(os.path.expanduser(where))
+    if not os.path.isfile(path):
+        raise BackendNotFoundError(f"cannot load {ref!r}: there is no file {where}" + _resolved(where, path))
+    name = _FILE_MODULE_PREFIX + hashlib.sha256(path.encode()).hexdigest()[:16]
+    source = f"file {where}"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module, source
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise BackendNotFoundError(f"cannot load {ref!r}: {where} is not a Python file Python can load")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # dataclasses and pickle look a module up by name while it runs
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException as exc:
+        del sys.modules[name]
+        if not isinstance(exc, Exception):
+            raise
+        raise PluginLoadError(f"cannot load {ref!r}: running {where} failed: {_error_text(exc)}") from exc
+    return module, source
+
+
+def _resolved(given: str, path: str) -> str:
+    return "" if given == path else f" ({path})"
+
+
+def _is_factory(obj: object) -> bool:
+    if isinstance(obj, type):
+        return issubclass(obj, Backend)
+    return callable(obj)
+
+
+def _describe(obj: object) -> str:
+    if isinstance(obj, BackendSpec):
+        return f"a BackendSpec named {obj.name!r}"
+    if isinstance(obj, type):
+        return "a Backend subclass" if issubclass(obj, Backend) else "a class"
+    if inspect.ismodule(obj):
+        return "a module"
+    if inspect.isfunction(obj):
+        return "a function"
+    kind = type(obj).__name__
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
+def _defined(owner: object, module_name: str, missing: str, limit: int = 12) -> str:
+    """What ``owner`` (a module, or an object in it) defines, for an error message: backend
+    specs, then Backend subclasses, then its other public names; what it imported is left out."""
+    names = []
+    for name, value in sorted(vars(owner).items()) if hasattr(owner, "__dict__") else []:
+        if name.startswith("_") or inspect.ismodule(value) or type(value).__module__ == "typing":
+            continue
+        if (inspect.isclass(value) or inspect.isfunction(value)) and value.__module__ != module_name:
+            continue  # imported, not defined here
+        names.append(name)
+    if not names:
+        return "It defines nothing public."
+
+    def order(name: str) -> tuple[int, str]:
+        value = getattr(owner, name)
+        return (0 if isinstance(value, BackendSpec) else 1 if _is_factory(value) else 2, name)
+
+    names.sort(key=order)
+    shown = [f"{n} ({_describe(getattr(owner, n)).partition(' ')[2]})" for n in names[:limit]]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    text = f"It defines: {', '.join(shown)}{more}."
+    close = [] if missing in names else difflib.get_close_matches(missing, names, n=1)
+    return text + (f" Did you mean {close[0]!r}?" if close else "")

@@ -105,10 +105,10 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         print("pg-core conformance needs pytest and hypothesis: pip install 'pg-core[testing]'", file=sys.stderr)
         return 2
-    from .harness import resolve_spec
+    from ..registry import resolve_backend_ref
 
-    try:
-        resolve_spec(args.backend)
+    try:  # the suite's ranks take a BackendSpec (or a name), not a bare Backend class
+        resolve_backend_ref(args.backend, factories=False)
     except Exception as exc:  # unknown, broken or unavailable: say so before pytest starts
         print(f"pg-core conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
