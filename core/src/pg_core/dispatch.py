@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
-from .errors import BackendNotFoundError, GroupClosedError
+from .errors import BackendNotFoundError, CollectiveTimeout, GroupClosedError
 from .instance import Instance
 from .store import PrefixStore, Store
 
@@ -164,9 +164,10 @@ class Dispatcher:
         inst = self._instances.get(device_type)
         return inst.device if inst is not None else torch.device(device_type)
 
-    def instance(self, device: torch.device) -> Instance:
+    def instance(self, device: torch.device, op: str | None = None) -> Instance:
         """The instance for ``device``'s type, created on first use (the caller checked that
-        the group has a backend for it)."""
+        the group has a backend for it). A timeout while it is created names ``op``, the
+        user's operation that needed it."""
         inst = self._instances.get(device.type)
         if inst is not None:
             return inst
@@ -176,7 +177,12 @@ class Dispatcher:
             inst = self._instances.get(device.type)
             if inst is None:
                 spec = self._specs[device.type]
-                inst = Instance(spec, self._ctx(spec, device))
+                try:
+                    inst = Instance(spec, self._ctx(spec, device))
+                except CollectiveTimeout as exc:
+                    if op is not None:
+                        exc.op = op
+                    raise
                 if self._closed:  # closed while it was being created: nobody else will close it
                     inst.close("abort")
                     raise GroupClosedError("the group was closed while its backend was created")

@@ -588,7 +588,7 @@ class ProcessGroup:
         check_peer(peer, self._size, self._rank, "dst" if kind == "send" else "src", kind)
         check_tag(tag)
         self._supported.check(kind, tensor.device.type, tensor.dtype)
-        inst = self._dispatch.instance(tensor.device)
+        inst = self._dispatch.instance(tensor.device, kind)
         inst.tags.check(tag)
         st = Staging()
         staged = st.input(tensor) if kind == "send" else st.output(tensor)
@@ -1025,7 +1025,7 @@ def rendezvous(
     )
     group = ProcessGroup._of(formation)
     try:
-        group._objects.endpoint()  # the message backend, created while every member is here
+        group._objects.endpoint("rendezvous")  # the message backend, created while every member is here
     except BaseException:
         group.abort()
         raise

@@ -71,20 +71,20 @@ class Objects:
         self._checked: set[str] = set()
 
     # -- the message endpoint -----------------------------------------------------------
-    def endpoint(self) -> messages.Endpoint:
-        """The message device's backend as an endpoint (created on first use)."""
+    def endpoint(self, op: str | None = None) -> messages.Endpoint:
+        """The message device's backend as an endpoint (created on first use, for ``op``)."""
         ep = self._endpoint
         if ep is None:
             with self._endpoint_lock:
                 ep = self._endpoint
                 if ep is None:
-                    ep = self._endpoint = messages.Endpoint(self._dispatch.instance(self.device))
+                    ep = self._endpoint = messages.Endpoint(self._dispatch.instance(self.device, op))
         return ep
 
-    def _checked_endpoint(self, *directions: str) -> messages.Endpoint:
+    def _checked_endpoint(self, op: str, *directions: str) -> messages.Endpoint:
         """Messages need the message backend's ``send``/``recv`` (of ``uint8`` where they
         are emulated on tensors). Creates that backend if this is its first use."""
-        ep = self.endpoint()
+        ep = self.endpoint(op)
         for direction in directions:
             if direction not in self._checked:
                 self._supported.check(direction, ep.device.type, None if ep.native else torch.uint8)
@@ -106,7 +106,7 @@ class Objects:
         self._executor.check_open()
         check_peer(dst, self.size, self.rank, "dst", op)
         check_tag(tag)
-        ep = self._checked_endpoint("send")
+        ep = self._checked_endpoint(op, "send")
         wire = ep.instance.tags.message(tag)
         out = messages.encode(kind, value, separate_devices=self.separate)
         self._check_separate(out, "send")
@@ -146,7 +146,7 @@ class Objects:
         self._executor.check_open()
         check_peer(src, self.size, self.rank, "src", op)
         check_tag(tag)
-        ep = self._checked_endpoint("recv")
+        ep = self._checked_endpoint(op, "recv")
         wire = ep.instance.tags.message(tag)
 
         def run() -> Any:
@@ -194,7 +194,7 @@ class Objects:
         self, op: str, call: Callable[[Deadline, messages.Endpoint, int], Any], timeout: float, async_op: bool
     ) -> Any:
         """Run message collective ``op`` in the executor's order: ``call(deadline, endpoint, seq)``."""
-        ep = self._checked_endpoint("send", "recv")
+        ep = self._checked_endpoint(op, "send", "recv")
         return self._executor.run(op, lambda seq: call(Deadline(op, timeout), ep, seq), async_op=async_op)
 
     def _stamp(self, out: messages.Encoded | None, op: str, seq: int) -> list[messages.Buffer]:

@@ -17,6 +17,7 @@ from typing import TypeVar
 from torch.distributed import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 from .errors import CollectiveTimeout
+from .timeouts import Deadline
 
 __all__ = [
     "FileStore",
@@ -110,10 +111,10 @@ def wait_any(store: Store, keys: list[str], timeout: float) -> str | None:
 
 
 def _poll(found: Callable[[], _T | None], timeout: float) -> _T | None:
-    deadline = time.monotonic() + timeout
+    deadline = Deadline("store wait", timeout)
     delay = _POLL_FIRST_S
     while (value := found()) is None:
-        left = deadline - time.monotonic()
+        left = deadline.remaining()
         if left <= 0:
             return None
         time.sleep(min(delay, left))  # a bounded poll of the store, not a synchronisation

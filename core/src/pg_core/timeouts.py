@@ -43,5 +43,6 @@ class Deadline:
             raise CollectiveTimeout(f"{self.op} exceeded its timeout of {self.seconds:g} s", op=self.op)
         return left
 
-    def expired(self) -> bool:
-        return time.monotonic() >= self.at
+    def remaining(self) -> float:
+        """Seconds left, ``0.0`` once none are (never raises)."""
+        return max(0.0, self.at - time.monotonic())
