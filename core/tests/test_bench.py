@@ -683,3 +683,58 @@ def test_a_reference_op_is_measured_right_after_its_op() -> None:
         ("all_reduce", 8),
     ]
     assert sweep_order(["send_tensor", "all_reduce"], [4]) == [("send_tensor", 4), ("all_reduce", 4)]
+
+
+# -- --overhead: the core's own cost per call, in this process ----------------------------------------------
+
+
+def test_overhead_reports_every_op_in_three_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    from pg_core import overhead
+
+    assert bench.main(_args("--overhead", "--overhead-iters", "20", "--repeats", "2", "-q")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# core overhead (world size 1, one process, NullBackend; float32 tensors of 1 element")
+    assert "median of 2 batches of 20 calls" in lines[0]
+    assert lines[1].split() == ["op", "direct", "blocking", "async+wait", "overhead", "async", "overhead"]
+    table = [line.split() for line in lines[2 : 2 + len(overhead.OPS)]]
+    assert [row[0] for row in table] == list(overhead.OPS)
+    for row in table:  # five numbers (us per call); the differences are the last two
+        direct, blocking, async_, over, async_over = map(float, row[1:])
+        assert over == pytest.approx(blocking - direct, abs=2e-3)
+        assert async_over == pytest.approx(async_ - direct, abs=2e-3)
+    assert lines[2 + len(overhead.OPS)] == ""
+    assert lines[3 + len(overhead.OPS)].startswith("# core overhead per blocking call: at most ")
+    assert "the target of 3 us" in lines[3 + len(overhead.OPS)]
+
+
+def test_overhead_as_json_for_chosen_ops(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("--overhead", "--overhead-iters", "10", "--repeats", "1", "--ops", "barrier,all_reduce", "--json", "-q")
+    assert bench.main(_args(*argv)) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["op"] for r in rows] == ["barrier", "all_reduce"]
+    for r in rows:
+        assert (r["iters"], r["repeats"], r["dtype"], r["numel"]) == (10, 1, "float32", 1)
+        assert r["overhead_ns"] == pytest.approx(r["blocking_ns"] - r["direct_ns"])
+        assert r["async_overhead_ns"] == pytest.approx(r["async_ns"] - r["direct_ns"])
+        assert min(r["direct_ns"], r["blocking_ns"], r["async_ns"]) > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ops", "send_recv"], "--ops: send_recv not measured by --overhead"),
+        (["--repeats", "0"], "--overhead-iters and --repeats must be >= 1"),
+        (["--backends", "tcp"], "--backends and --plot do not apply"),
+    ],
+)
+def test_overhead_bad_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(_args("--overhead", *argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_overhead_is_in_the_help() -> None:
+    parser = __import__("argparse").ArgumentParser()
+    bench._add_arguments(parser)
+    text = parser.format_help()
+    assert "--overhead" in text and "--overhead-iters" in text and "--repeats" in text
+    assert "blocking - direct" in text

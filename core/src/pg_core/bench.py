@@ -1327,6 +1327,9 @@ def _description() -> str:
         "Times are per iteration, the slowest rank's. Compare the ratios measured side by side in one run, "
         "not absolute times across runs or machines. Exit status: 0 all correct, 1 a WRONG result or a failed "
         "rank, 2 bad arguments. The method in full: `python -m pydoc pg_core.bench`.",
+        "--overhead measures something else: the core's own cost per call (ProcessGroup against the backend "
+        "method it dispatches to), at world size 1 on a backend that does nothing; see its options below and "
+        "`python -m pydoc pg_core.overhead`.",
     )
     return "\n\n".join(textwrap.fill(p, 88) for p in paragraphs)
 
@@ -1392,6 +1395,32 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also write a log-log plot (needs matplotlib)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    over = parser.add_argument_group(
+        "core overhead (--overhead)",
+        "Instead of the sweep: what the core adds per call, at world size 1 in this process, on a backend "
+        "whose ops return at once. Per op (all_reduce, broadcast, reduce, all_gather_into_tensor, "
+        "reduce_scatter_tensor, barrier; narrow with --ops): the backend method called directly, the same op "
+        "through ProcessGroup blocking, and with async_op=True plus wait(); overhead = blocking - direct, the "
+        "figure the target of at most 3 us per blocking collective is judged by. --dtype, --ops, --json and "
+        "--csv apply; the sweep's other options do not.",
+    )
+    over.add_argument(
+        "--overhead", action="store_true", help="measure the core's overhead per call instead of sweeping"
+    )
+    over.add_argument(
+        "--overhead-iters",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help="calls per timed batch (default 20000)",
+    )
+    over.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        metavar="R",
+        help="timed batches per op and mode; medians reported (default 5)",
+    )
 
 
 def _config(args: argparse.Namespace) -> _Config:
@@ -1480,6 +1509,8 @@ def _backends(text: str | None) -> tuple[list[str], list[str]]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark as ``args`` (from :func:`add_parser`'s parser) say; return the exit status."""
+    if args.overhead:
+        return _overhead(args)
     try:
         cfg = _config(args)
         if args.plot:
@@ -1518,6 +1549,35 @@ def main(args: argparse.Namespace) -> int:
         print(f"pg-core bench: the run failed: {outcome.failure}", file=sys.stderr)
         status = 1
     return status
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    """``--overhead``: :mod:`pg_core.overhead`, in this process."""
+    from . import overhead
+
+    ops = list(overhead.OPS) if args.ops.strip() == "all" else list(dict.fromkeys(_csv_list(args.ops)))
+    unknown = [op for op in ops if op not in overhead.OPS]
+    problem = None
+    if unknown or not ops:
+        problem = f"--ops: {', '.join(unknown) or 'nothing named'} not measured by --overhead; it measures {', '.join(overhead.OPS)}"
+    elif args.overhead_iters < 1 or args.repeats < 1:
+        problem = f"--overhead-iters and --repeats must be >= 1, got {args.overhead_iters} and {args.repeats}"
+    elif args.backends is not None or args.plot:
+        problem = "--overhead measures the core on a backend that does nothing; --backends and --plot do not apply"
+    if problem is not None:
+        print(f"pg-core bench: {problem}", file=sys.stderr)
+        return 2
+    progress = None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True)
+    rows = overhead.measure(
+        ops, iters=args.overhead_iters, repeats=args.repeats, dtype=DTYPES[args.dtype], progress=progress
+    )
+    if args.json:
+        print(overhead.format_json(rows))
+    elif args.csv:
+        print(overhead.format_csv(rows), end="")
+    else:
+        print(overhead.format_table(rows))
+    return 0
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,355 @@
+"""``pg-core bench --overhead``: what the core adds to every call, measured without a network.
+
+At world size 1, in this one process, with :class:`NullBackend` (a backend whose every
+op returns at once, declaring every op and dtype), each op of :data:`OPS` on tensors of
+one element is timed three ways:
+
+* ``direct``: the backend's own method, called on an instance built from a
+  :class:`~pg_core.backend.BackendContext` (``backend.all_reduce(t, ReduceOp.SUM,
+  timeout=...)``): the baseline, what any caller of the backend pays;
+* ``blocking``: the same op through a :class:`~pg_core.ProcessGroup` formed on that
+  backend (``group.all_reduce(t)``): argument checks, capability checks, staging,
+  sequence numbers, dispatch, the executor's ordering, error handling;
+* ``async``: ``group.all_reduce(t, async_op=True).wait()``: the same plus a
+  :class:`~pg_core.work.Work` and the hand-over to the group's progress thread and back.
+
+``blocking - direct`` is the **core overhead per call**, the figure the project's target
+(at most 3 us per blocking collective) is judged by; ``async - direct`` the same for an
+asynchronous call waited for at once.
+
+**How it is timed.** Every mode of every op is one closure of the same shape
+(``lambda: f(args)``), so what the loop and the closure cost cancels out of the
+differences. Each is warmed up (``iters // 10`` calls, at least 100), then timed in
+``repeats`` batches of ``iters`` back-to-back calls with :func:`time.perf_counter_ns`
+around each batch, with the garbage collector disabled during the batches (and run
+before them). A batch's time divided by ``iters`` is one sample; a row reports the
+median and the minimum of its ``repeats`` samples, in nanoseconds per call. The modes of
+an op are measured in rotation (direct, blocking, async, direct, ...), batch by batch,
+so a change in the machine's speed during the run touches all three alike.
+
+This measures the core, not a network: a real backend's call costs its own time on
+top. Absolute numbers depend on the machine and its load; compare figures measured in
+one run, and repeat the run to see the spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+
+from .backend import Backend, BackendContext, Capabilities
+from .ops import ReduceOp
+
+__all__ = [
+    "MODES",
+    "OPS",
+    "TARGET_US",
+    "NullBackend",
+    "OverheadRow",
+    "format_csv",
+    "format_json",
+    "format_table",
+    "measure",
+]
+
+#: The ops measured: the collectives that make sense at world size 1 without a peer.
+OPS: Final[tuple[str, ...]] = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "barrier",
+)
+
+#: How each op is called, in the order they are measured and reported.
+MODES: Final[tuple[str, ...]] = ("direct", "blocking", "async")
+
+#: The project's target: core overhead of a blocking collective, in microseconds.
+TARGET_US: Final[float] = 3.0
+
+_TIMEOUT_S: Final[float] = 60.0
+
+
+class NullBackend(Backend):
+    """A backend whose every op returns at once, doing nothing; it declares every op and
+    dtype. What is left when it is called through a group is the core's own cost."""
+
+    capabilities = Capabilities()
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        return None
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        return None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        return None
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+        return None
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+        return None
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+        return None
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
+    ) -> None:
+        return None
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        return None
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+        return None
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        *,
+        timeout: float,
+    ) -> None:
+        return None
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
+        return None
+
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
+    ) -> None:
+        return None
+
+    def barrier(self, *, timeout: float) -> None:
+        return None
+
+
+@dataclasses.dataclass
+class OverheadRow:
+    """One op: nanoseconds per call, the median (and the minimum) of ``repeats`` batches
+    of ``iters`` calls, per mode; ``overhead_ns`` = ``blocking_ns - direct_ns`` (the core
+    overhead per blocking call), ``async_overhead_ns`` = ``async_ns - direct_ns``."""
+
+    op: str
+    dtype: str
+    numel: int
+    iters: int
+    repeats: int
+    direct_ns: float
+    blocking_ns: float
+    async_ns: float
+    direct_min_ns: float
+    blocking_min_ns: float
+    async_min_ns: float
+    overhead_ns: float
+    async_overhead_ns: float
+
+    @property
+    def overhead_us(self) -> float:
+        return self.overhead_ns / 1e3
+
+
+def _calls(op: str, backend: Backend, group: Any, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """The three calls of ``op``, as closures of one shape (see the module docstring)."""
+    t = torch.ones(1, dtype=dtype)
+    out = torch.empty(1, dtype=dtype)
+    s = ReduceOp.SUM
+    b, g = backend, group
+    if op == "all_reduce":
+        return {
+            "direct": lambda: b.all_reduce(t, s, timeout=_TIMEOUT_S),
+            "blocking": lambda: g.all_reduce(t),
+            "async": lambda: g.all_reduce(t, async_op=True).wait(),
+        }
+    if op == "broadcast":
+        return {
+            "direct": lambda: b.broadcast(t, 0, timeout=_TIMEOUT_S),
+            "blocking": lambda: g.broadcast(t, 0),
+            "async": lambda: g.broadcast(t, 0, async_op=True).wait(),
+        }
+    if op == "reduce":
+        return {
+            "direct": lambda: b.reduce(t, 0, s, timeout=_TIMEOUT_S),
+            "blocking": lambda: g.reduce(t, 0),
+            "async": lambda: g.reduce(t, 0, async_op=True).wait(),
+        }
+    if op == "all_gather_into_tensor":
+        return {
+            "direct": lambda: b.all_gather_into_tensor(out, t, timeout=_TIMEOUT_S),
+            "blocking": lambda: g.all_gather_into_tensor(out, t),
+            "async": lambda: g.all_gather_into_tensor(out, t, async_op=True).wait(),
+        }
+    if op == "reduce_scatter_tensor":
+        return {
+            "direct": lambda: b.reduce_scatter_tensor(out, t, s, timeout=_TIMEOUT_S),
+            "blocking": lambda: g.reduce_scatter_tensor(out, t),
+            "async": lambda: g.reduce_scatter_tensor(out, t, async_op=True).wait(),
+        }
+    if op == "barrier":
+        return {
+            "direct": lambda: b.barrier(timeout=_TIMEOUT_S),
+            "blocking": lambda: g.barrier(),  # noqa: PLW0108  (the same shape as the other modes)
+            "async": lambda: g.barrier(async_op=True).wait(),
+        }
+    raise ValueError(f"unknown op {op!r}; --overhead measures {', '.join(OPS)}")
+
+
+def _batch(call: Callable[[], Any], iters: int) -> float:
+    """Nanoseconds per call over ``iters`` back-to-back calls."""
+    loop = range(iters)
+    start = time.perf_counter_ns()
+    for _ in loop:
+        call()
+    return (time.perf_counter_ns() - start) / iters
+
+
+def measure(
+    ops: Sequence[str] = OPS,
+    *,
+    iters: int = 20_000,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    progress: Callable[[str], None] | None = None,
+) -> list[OverheadRow]:
+    """Time every op of ``ops`` in the three :data:`MODES`; see the module docstring."""
+    from .group import ProcessGroup
+    from .store import TCPStore
+
+    if iters < 1 or repeats < 1:
+        raise ValueError(f"iters and repeats must be >= 1, got {iters} and {repeats}")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise ValueError(f"unknown ops {unknown}; --overhead measures {', '.join(OPS)}")
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    ctx = BackendContext(
+        store=store,
+        rank=0,
+        size=1,
+        device=torch.device("cpu"),
+        timeout=_TIMEOUT_S,
+        group_name="overhead-direct",
+        group_uid="overhead-direct#0",
+        backend_name="null",
+    )
+    backend = NullBackend(ctx)
+    group = ProcessGroup(store, 0, 1, backends=NullBackend, name="overhead", timeout=timedelta(seconds=_TIMEOUT_S))
+    rows: list[OverheadRow] = []
+    try:
+        for op in ops:
+            calls = _calls(op, backend, group, dtype)
+            for call in calls.values():  # warm up: caches, the progress thread, branch predictors
+                _batch(call, max(100, iters // 10))
+            samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+            gc.collect()
+            enabled = gc.isenabled()
+            gc.disable()
+            try:
+                for _ in range(repeats):
+                    for mode in MODES:  # in rotation: drift touches every mode alike
+                        samples[mode].append(_batch(calls[mode], iters))
+            finally:
+                if enabled:
+                    gc.enable()
+            med = {mode: statistics.median(samples[mode]) for mode in MODES}
+            row = OverheadRow(
+                op=op,
+                dtype=str(dtype).removeprefix("torch."),
+                numel=1,
+                iters=iters,
+                repeats=repeats,
+                direct_ns=med["direct"],
+                blocking_ns=med["blocking"],
+                async_ns=med["async"],
+                direct_min_ns=min(samples["direct"]),
+                blocking_min_ns=min(samples["blocking"]),
+                async_min_ns=min(samples["async"]),
+                overhead_ns=med["blocking"] - med["direct"],
+                async_overhead_ns=med["async"] - med["direct"],
+            )
+            rows.append(row)
+            if progress is not None:
+                progress(f"bench --overhead: {op}: core overhead {row.overhead_us:.2f} us per blocking call")
+    finally:
+        group.shutdown()
+        backend.shutdown()
+    return rows
+
+
+# -- reports -----------------------------------------------------------------------------------------
+
+
+def format_table(rows: Sequence[OverheadRow]) -> str:
+    """One line per op, then the summary against :data:`TARGET_US` and a legend."""
+    if not rows:
+        return "(no ops measured)"
+    first = rows[0]
+    header = ["op", "direct", "blocking", "async+wait", "overhead", "async overhead"]
+    lines = [header]
+    for r in rows:
+        lines.append(
+            [
+                r.op,
+                f"{r.direct_ns / 1e3:.3f}",
+                f"{r.blocking_ns / 1e3:.3f}",
+                f"{r.async_ns / 1e3:.3f}",
+                f"{r.overhead_ns / 1e3:.3f}",
+                f"{r.async_overhead_ns / 1e3:.3f}",
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = [
+        f"# core overhead (world size 1, one process, NullBackend; {first.dtype} tensors of {first.numel} element; "
+        f"median of {first.repeats} batches of {first.iters} calls; microseconds per call)"
+    ]
+    for line in lines:
+        out.append(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))
+        )
+    worst = max(rows, key=lambda r: r.overhead_ns)
+    verdict = "within" if worst.overhead_us <= TARGET_US else "ABOVE"
+    out.append("")
+    out.append(
+        f"# core overhead per blocking call: at most {worst.overhead_us:.2f} us ({worst.op}), "
+        f"median over ops {statistics.median(r.overhead_us for r in rows):.2f} us; "
+        f"{verdict} the target of {TARGET_US:g} us"
+    )
+    out.append(
+        "# direct: the backend's method on an instance; blocking: group.OP(...); async+wait:\n"
+        "# group.OP(..., async_op=True).wait(). overhead = blocking - direct, async overhead = async+wait - direct.\n"
+        "# Compare figures from one run on one machine; repeat the run to see the spread."
+    )
+    return "\n".join(out)
+
+
+def format_json(rows: Sequence[OverheadRow]) -> str:
+    """The rows as a JSON list of objects (every field, nanoseconds)."""
+    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
+
+
+def format_csv(rows: Sequence[OverheadRow]) -> str:
+    """The rows as CSV with a header line (every field, nanoseconds)."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=[f.name for f in dataclasses.fields(OverheadRow)], lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(dataclasses.asdict(r))
+    return buf.getvalue()
