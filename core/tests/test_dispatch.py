@@ -123,7 +123,9 @@ def test_capabilities_are_enforced_before_the_backend_is_called(group, log):
     with pytest.raises(NotSupportedError, match="AVG is not supported for torch.int64"):
         group.all_reduce(torch.zeros(2, dtype=torch.int64), ReduceOp.AVG)
     with pytest.raises(NotSupportedError, match="no backend for device type 'cuda'"):
-        group.supports("all_reduce", "cuda") or group._supported.check("all_reduce", "cuda", torch.float32)
+        group.supports("all_reduce", "cuda") or group._supported.check(
+            "all_reduce", torch.device("cuda"), torch.float32
+        )
     assert log == []
     assert group.supports("all_reduce", "cpu", torch.float32, ReduceOp.SUM)
     assert not group.supports("all_reduce", "cpu", torch.complex64, ReduceOp.MAX)

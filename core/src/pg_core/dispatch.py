@@ -150,7 +150,8 @@ class Dispatcher:
     def __init__(self, specs: Mapping[str, BackendSpec], ctx: Callable[[BackendSpec, torch.device], BackendContext]):
         self._specs = dict(specs)
         self._ctx = ctx
-        self._instances: dict[str, Instance] = {}
+        self._instances: dict[str, Instance] = {}  # by device type
+        self._by_device: dict[torch.device, Instance] = {}  # the same, by every device seen (no .type on the hot path)
         self._locks = {device: threading.Lock() for device in self._specs}
         self._closed = False
 
@@ -168,8 +169,12 @@ class Dispatcher:
         """The instance for ``device``'s type, created on first use (the caller checked that
         the group has a backend for it). A timeout while it is created names ``op``, the
         user's operation that needed it."""
+        inst = self._by_device.get(device)
+        if inst is not None:
+            return inst
         inst = self._instances.get(device.type)
         if inst is not None:
+            self._by_device[device] = inst
             return inst
         with self._locks[device.type]:
             if self._closed:

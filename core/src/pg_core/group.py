@@ -244,7 +244,7 @@ class ProcessGroup:
             dtype = same_dtype(tensors, op) if len(tensors) > 1 else tensors[0].dtype
         else:
             device, dtype = self._barrier_device, None
-        self._supported.check(op, device.type, dtype, reduce_op)
+        self._supported.check(op, device, dtype, reduce_op)
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         dispatch = self._dispatch
 
@@ -587,7 +587,7 @@ class ProcessGroup:
         tensor = check_tensor(tensor)
         check_peer(peer, self._size, self._rank, "dst" if kind == "send" else "src", kind)
         check_tag(tag)
-        self._supported.check(kind, tensor.device.type, tensor.dtype)
+        self._supported.check(kind, tensor.device, tensor.dtype)
         inst = self._dispatch.instance(tensor.device, kind)
         inst.tags.check(tag)
         st = Staging()

@@ -87,13 +87,13 @@ class Objects:
         ep = self.endpoint(op)
         for direction in directions:
             if direction not in self._checked:
-                self._supported.check(direction, ep.device.type, None if ep.native else torch.uint8)
+                self._supported.check(direction, ep.device, None if ep.native else torch.uint8)
                 self._checked.add(direction)
         return ep
 
     def _check_separate(self, out: messages.Encoded, op: str) -> None:
         for t in out.separate:
-            self._supported.check(op, t.device.type, t.dtype)
+            self._supported.check(op, t.device, t.dtype)
 
     def _instance(self, device: torch.device) -> Instance:
         return self._dispatch.instance(device)
@@ -246,7 +246,7 @@ class Objects:
             separate = {}
             for index, spec in incoming.separate_specs():
                 target = self._dispatch.device(spec.device)
-                self._supported.check("broadcast", target.type, spec.dtype)
+                self._supported.check("broadcast", target, spec.dtype)
                 tensor = torch.empty(spec.shape, dtype=spec.dtype, device=target)
                 self._instance(target).backend.broadcast(tensor, src, timeout=deadline.left())
                 separate[index] = tensor

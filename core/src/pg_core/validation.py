@@ -8,7 +8,6 @@ the dense tensors the contract promises and copies results back into the user's 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
@@ -41,6 +40,9 @@ def dense(t: torch.Tensor) -> bool:
     strides and the values as they are in memory."""
     if t.is_conj() or t.is_neg():
         return False
+    ndim = t.dim()
+    if ndim <= 1:  # the common case, without building tuples
+        return ndim == 0 or t.stride(0) == 1
     expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
     for size, stride in zip(reversed(t.shape), reversed(t.stride())):  # noqa: B905 - equal lengths
         if stride != expected:
@@ -108,11 +110,14 @@ class Supported:
                 f"(configured: {configured}); pass backends={{'{device_type}': NAME}} when creating the group"
             ) from None
 
-    def check(self, op: str, device_type: str, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None) -> None:
+    def check(
+        self, op: str, device: torch.device, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None
+    ) -> None:
         """Raise :class:`NotSupportedError` unless the backend declared this combination."""
-        key = (op, device_type, dtype, None if reduce_op is None else reduce_op.type)
+        key = (op, device, dtype, None if reduce_op is None else reduce_op.type)
         if key in self._allowed:
             return
+        device_type = device.type
         spec = self.spec(device_type)
         reason = spec.capabilities_for(device_type).why_not(op, dtype, reduce_op)
         if reason is not None:
@@ -134,24 +139,22 @@ def check_tensor_list(ts: object, what: str, length: int | None) -> list[torch.T
     return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(ts)]
 
 
-def _one_of(tensors: Sequence[torch.Tensor], attr: str, op: str, what: str) -> Any:
-    first = getattr(tensors[0], attr)
-    for t in tensors[1:]:
-        if getattr(t, attr) != first:
-            raise ValueError(f"{op}: all tensors of one call must have one {what}, got {first} and {getattr(t, attr)}")
-    return first
-
-
 def one_device(tensors: Sequence[torch.Tensor], op: str) -> torch.device:
     """The single device of a call's tensors (``ValueError`` if they differ)."""
-    device: torch.device = _one_of(tensors, "device", op, "device")
-    return device
+    first = tensors[0].device
+    for t in tensors:
+        if t.device != first:
+            raise ValueError(f"{op}: all tensors of one call must have one device, got {first} and {t.device}")
+    return first
 
 
 def same_dtype(tensors: Sequence[torch.Tensor], op: str) -> torch.dtype:
     """The single dtype of a call's tensors (``ValueError`` if they differ)."""
-    dtype: torch.dtype = _one_of(tensors, "dtype", op, "dtype")
-    return dtype
+    first = tensors[0].dtype
+    for t in tensors:
+        if t.dtype is not first:
+            raise ValueError(f"{op}: all tensors of one call must have one dtype, got {first} and {t.dtype}")
+    return first
 
 
 def same_numel(tensors: Sequence[torch.Tensor], numel: int, op: str, what: str) -> None:
