@@ -580,15 +580,16 @@ def _what(op: str, first: Row) -> str:
     return what
 
 
-def format_json(rows: Sequence[Row]) -> str:
-    """The rows as a JSON list of objects (every field)."""
+def format_json(rows: Sequence[Any]) -> str:
+    """Rows (dataclass instances: :class:`Row`, :class:`pg_core.overhead.OverheadRow`) as a
+    JSON list of objects (every field)."""
     return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
 
 
-def format_csv(rows: Sequence[Row]) -> str:
-    """The rows as CSV with a header line (every field)."""
+def format_csv(rows: Sequence[Any], row_type: type = Row) -> str:
+    """Rows of ``row_type`` (a dataclass) as CSV with a header line (every field)."""
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[f.name for f in dataclasses.fields(Row)], lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[f.name for f in dataclasses.fields(row_type)], lineterminator="\n")
     writer.writeheader()
     for r in rows:
         writer.writerow(dataclasses.asdict(r))
@@ -1572,9 +1573,9 @@ def _overhead(args: argparse.Namespace) -> int:
         ops, iters=args.overhead_iters, repeats=args.repeats, dtype=DTYPES[args.dtype], progress=progress
     )
     if args.json:
-        print(overhead.format_json(rows))
+        print(format_json(rows))
     elif args.csv:
-        print(overhead.format_csv(rows), end="")
+        print(format_csv(rows, overhead.OverheadRow), end="")
     else:
         print(overhead.format_table(rows))
     return 0

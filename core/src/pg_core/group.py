@@ -597,24 +597,24 @@ class ProcessGroup:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
-        inst.send(t, dst, tag, budget)
+        inst.p2p("send", t, dst, tag, budget, async_op=False)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Receive the next message from group rank ``src`` with ``tag`` into ``tensor``."""
         inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
-        inst.recv(t, src, tag, budget)
+        inst.p2p("recv", t, src, tag, budget, async_op=False)
         if st.pending:
             st.finish()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
         """Start sending ``tensor`` to ``dst``; do not modify it until the ``Work`` completes."""
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
-        return inst.isend(t, dst, tag, budget)
+        return inst.p2p("send", t, dst, tag, budget, async_op=True)  # type: ignore[no-any-return]
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
         """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes."""
         inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
-        inner = inst.irecv(t, src, tag, budget)
+        inner: Work = inst.p2p("recv", t, src, tag, budget, async_op=True)
         return _then(inner, st.finish) if st.pending else inner
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
@@ -662,9 +662,7 @@ class ProcessGroup:
         self, src: int, *, tag: int = 0, async_op: bool = False, timeout: float | timedelta | None = None
     ) -> Any:
         """Receive the next object (or tensor, or tensor dict) that ``src`` sent with ``tag``."""
-        return self._objects.recv(
-            "recv_object", None, src=src, tag=tag, device=None, async_op=async_op, timeout=self._seconds(timeout)
-        )
+        return self._recv_value("recv_object", None, src=src, tag=tag, device=None, async_op=async_op, timeout=timeout)
 
     def send_tensor(
         self,
@@ -695,14 +693,8 @@ class ProcessGroup:
         """Receive a tensor sent with :meth:`send_tensor`, with the sender's shape and dtype,
         on ``device`` (default: the sender's device type; a CPU tensor is a view into the
         received message, not a copy)."""
-        return self._objects.recv(
-            "recv_tensor",
-            messages.TENSOR,
-            src=src,
-            tag=tag,
-            device=device_arg(device),
-            async_op=async_op,
-            timeout=self._seconds(timeout),
+        return self._recv_value(
+            "recv_tensor", messages.TENSOR, src=src, tag=tag, device=device, async_op=async_op, timeout=timeout
         )
 
     def send_tensor_dict(
@@ -739,14 +731,14 @@ class ProcessGroup:
     ) -> Any:
         """Receive a dict sent with :meth:`send_tensor_dict`; its tensors on ``device``
         (default: each tensor's sender device type)."""
-        return self._objects.recv(
+        return self._recv_value(
             "recv_tensor_dict",
             messages.TENSOR_DICT,
             src=src,
             tag=tag,
-            device=device_arg(device),
+            device=device,
             async_op=async_op,
-            timeout=self._seconds(timeout),
+            timeout=timeout,
         )
 
     def broadcast_object(
@@ -814,6 +806,21 @@ class ProcessGroup:
         """Rank ``i`` returns ``objs[i]`` of ``src`` (a copy); ``objs`` is a list of one
         object per rank on ``src`` and ``None`` elsewhere."""
         return self._objects.scatter(objs, src=src, timeout=self._seconds(timeout), async_op=async_op)
+
+    def _recv_value(
+        self,
+        op: str,
+        kind: int | None,
+        *,
+        src: int,
+        tag: int,
+        device: str | torch.device | None,
+        async_op: bool,
+        timeout: float | timedelta | None,
+    ) -> Any:
+        return self._objects.recv(
+            op, kind, src=src, tag=tag, device=device_arg(device), async_op=async_op, timeout=self._seconds(timeout)
+        )
 
     def _seconds(self, timeout: float | timedelta | None) -> float:
         return self._timeout if timeout is None else seconds(timeout, self._timeout)

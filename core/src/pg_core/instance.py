@@ -85,37 +85,18 @@ class Instance:
         return fn()
 
     # -- the user's point to point ----------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> None:
+    def p2p(self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float, *, async_op: bool) -> Any:
+        """The user's ``send``/``recv`` (``kind``) with user ``tag``: blocking, or with ``async_op``
+        the backend's own ``isend``/``irecv`` where it has them, else the blocking call on the
+        stream's helper thread (a :class:`Work`)."""
         wire = self.tags.user(tag)
         backend = self.backend
-        self.ordered(
-            "send", dst, wire, "send", lambda: backend.send(tensor, dst, wire, timeout=timeout), async_op=False
-        )
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> None:
-        wire = self.tags.user(tag)
-        backend = self.backend
-        self.ordered(
-            "recv", src, wire, "recv", lambda: backend.recv(tensor, src, wire, timeout=timeout), async_op=False
-        )
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> Work:
-        wire = self.tags.user(tag)
-        backend = self.backend
-        if self.native_isend:
-            return backend.isend(tensor, dst, wire, timeout=timeout)
-        return self.ordered(  # type: ignore[no-any-return]
-            "send", dst, wire, "isend", lambda: backend.send(tensor, dst, wire, timeout=timeout), async_op=True
-        )
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int, timeout: float) -> Work:
-        wire = self.tags.user(tag)
-        backend = self.backend
-        if self.native_irecv:
-            return backend.irecv(tensor, src, wire, timeout=timeout)
-        return self.ordered(  # type: ignore[no-any-return]
-            "recv", src, wire, "irecv", lambda: backend.recv(tensor, src, wire, timeout=timeout), async_op=True
-        )
+        sending = kind == "send"
+        if async_op and (self.native_isend if sending else self.native_irecv):
+            return (backend.isend if sending else backend.irecv)(tensor, peer, wire, timeout=timeout)
+        call = backend.send if sending else backend.recv
+        op = f"i{kind}" if async_op else kind
+        return self.ordered(kind, peer, wire, op, lambda: call(tensor, peer, wire, timeout=timeout), async_op=async_op)
 
     # -- life -------------------------------------------------------------------------
     def close(self, how: str) -> BaseException | None:

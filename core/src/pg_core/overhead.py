@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -54,8 +53,6 @@ __all__ = [
     "TARGET_US",
     "NullBackend",
     "OverheadRow",
-    "format_csv",
-    "format_json",
     "format_table",
     "measure",
 ]
@@ -335,21 +332,3 @@ def format_table(rows: Sequence[OverheadRow]) -> str:
         "# Compare figures from one run on one machine; repeat the run to see the spread."
     )
     return "\n".join(out)
-
-
-def format_json(rows: Sequence[OverheadRow]) -> str:
-    """The rows as a JSON list of objects (every field, nanoseconds)."""
-    return json.dumps([dataclasses.asdict(r) for r in rows], indent=2)
-
-
-def format_csv(rows: Sequence[OverheadRow]) -> str:
-    """The rows as CSV with a header line (every field, nanoseconds)."""
-    import csv
-    import io
-
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=[f.name for f in dataclasses.fields(OverheadRow)], lineterminator="\n")
-    writer.writeheader()
-    for r in rows:
-        writer.writerow(dataclasses.asdict(r))
-    return buf.getvalue()
