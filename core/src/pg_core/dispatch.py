@@ -1,5 +1,9 @@
-"""Dispatch: which backend serves which device type (:func:`resolve_backends`), and the live
-instances of one group, each created on first use of its device type (:class:`Dispatcher`)."""
+"""Dispatch: which backend serves which device type, and the live backend instances of one group.
+
+:func:`resolve_backends` turns the user's ``backends=`` into a spec per device type, talking
+to nobody; a :class:`Dispatcher` owns one group's instances, each created on the first use
+of its device type.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Executor: the order of one group's collectives (queue, progress thread, sequence numbers,
-the failure latch, drain on shutdown, abort).
+"""Executor: the order of one group's collectives: queue, sequence numbers, failure latch, drain, abort.
 
 Collectives of a group run one at a time, in the order they were called, each with the
 next sequence number: a blocking one in the caller's thread when nothing is queued (no

@@ -1,5 +1,4 @@
-"""``ProcessGroup``: the front door. One object per group; every method validates its
-arguments, picks the backend of its tensors' device type, and hands the call on.
+"""``ProcessGroup``, the front door: every method validates, picks its device's backend, and submits.
 
 There is no default group and no global rank: a ``ProcessGroup`` is an ordinary object, a
 process may hold any number of them, and every rank it speaks of is a rank *in that group*.
