@@ -7,7 +7,9 @@ for the suite (``--pg-backend``). The suite itself runs with::
 
     pytest --pg-backend NAME --pyargs pg_core.testing
 
-or, the same with a summary table, ``pg-core conformance NAME``.
+or, the same with a summary table, ``pg-core conformance NAME``. ``NAME`` is any
+backend reference :func:`pg_core.registry.resolve_backend_ref` reads: a registered
+name, ``package.module:ATTR`` or ``path/to/file.py:ATTR`` naming a ``BackendSpec``.
 
 ``--pg-xfail FILE`` lists a plugin's known gaps, one conformance test name (or
 an ``fnmatch`` pattern) per line, ``#`` starting a comment that is used as the
@@ -29,7 +31,10 @@ _SUITE = pytest.StashKey[Any]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pg-core", "pg-core conformance suite")
     group.addoption(
-        "--pg-backend", metavar="NAME", help="backend to certify: a registered name or module:attr of a spec"
+        "--pg-backend",
+        metavar="NAME",
+        help="backend to certify: a registered name (name@distribution pins one), or package.module:ATTR or "
+        "path/to/file.py:ATTR naming a BackendSpec (a relative path is relative to the current directory)",
     )
     group.addoption(
         "--pg-world-sizes", metavar="LIST", default="1,2,3,4", help="comma-separated world sizes (default 1,2,3,4)"

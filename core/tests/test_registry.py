@@ -557,6 +557,27 @@ def test_file_and_module_references_of_every_kind(spec_file: Path, tmp_path: Pat
         resolve_backend_ref("tcp:")
 
 
+def test_an_absolute_reference_names_the_same_file_from_any_directory(
+    spec_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pg_core.registry import absolute_backend_ref, resolve_backend_ref
+
+    monkeypatch.chdir(spec_file.parent)
+    absolute = absolute_backend_ref(" my_spec.py:SPEC ")
+    assert absolute == f"{spec_file}:SPEC"
+    assert absolute_backend_ref(f"./sub/../{spec_file.name}:SPEC") == absolute
+    assert absolute_backend_ref(absolute) == absolute
+    got = resolve_backend_ref("my_spec.py:SPEC")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert resolve_backend_ref(absolute) is got  # the same file, so the same module, run once
+    with pytest.raises(BackendNotFoundError, match="there is no file my_spec.py"):
+        resolve_backend_ref("my_spec.py:SPEC")
+    for unchanged in ("tcp", "tcp@pg-tcp", "pg_core.backend:SPEC", "tcp:"):
+        assert absolute_backend_ref(unchanged) == unchanged
+
+
 def test_a_name_reference_is_the_registrys() -> None:
     from pg_core.registry import resolve_backend_ref
 

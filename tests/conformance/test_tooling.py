@@ -85,6 +85,32 @@ def test_failure_prints_a_replay_line_that_reproduces_it() -> None:
     assert replay in again.stdout  # the same example, so the same line
 
 
+def test_a_relative_file_reference_is_the_same_file_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative to the controller's directory when the suite is made; the ranks get it absolute,
+    so they load that file from wherever they start; the replay line repeats it as typed."""
+    from pg_core.testing.harness import Conformance, ConformanceFailure
+
+    monkeypatch.chdir(HERE)
+    with Conformance("wrong_root.py:SPEC", world_sizes=(2,), max_examples=5, shrink=False) as suite:
+        assert suite.spec.name == "wrong-root"
+        assert suite.rank_ref == f"{HERE / 'wrong_root.py'}:SPEC"
+        monkeypatch.chdir(tmp_path)  # the rank processes start here, where there is no wrong_root.py
+        with pytest.raises(ConformanceFailure) as info:
+            suite.check("broadcast")
+    assert info.value.check == "reference", info.value
+    assert info.value.replay is not None
+    assert info.value.replay.startswith("pg-core conformance wrong_root.py:SPEC --replay broadcast "), info.value.replay
+
+
+def test_pytest_help_names_every_form_of_backend_reference() -> None:
+    cmd = [sys.executable, "-m", "pytest", "-p", "pytest_pg_core", "--help"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    text = " ".join(proc.stdout.split())
+    assert "registered name" in text and "package.module:ATTR" in text and "path/to/file.py:ATTR" in text, text
+
+
 def test_replay_of_a_passing_example() -> None:
     example = (
         '{"device":"cpu","lanes":[{"calls":[{"async_op":false,"dtype":"int32","late":null,"layout":"strided",'

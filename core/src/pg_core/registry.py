@@ -82,6 +82,7 @@ __all__ = [
     "PluginEntry",
     "PluginSpecs",
     "Registry",
+    "absolute_backend_ref",
     "default_registry",
     "hookimpl",
     "hookspec",
@@ -817,8 +818,7 @@ def resolve_backend_ref(
             f"{ref!r} is not a backend reference: expected a backend name (see `pg-core backends`), "
             f"'package.module:ATTR' or 'path/to/file.py:ATTR'"
         )
-    is_file = where.endswith(".py") or os.sep in where or "/" in where
-    module, source = _load_ref_module(ref, where) if is_file else _import_ref_module(ref, where)
+    module, source = _load_ref_module(ref, where) if _is_file_ref(where) else _import_ref_module(ref, where)
     obj: Any = module
     parts = attr.split(".")
     for i, part in enumerate(parts):
@@ -857,6 +857,25 @@ def resolve_backend_ref(
     if reason is not None:
         raise BackendUnavailableError(f"Backend {spec.name!r} ({ref}) cannot run here: {_clause(reason)}.")
     return spec
+
+
+def absolute_backend_ref(ref: str) -> str:
+    """``ref`` as :func:`resolve_backend_ref` would read it here, for another process that
+    may run in another working directory: a ``path/to/file.py:ATTR`` reference with its path
+    made absolute (``~`` expanded, relative to the current directory); a name or a
+    ``module:ATTR`` reference as it is. Both resolve to the same file in every process."""
+    if not isinstance(ref, str):
+        raise TypeError(f"a backend reference is a str, got {type(ref).__name__}: {ref!r}")
+    ref = ref.strip()
+    where, sep, attr = (part.strip() for part in ref.rpartition(":"))
+    if not sep or not where or not _is_file_ref(where):
+        return ref
+    return f"{os.path.abspath(os.path.expanduser(where))}:{attr}"
+
+
+def _is_file_ref(where: str) -> bool:
+    """Whether the part of a reference before its last ``:`` names a file, not a module."""
+    return where.endswith(".py") or os.sep in where or "/" in where
 
 
 def _import_ref_module(ref: str, name: str) -> tuple[Any, str]:

@@ -56,9 +56,10 @@ import torch
 
 from ..backend import Backend, BackendSpec, Capabilities
 from ..ops import COLLECTIVE_OPS, RedOpType
+from ..registry import absolute_backend_ref, resolve_backend_ref
 from .cases import VALUE_OPS, Call, Example, Expected, dtype_of, expected, input_bases
 from .pool import RankPool, RanksFailed
-from .rank import resolve_backend, run_dead_peer, run_example
+from .rank import run_dead_peer, run_example
 from .values import collective_input, collective_result, difference, message_value, observe
 
 __all__ = ["PROFILES", "TESTS", "Conformance", "ConformanceFailure", "Profile"]
@@ -130,10 +131,14 @@ class ConformanceFailure(AssertionError):
 class Conformance:
     """The suite against one backend.
 
-    ``backend`` is a registered name or ``"module:attr"`` / ``"file.py:attr"``
-    naming a :class:`~pg_core.backend.BackendSpec`. ``pools`` lets a caller share
-    rank pools (a callable from world size to :class:`RankPool`); by default the
-    suite owns its pools and :meth:`close` stops them.
+    ``backend`` is a reference as :func:`~pg_core.registry.resolve_backend_ref` reads it
+    (``factories=False``): a registered name (``"name@distribution"`` pins one),
+    ``"package.module:ATTR"`` or ``"path/to/file.py:ATTR"`` naming a
+    :class:`~pg_core.backend.BackendSpec`; a relative file path is relative to the
+    current directory when the suite is made. The controller and every rank resolve
+    it with that one function (the ranks get :attr:`rank_ref`, whose file path is
+    absolute). ``pools`` lets a caller share rank pools (a callable from world size to
+    :class:`RankPool`); by default the suite owns its pools and :meth:`close` stops them.
     """
 
     def __init__(
@@ -154,7 +159,9 @@ class Conformance:
         self.world_sizes = tuple(sorted(set(world_sizes)))
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ValueError(f"world sizes must be >= 1, got {list(world_sizes)}")
-        self.spec = resolve_spec(backend)
+        self.spec = resolve_backend_ref(backend, factories=False)
+        #: ``backend`` as the ranks resolve it, whatever their working directory.
+        self.rank_ref = absolute_backend_ref(backend)
         usable, self.skipped_devices = _usable_devices(self.spec, devices)
         if not usable:
             reasons = "; ".join(f"{d}: {why}" for d, why in self.skipped_devices.items())
@@ -313,7 +320,7 @@ class Conformance:
         start = time.monotonic()
         try:
             results = self.pool(example.world_size).run(
-                run_example, self.backend_ref, example.to_json(), self.profile.op_timeout, timeout=deadline
+                run_example, self.rank_ref, example.to_json(), self.profile.op_timeout, timeout=deadline
             )
         except RanksFailed as exc:
             failure = self._ranks_failed(test, exc, example)
@@ -564,7 +571,7 @@ class Conformance:
         for device in self.devices:
             start = time.monotonic()
             results = self.pool(n).run(
-                _supports_table, self.backend_ref, device, self.profile.op_timeout, timeout=self.profile.deadline
+                _supports_table, self.rank_ref, device, self.profile.op_timeout, timeout=self.profile.deadline
             )
             self.seconds["supports"] += time.monotonic() - start
             table: dict[tuple[str, str, str | None], bool] = results[0]
@@ -600,7 +607,7 @@ class Conformance:
                 try:
                     results = self.pool(n).run(
                         run_dead_peer,
-                        self.backend_ref,
+                        self.rank_ref,
                         device,
                         victim,
                         op_timeout,
@@ -644,16 +651,6 @@ _TIMEOUT_OPS = ("all_reduce", "barrier", "all_gather", "broadcast")
 
 class NotApplicable(Exception):
     """The backend declares nothing this test could draw; the message says why."""
-
-
-def resolve_spec(ref: str) -> BackendSpec:
-    """The spec that a backend name, ``module:attr`` or ``file.py:attr`` names."""
-    resolved = resolve_backend(ref)
-    if isinstance(resolved, BackendSpec):
-        return resolved
-    from ..registry import default_registry
-
-    return default_registry().require(resolved)
 
 
 def _usable_devices(spec: BackendSpec, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
@@ -792,9 +789,8 @@ def _supports_table(
     from .cases import dtype_name
 
     reducing = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
-    group = ProcessGroup(
-        ctx.store, ctx.rank, ctx.size, backends={device: resolve_backend(backend_ref)}, timeout=op_timeout
-    )
+    spec = resolve_backend_ref(backend_ref, device, factories=False)
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends={device: spec}, timeout=op_timeout)
     table: dict[tuple[str, str, str | None], bool] = {}
     try:
         for op in (*COLLECTIVE_OPS, "send", "recv"):

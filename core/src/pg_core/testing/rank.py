@@ -15,10 +15,7 @@ subgroup it formed. A subgroup's lane runs on the subgroup right after the
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -29,6 +26,7 @@ from ..backend import BackendSpec
 from ..errors import CollectiveTimeout
 from ..group import P2POp, ProcessGroup
 from ..ops import RedOpType, ReduceOp
+from ..registry import resolve_backend_ref
 from ..store import wait_for
 from ..work import Work
 from .cases import Bufs, Call, Example, depends_on, dtype_of, prepare
@@ -41,37 +39,10 @@ from .values import (
     spec_dtypes,
 )
 
-__all__ = ["resolve_backend", "run_example"]
+__all__ = ["run_dead_peer", "run_example"]
 
 #: How long a rank watches an async call that must not be complete yet.
 EARLY_WINDOW_S = 0.05
-
-
-def resolve_backend(ref: str) -> str | BackendSpec:
-    """A registered backend name, or ``"module:attr"`` / ``"path/file.py:attr"``
-    naming a :class:`~pg_core.backend.BackendSpec` (for backends not installed yet)."""
-    if ":" not in ref:
-        return ref
-    where, _, attr = ref.rpartition(":")
-    if where.endswith(".py"):
-        path = os.path.abspath(where)
-        name = "pg_core_conformance_target_" + str(abs(hash(path)))
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load backend spec from {path}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    obj: Any = module
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, BackendSpec):
-        raise TypeError(f"{ref} is a {type(obj).__name__}, not a BackendSpec")
-    return obj
 
 
 def _device(device_type: str, rank: int) -> torch.device:
@@ -97,7 +68,7 @@ class _Lane:
         ctx: Any,
         ex: Example,
         index: int,
-        backend: str | BackendSpec,
+        backend: BackendSpec,
         op_timeout: float,
         *,
         results: dict[int, Any],
@@ -698,7 +669,7 @@ def _bad_subgroup(group: ProcessGroup, kind: str) -> None:
 def run_example(ctx: Any, backend_ref: str, example_json: str, op_timeout: float) -> dict[str, Any]:
     """Run ``example_json`` on this rank; return ``{lane index: records}`` and timings."""
     ex = Example.from_json(example_json)
-    backend = resolve_backend(backend_ref)
+    backend = resolve_backend_ref(backend_ref, ex.device, factories=False)
     mine = [i for i, lane in enumerate(ex.lanes) if lane.parent is None and ctx.rank in lane.members]
     results: dict[int, Any] = {}
     start = time.monotonic()
@@ -726,7 +697,7 @@ def run_dead_peer(
     """Rank ``victim`` dies after a first exchange; every other rank then waits on it.
 
     Returns the error the waiting rank saw (``None`` on the victim, which never returns)."""
-    backend = resolve_backend(backend_ref)
+    backend = resolve_backend_ref(backend_ref, device_type, factories=False)
     group = ProcessGroup(
         ctx.store,
         ctx.rank,
