@@ -63,10 +63,13 @@ __all__ = [
     "binomial_tree",
     "broadcast",
     "combine_",
+    "divide_",
+    "elementwise",
     "gather",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "scale_",
     "scatter",
 ]
 
@@ -301,8 +304,10 @@ def combine_(acc: torch.Tensor, other: torch.Tensor, op: RedOpType) -> None:
     BINARY_OPS[op](acc, other, out=acc)
 
 
-def _elementwise(fn: _Binary, out: torch.Tensor, a: torch.Tensor, b: object, serial: int, **kwargs: Any) -> None:
-    """``fn(a, b, out=out, **kwargs)``, in slices of at most ``serial`` elements (``0``: whole).
+def elementwise(fn: _Binary, out: torch.Tensor, a: torch.Tensor, b: object, serial: int, **kwargs: Any) -> None:
+    """``fn(a, b, out=out, **kwargs)``, in slices of at most ``serial`` elements (``0``: whole):
+    how every reduction of the algorithms runs (see :attr:`Tuning.serial_elems`), and how a
+    backend's own reductions can run the same way.
 
     ``a`` has ``out``'s element count; ``b`` is a tensor like it or a scalar.
     Elementwise, so the slicing never changes a result.
@@ -318,16 +323,18 @@ def _elementwise(fn: _Binary, out: torch.Tensor, a: torch.Tensor, b: object, ser
             fn(x, b, out=o, **kwargs)
 
 
-def _scale_(tensor: torch.Tensor, factor: float | complex, serial: int) -> None:
-    _elementwise(torch.mul, tensor, tensor, factor, serial)
+def scale_(tensor: torch.Tensor, factor: float | complex, serial: int) -> None:
+    """The PREMUL_SUM start: ``tensor *= factor`` in place, in slices of ``serial`` elements."""
+    elementwise(torch.mul, tensor, tensor, factor, serial)
 
 
-def _divide_(tensor: torch.Tensor, size: int, serial: int) -> None:
-    """The AVG finish: floating point divides; integers (never sent by the core) truncate."""
+def divide_(tensor: torch.Tensor, size: int, serial: int) -> None:
+    """The AVG finish, ``tensor /= size`` in place in slices of ``serial`` elements: floating
+    point divides; integers (never sent by the core) truncate."""
     if tensor.is_floating_point() or tensor.is_complex():
-        _elementwise(torch.div, tensor, tensor, size, serial)
+        elementwise(torch.div, tensor, tensor, size, serial)
     else:
-        _elementwise(torch.div, tensor, tensor, size, serial, rounding_mode="trunc")
+        elementwise(torch.div, tensor, tensor, size, serial, rounding_mode="trunc")
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -388,7 +395,7 @@ def all_reduce(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tunin
     kind = op.type
     tune = tuning or DEFAULT_TUNING
     if kind is RedOpType.PREMUL_SUM:
-        _scale_(flat, op.factor_value(), tune.serial_elems)  # once per contribution, at its source
+        scale_(flat, op.factor_value(), tune.serial_elems)  # once per contribution, at its source
     size = ch.size
     if size == 1:
         return
@@ -409,9 +416,9 @@ def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial:
         other = torch.empty_like(flat)
         ch.sendrecv(flat, peer, other, peer)
         if rank == 0:
-            _elementwise(fn, flat, flat, other, serial)
+            elementwise(fn, flat, flat, other, serial)
         else:
-            _elementwise(fn, flat, other, flat, serial)
+            elementwise(fn, flat, other, flat, serial)
     else:
         sends = [ch.isend(flat, (rank + k) % size) for k in range(1, size)]
         # rank 0 folds straight into its tensor; the others fold x0 .. x(rank-1) into
@@ -425,7 +432,7 @@ def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial:
                 if i == 0:
                     continue
                 _wait_all(ch, sends)
-                _elementwise(fn, flat, acc, flat, serial)
+                elementwise(fn, flat, acc, flat, serial)
                 acc = flat
             elif i == 0:
                 acc = bufs[0]
@@ -434,9 +441,9 @@ def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial:
                 ch.recv(incoming, i)
                 if acc is flat and sends:
                     _wait_all(ch, sends)
-                _elementwise(fn, acc, acc, incoming, serial)
+                elementwise(fn, acc, acc, incoming, serial)
     if kind is RedOpType.AVG:
-        _divide_(flat, size, serial)
+        divide_(flat, size, serial)
 
 
 _Started = tuple[Work, Work, torch.Tensor, torch.Tensor, torch.Tensor, bool]
@@ -492,7 +499,7 @@ def _ring_reduce_scatter(
             assert sbufs is not None
             piece = own[sent][lo:hi]
             src = sbufs[slot][: piece.numel()]
-            _elementwise(torch.mul, src, piece, factor, serial)
+            elementwise(torch.mul, src, piece, factor, serial)
         else:
             src = own[sent][lo:hi]
         mine = own[received][lo:hi]
@@ -513,11 +520,11 @@ def _ring_reduce_scatter(
         ch.wait(rwork)
         ch.wait(swork)  # ``dest`` may be the buffer that was sent
         if factor is not None:
-            _elementwise(torch.add, dest, rbuf, mine, serial, alpha=factor)
+            elementwise(torch.add, dest, rbuf, mine, serial, alpha=factor)
         else:
-            _elementwise(fn, dest, rbuf, mine, serial)
+            elementwise(fn, dest, rbuf, mine, serial)
         if final and kind is RedOpType.AVG:
-            _divide_(dest, size, serial)
+            divide_(dest, size, serial)
 
 
 def _ring_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> None:
@@ -605,7 +612,7 @@ def reduce(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning:
     factor = op.factor_value() if op.type is RedOpType.PREMUL_SUM else None
     if size == 1:
         if factor is not None:
-            _scale_(flat, factor, tune.serial_elems)
+            scale_(flat, factor, tune.serial_elems)
         return
     seg = tune.segment_elems(flat.element_size())
     nseg = max(1, -(-flat.numel() // seg))
@@ -638,7 +645,7 @@ def _tree_reduce(
     abuf = flat.new_empty(seg_len) if parent is not None and (children or factor is not None) else None
     fn = BINARY_OPS[kind]
     if parent is None and factor is not None:
-        _scale_(flat, factor, serial)
+        scale_(flat, factor, serial)
     for j in range(nseg):
         mine = flat[j * seg : (j + 1) * seg]
         n = mine.numel()
@@ -646,18 +653,18 @@ def _tree_reduce(
         if parent is not None and factor is not None:
             assert abuf is not None
             acc = abuf[:n]
-            _elementwise(torch.mul, acc, mine, factor, serial)
+            elementwise(torch.mul, acc, mine, factor, serial)
         for child in children:
             assert rbuf is not None
             incoming = rbuf[:n]
             ch.recv(incoming, child)
             dest = abuf[:n] if acc is mine and abuf is not None else acc
-            _elementwise(fn, dest, acc, incoming, serial)
+            elementwise(fn, dest, acc, incoming, serial)
             acc = dest
         if parent is not None:
             ch.send(acc, parent)
     if parent is None and kind is RedOpType.AVG:
-        _divide_(flat, size, serial)
+        divide_(flat, size, serial)
 
 
 def _chain_reduce(
@@ -683,7 +690,7 @@ def _chain_reduce(
             if factor is not None:
                 assert sbuf is not None
                 scaled = sbuf[: mine.numel()]
-                _elementwise(torch.mul, scaled, mine, factor, serial)
+                elementwise(torch.mul, scaled, mine, factor, serial)
                 mine = scaled
             ch.send(mine, left)
         return
@@ -699,12 +706,12 @@ def _chain_reduce(
         ch.recv(incoming, right)
         dest = mine if vrank == 0 else incoming
         if factor is not None:
-            _elementwise(torch.add, dest, incoming, mine, serial, alpha=factor)
+            elementwise(torch.add, dest, incoming, mine, serial, alpha=factor)
         else:
-            _elementwise(fn, dest, mine, incoming, serial)
+            elementwise(fn, dest, mine, incoming, serial)
         if vrank == 0:
             if kind is RedOpType.AVG:
-                _divide_(dest, size, serial)
+                divide_(dest, size, serial)
         else:
             sends[slot] = ch.isend(dest, left)
     for work in sends:
@@ -846,7 +853,7 @@ def _reduce_scatter_blocks(
         target = torch.empty_like(out)  # the output doubles as scratch, so it must not be an input
     if size == 1:
         if factor is not None:
-            _elementwise(torch.mul, target, pieces[0], factor, serial)
+            elementwise(torch.mul, target, pieces[0], factor, serial)
         else:
             target.copy_(pieces[0])
     elif out.nbytes <= tuning.small_bytes:
@@ -879,10 +886,10 @@ def _direct_reduce_scatter(
             ch.recv(incoming, i)
             x = incoming
         if i:
-            _elementwise(fn, out, acc, x, serial)
+            elementwise(fn, out, acc, x, serial)
             acc = out
     if kind is RedOpType.AVG:
-        _divide_(out, size, serial)
+        divide_(out, size, serial)
     _wait_all(ch, sends)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 from .errors import CollectiveTimeout
 
-__all__ = ["DEFAULT_TIMEOUT", "Deadline", "seconds"]
+__all__ = ["DEFAULT_TIMEOUT", "Deadline", "seconds", "told_as"]
 
 #: Default per-operation timeout of a group, in seconds.
 DEFAULT_TIMEOUT = 300.0
@@ -46,3 +48,18 @@ class Deadline:
     def remaining(self) -> float:
         """Seconds left, ``0.0`` once none are (never raises)."""
         return max(0.0, self.at - time.monotonic())
+
+
+@contextmanager
+def told_as(op: str, what: str, timeout: float, seq: int | None = None) -> Iterator[None]:
+    """A timeout inside the block is told as the user's ``op`` (``what``: its peer, its tag),
+    not as the internal step that met it (a backend's ``recv_bytes``); the step's own error
+    stays attached as the cause. Its ``peers`` (the ranks not heard from) carry over."""
+    try:
+        yield
+    except CollectiveTimeout as exc:
+        if exc.op == op and exc.seq == seq:
+            raise  # already the user's: a Deadline of this op
+        silent = f"; not heard from rank(s) {', '.join(map(str, exc.peers))}" if exc.peers else ""
+        told = CollectiveTimeout(f"{op}{what} timed out after {timeout:g} s{silent}", op=op, seq=seq, peers=exc.peers)
+        raise told from exc
