@@ -328,3 +328,55 @@ def closed_and_unsupported(ctx):
 
 def test_unsupported_and_closed_raise_locally(rank_pools):
     rank_pools(2).run(closed_and_unsupported)
+
+
+def pair_while_third_is_idle(ctx):
+    """Ranks 0 and 1 exchange while rank 2, in the group, calls nothing until they are done."""
+    with _group(ctx) as g:
+        if ctx.rank == 2:
+            ctx.store.wait(["pair-done"])  # idle: it touches the group only after the pair finished
+        else:
+            peer = 1 - ctx.rank
+            if ctx.rank == 0:
+                g.send(torch.arange(4.0), peer)
+                g.send_object({"hello": "from 0"}, peer)
+                got = g.recv_object(peer)
+            else:
+                t = torch.empty(4)
+                g.recv(t, peer)
+                assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+                assert g.recv_object(peer) == {"hello": "from 0"}
+                g.send_object(["from", 1], peer)
+                got = None
+                ctx.store.set("pair-done", "1")
+            if ctx.rank == 0:
+                assert got == ["from", 1]
+        t = torch.full((3,), float(ctx.rank + 1))
+        g.all_reduce(t)  # then everyone: the connections to rank 2 are made now
+        assert t.tolist() == [6.0, 6.0, 6.0]
+        g.barrier()
+        return ctx.rank
+
+
+def test_point_to_point_needs_only_its_two_ranks(rank_pools):
+    # the pool fails a call whose ranks leave threads or sockets behind
+    assert rank_pools(3).run(pair_while_third_is_idle, timeout=120) == [0, 1, 2]
+
+
+def recv_object_from_a_silent_peer(ctx):
+    with _group(ctx, timeout=2.0) as g:
+        if ctx.rank == 1:
+            ctx.store.wait(["timed-out"])  # alive, in the group, but sends nothing
+            return None
+        if ctx.rank == 2:
+            return None
+        with pytest.raises(CollectiveTimeout) as info:
+            g.recv_object(1)
+        ctx.store.set("timed-out", "1")
+        return info.value.op, str(info.value)
+
+
+def test_a_first_receive_times_out_as_the_users_op(rank_pools):
+    op, message = rank_pools(3).run(recv_object_from_a_silent_peer, timeout=120)[0]
+    assert op == "recv_object", message
+    assert "connect" not in message and "recv_bytes" not in message, message

@@ -339,30 +339,32 @@ def test_irecv_then_send_on_both_ranks(rank_pools: Pools) -> None:
     rank_pools(2).run(irecv_then_send)
 
 
-def isend_overlaps_compute(ctx: RankContext) -> tuple[float, float]:
+def isend_overlaps_compute(ctx: RankContext) -> bool:
     with backend(ctx) as b:
         n = 16 * 1024 * 1024  # 64 MiB of float32
         if ctx.rank == 0:
             work = b.isend(torch.ones(n), 1, 0, timeout=ctx.timeout)
-            a = torch.randn(256, 256)
-            start = time.time()
-            while time.time() - start < 2.0:  # compute, never calling into the backend
+            a = torch.randn(64, 64)
+            # compute, never calling into the backend, until the receiver says it has it all;
+            # the deadline is only a hang guard: reaching it means nothing moved meanwhile
+            guard = time.monotonic() + ctx.timeout
+            while not ctx.store.check(["received-all"]) and time.monotonic() < guard:
                 a = torch.tanh(a @ a)
-            compute_end = time.time()
+            delivered_while_computing = ctx.store.check(["received-all"])
             work.wait()
             b.recv(torch.empty(1), 1, 1, timeout=ctx.timeout)
-            return compute_end, 0.0
+            return delivered_while_computing
         t = torch.zeros(n)
         b.recv(t, 0, 0, timeout=ctx.timeout)
-        received = time.time()
+        ctx.store.set("received-all", "1")
         assert bool((t == 1).all())
         b.send(torch.empty(1), 0, 1, timeout=ctx.timeout)
-        return 0.0, received
+        return True
 
 
 def test_isend_of_64mib_overlaps_compute(rank_pools: Pools) -> None:
-    (compute_end, _), (_, received) = rank_pools(2).run(isend_overlaps_compute)
-    assert received <= compute_end, "the receiver got the data only after the sender stopped computing"
+    delivered, _ = rank_pools(2).run(isend_overlaps_compute)
+    assert delivered, "the receiver got the data only after the sender stopped computing and waited"
 
 
 def bytes_of_random_sizes(ctx: RankContext) -> None:
@@ -638,10 +640,10 @@ def test_p2p_stress_from_many_threads(rank_pools: Pools) -> None:
     assert all(c > 0 for c in counts)
 
 
-def collective_mismatch(ctx: RankContext, variant: str) -> tuple[str, str, float]:
-    with backend(ctx, timeout=60.0) as b:
+def collective_mismatch(ctx: RankContext, variant: str) -> tuple[str, str]:
+    # the timeout is far beyond the pool's hang guard: a mismatch must be found, not timed out
+    with backend(ctx, timeout=3600.0) as b:
         t = torch.ones(8)
-        start = time.monotonic()
         try:
             if variant == "op":
                 if ctx.rank == 0:
@@ -657,7 +659,6 @@ def collective_mismatch(ctx: RankContext, variant: str) -> tuple[str, str, float
             first = "ok"
         except CollectiveMismatchError as exc:
             first = f"mismatch: {exc}"
-        elapsed = time.monotonic() - start
         # the collective stream is broken now: the next collective fails at once ...
         try:
             b.barrier(timeout=60.0)
@@ -668,15 +669,14 @@ def collective_mismatch(ctx: RankContext, variant: str) -> tuple[str, str, float
         peer = 1 - ctx.rank
         b.send(torch.ones(1), peer, 0, timeout=60.0)
         b.recv(torch.empty(1), peer, 0, timeout=60.0)
-        return first, second, elapsed
+        return first, second
 
 
 @pytest.mark.parametrize("variant", ["op", "dtype", "root", "size"])
 def test_collective_mismatch_raises_instead_of_hanging(rank_pools: Pools, variant: str) -> None:
     results = rank_pools(2).run(collective_mismatch, variant, timeout=60)
-    assert any(first.startswith("mismatch") for first, _, _ in results), results
-    assert all(second.startswith("mismatch") for _, second, _ in results), results
-    assert all(elapsed < 10 for _, _, elapsed in results), results
+    assert any(first.startswith("mismatch") for first, _ in results), results
+    assert all(second.startswith("mismatch") for _, second in results), results
 
 
 def skipped_collective(ctx: RankContext) -> tuple[tuple[int, ...], int | None, str | None, float, str] | None:
@@ -701,11 +701,11 @@ def test_timeout_names_the_missing_peer(rank_pools: Pools) -> None:
         peers, seq, op, elapsed, message = result
         assert peers == (2,), message
         assert op == "all_reduce" and seq == 2, message
-        assert 1.9 <= elapsed < 6.0, elapsed
+        assert elapsed >= 1.9, elapsed  # not before its timeout (a lower bound: load cannot break it)
         assert "rank(s) 2" in message
 
 
-def abort_from_another_thread(ctx: RankContext) -> float | None:
+def abort_from_another_thread(ctx: RankContext) -> bool | None:
     b = make_backend(ctx, timeout=60.0)
     if ctx.rank == 1:  # never sends; waits until rank 0 aborted
         ctx.store.wait(["aborted"])
@@ -729,22 +729,19 @@ def abort_from_another_thread(ctx: RankContext) -> float | None:
 
     thread = threading.Thread(target=abort_when_blocked)
     thread.start()
-    start = time.monotonic()
-    with pytest.raises(GroupClosedError):
-        b.recv(torch.empty(1), 1, 0, timeout=60.0)
-    elapsed = time.monotonic() - start
+    with pytest.raises(GroupClosedError):  # its timeout is far beyond the pool's hang guard
+        b.recv(torch.empty(1), 1, 0, timeout=3600.0)
     thread.join(30)
     with pytest.raises(GroupClosedError):
         b.all_reduce(torch.ones(1), ReduceOp.SUM, timeout=5.0)
     with pytest.raises(GroupClosedError):
         b.send(torch.ones(1), 1, 0, timeout=5.0)
     ctx.store.set("aborted", "1")
-    return elapsed
+    return not thread.is_alive()
 
 
 def test_abort_from_another_thread_wakes_the_blocked_call(rank_pools: Pools) -> None:
-    elapsed = rank_pools(2).run(abort_from_another_thread)[0]
-    assert elapsed is not None and elapsed < 10
+    assert rank_pools(2).run(abort_from_another_thread, timeout=60) == [True, None]
 
 
 def abort_pending_async(ctx: RankContext) -> None:
@@ -816,7 +813,9 @@ def threads_and_sockets(ctx: RankContext) -> tuple[int, int, int, int]:
 def test_shutdown_releases_threads_and_sockets(rank_pools: Pools) -> None:
     for extra_threads, extra_sockets, left_threads, left_sockets in rank_pools(3).run(threads_and_sockets):
         assert extra_threads == 1  # the progress thread, started by isend/irecv
-        assert extra_sockets == 2 + 2  # one per peer, plus the wake-up socketpair
+        # the listener, the wake-up socketpair, and a connection per peer (two while a pair that
+        # connected at the same moment retires one: see the transport's docstring)
+        assert 3 + 2 <= extra_sockets <= 3 + 2 * 2, extra_sockets
         assert left_threads == 0 and left_sockets == 0
 
 
@@ -833,38 +832,76 @@ def threads_and_sockets_single(ctx: RankContext) -> tuple[int, int]:
         return threading.active_count() - threads0, _sockets() - sockets0
 
 
+def pair_before_the_third_exists(ctx: RankContext) -> list[float]:
+    """Constructing waits for nobody: ranks 0 and 1 exchange before rank 2 even has a backend."""
+    if ctx.rank == 2:
+        ctx.store.wait(["pair-done"])
+    with backend(ctx) as b:
+        if ctx.rank < 2:
+            peer = 1 - ctx.rank
+            got = torch.empty(2)
+            b.send(torch.full((2,), float(ctx.rank)), peer, 5, timeout=ctx.timeout)
+            b.recv(got, peer, 5, timeout=ctx.timeout)
+            assert got.tolist() == [float(peer)] * 2
+            if ctx.rank == 0:
+                b.send_bytes(b"x", 1, 6, timeout=ctx.timeout)
+            else:
+                assert bytes(b.recv_bytes(0, 6, timeout=ctx.timeout)) == b"x"
+                ctx.store.set("pair-done", "1")
+        t = torch.full((2,), float(ctx.rank))
+        b.all_reduce(t, ReduceOp.SUM, timeout=ctx.timeout)
+        return t.tolist()
+
+
+def test_a_pair_connects_on_first_use_without_the_others(rank_pools: Pools) -> None:
+    assert rank_pools(3).run(pair_before_the_third_exists, timeout=120) == [[3.0, 3.0]] * 3
+
+
+def send_to_a_rank_without_a_backend(ctx: RankContext) -> tuple[str | None, str] | None:
+    if ctx.rank == 1:  # never creates its backend: never publishes an address
+        ctx.store.wait(["timed-out"])
+        return None
+    with backend(ctx) as b:
+        with pytest.raises(CollectiveTimeout) as info:
+            b.send(torch.ones(1), 1, 0, timeout=1.0)
+        ctx.store.set("timed-out", "1")
+        return info.value.op, str(info.value)
+
+
+def test_a_peer_that_never_listens_times_out_the_users_op(rank_pools: Pools) -> None:
+    op, message = rank_pools(2).run(send_to_a_rank_without_a_backend, timeout=60)[0]
+    assert op == "send", message
+    assert "rank 1" in message and "address" in message, message
+
+
 # -- last: a rank that dies takes its pool with it (the next call starts a fresh one) --
 
 
-def dead_peer(ctx: RankContext) -> tuple[str, float, str, float] | None:
-    b = make_backend(ctx, timeout=60.0)
+def dead_peer(ctx: RankContext) -> tuple[str, str] | None:
+    # every timeout is far beyond the pool's hang guard: the death must be noticed, not timed out
+    b = make_backend(ctx, timeout=3600.0)
     b.barrier(timeout=60.0)
     if ctx.rank == ctx.size - 1:
         os._exit(0)  # die without a word
     try:
-        start = time.monotonic()
         with pytest.raises(PeerFailureError) as coll:
-            b.all_reduce(torch.ones(10), ReduceOp.SUM, timeout=60.0)
-        coll_elapsed = time.monotonic() - start
-        start = time.monotonic()
+            b.all_reduce(torch.ones(10), ReduceOp.SUM, timeout=3600.0)
         with pytest.raises(PeerFailureError) as p2p:
-            b.recv(torch.empty(1), ctx.size - 1, 0, timeout=60.0)
-        p2p_elapsed = time.monotonic() - start
+            b.recv(torch.empty(1), ctx.size - 1, 0, timeout=3600.0)
         # the survivors can still talk to each other point to point
         if ctx.rank == 0:
             b.send(torch.ones(3), 1, 0, timeout=60.0)
         elif ctx.rank == 1:
             b.recv(torch.empty(3), 0, 0, timeout=60.0)
         assert coll.value.peers == (ctx.size - 1,) or str(ctx.size - 1) in str(coll.value)
-        return str(coll.value), coll_elapsed, str(p2p.value), p2p_elapsed
+        return str(coll.value), str(p2p.value)
     finally:
         b.shutdown()
 
 
-def test_dead_peer_is_peer_failure_within_seconds(rank_pools: Pools) -> None:
+def test_dead_peer_is_peer_failure_not_a_timeout(rank_pools: Pools) -> None:
     results = rank_pools(3).run(dead_peer, may_exit=[2], timeout=90)
     for result in results[:2]:
         assert result is not None
-        coll_msg, coll_s, p2p_msg, p2p_s = result
-        assert coll_s < 5.0 and p2p_s < 5.0, result  # the timeout is 60 s
+        coll_msg, p2p_msg = result
         assert "rank 2" in coll_msg and "rank 2" in p2p_msg

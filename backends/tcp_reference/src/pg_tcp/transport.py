@@ -1,5 +1,5 @@
-"""The wire and the progress engine: a full mesh of TCP connections between the
-ranks of one group, and the machinery that moves framed messages over it.
+"""The wire and the progress engine: TCP connections between the ranks of one group,
+made pair by pair on first use, and the machinery that moves framed messages over them.
 
 This module knows nothing about collectives. It offers *requests*: post a send
 or a receive, then wait for it, or turn it into a :class:`~pg_core.work.Work`.
@@ -8,16 +8,44 @@ or a receive, then wait for it, or turn it into a :class:`~pg_core.work.Work`.
 Design, and why
 ===============
 
-**Connections.** Every rank listens on port 0 of the interface that reaches the
-store (:func:`pg_core.store.advertise_address`), publishes ``host:port`` under
-``addr/<rank>`` in the group's (already prefixed) store, connects to every lower
-rank and accepts every higher one. A handshake carries a magic string, the
-protocol version, ``ctx.group_uid`` and the rank, and is acknowledged, so a
-stray connection (another group, a port scanner) is rejected instead of being
-taken for a peer. Everything is bounded by ``ctx.timeout``; the listener is
-closed once the mesh stands. Sockets are non-blocking, with ``TCP_NODELAY``
-(small frames leave at once) and short TCP keepalives (a vanished host is noticed
-in seconds even when nothing is being sent).
+**Connections, made on first use.** Constructing a transport waits for nobody: every
+rank listens on port 0 of the interface that reaches the store
+(:func:`pg_core.store.advertise_address`) and publishes ``host:port`` under
+``addr/<rank>`` in the group's (already prefixed) store. A pair of ranks connects
+when one of them first needs the other, as NCCL builds its point-to-point
+communicators on first use, so point to point needs only its two ranks:
+
+* a rank connects at once to *send* point to point: a send must not wait for
+  its receiver, who may be busy elsewhere (the kernel accepts the connection and
+  buffers the frame while the receiving process is not looking);
+* in a collective, the lower rank of each pair connects at once, and the higher
+  one waits for it (both are in the collective, and only one of them connects);
+* a receive, and the higher rank in a collective, wait for the peer's connection,
+  and connect themselves only if none came within min(1 s, timeout/4): that finds
+  a peer that is gone without waiting for the timeout;
+* the address is read from the store, polled through
+  :func:`pg_core.store.wait_for` (the store may be shared) within the operation's
+  deadline. A peer that never publishes one (never creates its backend) fails the
+  operation at its timeout with :class:`~pg_core.errors.CollectiveTimeout` naming
+  the operation and the peer; a peer whose listener is gone (it shut down or died)
+  refuses the connection, which fails what needs it with
+  :class:`~pg_core.errors.PeerFailureError` at once.
+
+A connection opens with a hello (magic string, protocol version, rank, flags,
+``ctx.group_uid``) that the acceptor answers in the same format, so a stray
+connection (another group, a port scanner) is dropped instead of being taken for a
+peer, and the initiator knows it reached the right process. The initiator does not
+wait for the answer: its frames follow its hello at once.
+
+**One connection per pair.** Before connecting, a rank takes the connections
+already waiting in its listener. If both ranks of a pair still connect at the same
+moment, the lower rank's connection wins: the higher rank answers it with SWITCH,
+ends its own connection with a RETIRE frame behind whatever it already sent on it,
+and sends on the lower rank's from then on; the lower rank reads nothing that
+follows the SWITCH before it has read the RETIRE, so messages keep their order.
+Sockets are non-blocking, with ``TCP_NODELAY`` (small frames leave at once) and
+short TCP keepalives (a vanished host is noticed in seconds even when nothing is
+being sent).
 
 **Frames.** Every message is a 32-byte header followed by ``nbytes`` of payload::
 
@@ -29,8 +57,9 @@ namespace), collective frames (matched FIFO per peer and checked against the
 receiver's expectation: sequence number, opcode, dtype, size and the op's
 argument, which travels in ``tag``), and control frames: ARRIVED (I am blocked in
 collective #seq, this opcode and argument), ABORT (collective #seq failed here,
-the payload says why), BYE (I shut down cleanly; nothing follows). Because every
-collective frame says what it is, ranks that call different things get
+the payload says why), BYE (I shut down cleanly; nothing follows), RETIRE
+(nothing more on this connection; see above). Because every collective frame says
+what it is, ranks that call different things get
 :class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's
 bytes as data.
 
@@ -40,17 +69,17 @@ frame arrived is read with ``recv_into`` straight into the tensor. Only a frame
 that arrives before its receive is posted ("unexpected") is buffered, once.
 
 **Progress without a thread handoff.** There is no always-on I/O thread. Whoever
-waits drives: the first waiting thread takes the *driver* role, polls every peer
-socket plus a wake-up socketpair, reads frames into posted buffers (or the
-unexpected queue), continues partial sends, and returns as soon as its own
-request is done. Other waiting threads sleep on a condition that the driver
-signals whenever something completes, and take over when it leaves. A blocking
-``recv`` in the common one-thread case is therefore: one ``poll``, one or two
-``recv_into``, no context switch; that is how pure Python keeps up with a C++
-backend on latency. Sends are tried directly by the posting thread; only what the
-kernel did not take is queued for the driver (POLLOUT). A sender whose socket is
-full keeps reading its incoming side while it waits, so two ranks sending large
-messages to each other never deadlock.
+waits drives: the first waiting thread takes the *driver* role, polls every
+connection, the listener and a wake-up socketpair, reads frames into posted
+buffers (or the unexpected queue), continues partial sends, accepts connections,
+and returns as soon as its own request is done. Other waiting threads sleep on a
+condition that the driver signals whenever something completes, and take over when
+it leaves. A blocking ``recv`` in the common one-thread case is therefore: one
+``poll``, one or two ``recv_into``, no context switch; that is how pure Python
+keeps up with a C++ backend on latency. Sends are tried directly by the posting
+thread; only what the kernel did not take is queued for the driver (POLLOUT). A
+sender whose socket is full keeps reading its incoming side while it waits, so two
+ranks sending large messages to each other never deadlock.
 
 A background progress thread exists only for asynchronous requests (``isend``/
 ``irecv`` handed to the user as a ``Work``): it drives while at least one is
@@ -60,12 +89,13 @@ on the condition otherwise.
 **Failures.** EOF or a read error from a peer marks it failed at once: every
 request that depends on it raises :class:`~pg_core.errors.PeerFailureError`
 naming it; after a crash (EOF without BYE) every collective does, because a
-collective needs every rank. A clean ``shutdown`` sends BYE first, so peers say
-"rank N shut down" instead of reporting a crash, and only what needed rank N
-fails. A failed *write* decides nothing by itself: the peer's last frames (an
-ABORT, a BYE) are still in the receive buffer, and the reader, which reads them
+collective needs every rank. A clean ``shutdown`` sends BYE first (and answers the
+connections it never used, so their makers do not take its exit for a crash), so
+peers say "rank N shut down" instead of reporting a crash, and only what needed
+rank N fails. A failed *write* decides nothing by itself: the peer's last frames
+(an ABORT, a BYE) are still in the receive buffer, and the reader, which reads them
 and then the EOF, gives the verdict. A collective that fails locally (mismatch,
-peer failure) sends ABORT to the other ranks so they raise too instead of
+peer failure) sends ABORT to the connected ranks so they raise too instead of
 hanging, and breaks this group's collective stream: later collectives raise at
 once (re-form the group); a BYE sent after that carries the reason too, so ranks
 still waiting learn why rather than just "shut down". Point to point keeps
@@ -79,10 +109,12 @@ collective). ``abort`` (any thread) fails everything pending with
 :class:`~pg_core.errors.GroupClosedError` and closes.
 
 **Threads and locks.** One lock (``_lock``) guards all shared state: queues,
-request completion, peer status and socket *writes* (sends are non-blocking, so
-it is never held across a wait). Socket *reads* belong to the driver alone and
-need no lock. ``Work`` objects are completed outside the lock, so their callbacks
-may call back into the backend.
+request completion, peer and connection status and socket *writes* (sends are
+non-blocking, so it is never held across a wait). Socket *reads*, accepting, and
+registering or closing sockets in the poller belong to the driver alone. Making a
+connection (reading the store, ``connect``) happens in the thread that needs it,
+outside the lock, one thread per peer at a time. ``Work`` objects are completed
+outside the lock, so their callbacks may call back into the backend.
 """
 
 from __future__ import annotations
@@ -99,7 +131,9 @@ from typing import Final
 
 import torch
 from pg_core.backend import DTYPES, BackendContext, tensor_bytes
+from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import (
+    BackendUnavailableError,
     CollectiveMismatchError,
     CollectiveTimeout,
     GroupClosedError,
@@ -117,7 +151,7 @@ __all__ = ["Recv", "Request", "Send", "Transport", "describe_arg", "encode_arg",
 HEADER: Final = struct.Struct("<HBBB3xqQQ")  # magic, kind, opcode, dtype, tag, seq, nbytes
 HEADER_SIZE: Final = HEADER.size  # 32
 MAGIC: Final = 0x5054  # "TP"
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: connections made on first use (hello flags, RETIRE)
 HELLO_MAGIC: Final = b"pg-tcp\x00\x01"
 
 # kinds
@@ -127,9 +161,10 @@ COLL: Final = 3  # collective frame, matched FIFO per peer, checked against (seq
 ARRIVED: Final = 4  # control: "I am blocked in collective #seq", with its opcode and argument
 ABORT: Final = 5  # control: "collective #seq failed here"; opcode = error kind, payload = reason
 BYE: Final = 6  # control: clean shutdown, nothing follows; opcode/payload: why its collectives stopped, if they did
+RETIRE: Final = 7  # control: nothing more from me on this connection (my frames continue on my other one)
 
-# dtype codes: 0 = none, 1.. = pg_core.backend.DTYPES, 255 = raw bytes
-DTYPE_CODE: Final[dict[torch.dtype, int]] = {dtype: i + 1 for i, dtype in enumerate(DTYPES)}
+# dtype codes: 0 = none, 1.. = pg_core.dtypes' wire codes, 255 = raw bytes
+DTYPE_CODE: Final[dict[torch.dtype, int]] = {dtype: dtype_code(dtype) or 0 for dtype in DTYPES}
 RAW: Final = 255
 OPCODE: Final[dict[str, int]] = {name: i + 1 for i, name in enumerate(COLLECTIVE_OPS)}
 
@@ -183,9 +218,8 @@ def _payload_buffer(nbytes: int) -> Payload:
 def _dtype_name(code: int) -> str:
     if code == RAW:
         return "bytes"
-    if 1 <= code <= len(DTYPES):
-        return str(DTYPES[code - 1]).removeprefix("torch.")
-    return f"dtype#{code}"
+    dtype = dtype_from_code(code)
+    return f"dtype#{code}" if dtype is None else dtype_name(dtype)
 
 
 def _op_name(opcode: int) -> str:
@@ -198,7 +232,20 @@ def _op_name(opcode: int) -> str:
 class Request:
     """One posted send or receive. Completed exactly once, under the transport's lock."""
 
-    __slots__ = ("announce_at", "deadline", "done", "error", "keep", "kind", "name", "peer", "seq", "timeout", "work")
+    __slots__ = (
+        "announce_at",
+        "deadline",
+        "done",
+        "error",
+        "keep",
+        "kind",
+        "name",
+        "peer",
+        "probe_at",
+        "seq",
+        "timeout",
+        "work",
+    )
 
     def __init__(
         self, name: str, kind: int, peer: int, *, seq: int | None, timeout: float, deadline: float | None, keep: object
@@ -210,6 +257,7 @@ class Request:
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout if deadline is None else deadline
         self.announce_at = 0.0  # collectives: when to tell the peers we are stuck here
+        self.probe_at = 0.0  # no connection to the peer yet: when to try to make one
         self.keep = keep  # the tensor whose memory a view points into
         self.done = False
         self.error: BaseException | None = None
@@ -220,7 +268,7 @@ class Send(Request):
     """A frame to write: the header, then the payload, which is one buffer or a list of
     buffers written back to back (scatter-gather: a message's parts are never joined)."""
 
-    __slots__ = ("header", "parts", "sent", "total")
+    __slots__ = ("conn", "header", "hlen", "parts", "sent", "total")
 
     def __init__(
         self,
@@ -243,16 +291,26 @@ class Send(Request):
         nbytes = sum(p.nbytes for p in self.parts)
         # ``seq`` makes this part of a collective; control frames carry ``wire_seq`` without being one.
         self.header = HEADER.pack(MAGIC, kind, opcode, dtype, tag, wire_seq if seq is None else seq, nbytes)
+        self.hlen = HEADER_SIZE
         self.sent = 0
         self.total = HEADER_SIZE + nbytes
+        self.conn: _Conn | None = None  # the connection it was queued on
+
+    @classmethod
+    def raw(cls, name: str, peer: int, data: bytes) -> Send:
+        """Bytes written as they are, without a frame header: a connection's hello."""
+        req = cls(name, 0, peer, _EMPTY, timeout=_CONTROL_TIMEOUT)
+        req.header = data
+        req.hlen = req.total = len(data)
+        return req
 
     def pending(self) -> list[bytes | memoryview]:
         """What is left to write, as ``sendmsg`` buffers (at most :data:`_IOV_MAX`)."""
-        if self.sent < HEADER_SIZE:
+        if self.sent < self.hlen:
             if len(self.parts) == 1:
                 return [self.header[self.sent :], self.parts[0]]
             return [self.header[self.sent :], *self.parts[: _IOV_MAX - 1]]
-        skip = self.sent - HEADER_SIZE
+        skip = self.sent - self.hlen
         if len(self.parts) == 1:
             return [self.parts[0][skip:]]
         out: list[bytes | memoryview] = []
@@ -269,7 +327,7 @@ class Send(Request):
     def detach(self) -> None:
         """Copy the unsent rest of the payload, so the caller's tensors are free although
         the frame must still be finished on the wire (a started frame cannot be withdrawn)."""
-        start = max(self.sent - HEADER_SIZE, 0)
+        start = max(self.sent - self.hlen, 0)
         rest = bytearray(start)  # placeholders for what was written, so offsets stay as they were
         skip = start
         for part in self.parts:
@@ -313,65 +371,139 @@ class Recv(Request):
         return (self.peer, self.kind, 0 if self.kind == COLL else self.tag)
 
 
-# -- peers -----------------------------------------------------------------------------
+# -- connections and peers ----------------------------------------------------------------
 
 Frame = tuple[int, int, int, int, int, int]  # kind, opcode, dtype, tag, seq, nbytes
 
+#: The hello, and the acceptor's answer in the same format: magic, protocol version, rank,
+#: flags (the answer's; 0 in a hello), length of the group_uid that follows.
+_HELLO: Final = struct.Struct("<8sHIBxH")
+_MAX_UID: Final = 4096
+_REPLY_OK: Final = 0  # "use this connection"
+_REPLY_SWITCH: Final = 1  # "use this connection; mine to you retires (RETIRE on it): read what follows here after that"
+_REPLY_CLOSING: Final = 2  # "I am shutting down; nothing comes here: my BYE comes on my own connection to you"
+_REPLY_GONE: Final = 3  # "I am shutting down, and I never sent you anything": a BYE
 
-class _Peer:
-    """One connection. Reader fields belong to the driver; the rest to ``_lock``."""
+# connection states
+_OPEN: Final = 0  # frames flow
+_HELLO_IN: Final = 1  # accepted: waiting for the maker's hello
+_REPLY_IN: Final = 2  # made here: waiting for the acceptor's answer (frames already go out)
+
+_HELLO_TIMEOUT: Final = 10.0  # a maker says hello right after connecting; a silent stray is dropped after this
+_PROBE_S: Final = 1.0  # a rank waiting for a connection makes one itself after min(this, timeout/4)
+_RETRY_S: Final = 0.1  # a connection this rank must make could not be made yet: try again after this
+_STORE_SLICE_S: Final = 0.25  # store waits in slices, so that abort() is noticed
+_SHUTDOWN_HELLOS_S: Final = 1.0  # at shutdown: how long to wait for the hellos of connections never read
+_CONTROL_TIMEOUT: Final = 30.0
+
+
+class _Conn:
+    """One TCP connection to a peer (or, accepted, to a peer not known yet). Reader fields
+    belong to the driver; the rest to ``_lock``."""
 
     __slots__ = (
-        "closed",
-        "crashed",
+        "dead",
         "dest",
+        "ended",
         "fd",
         "frame",
         "got",
         "hdr",
         "hdr_got",
         "hdr_view",
+        "held",
+        "hello",
+        "hello_by",
+        "initiated",
         "mask",
         "outq",
-        "rank",
+        "peer",
+        "quiet",
         "send_error",
         "sock",
+        "state",
         "target",
     )
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
-        self.rank = rank
+    def __init__(self, sock: socket.socket, peer: _Peer | None, *, initiated: bool) -> None:
         self.sock = sock
         self.fd = sock.fileno()
+        self.peer = peer  # None: accepted, hello not read yet
+        self.initiated = initiated  # made by this rank
+        self.state = _REPLY_IN if initiated else _HELLO_IN
+        self.hello_by = 0.0  # accepted: drop it if its hello has not come by then
         self.outq: deque[Send] = deque()
-        self.closed: str | None = None  # why this peer can no longer be talked to
-        self.crashed = False
         self.send_error: str | None = None  # writing failed; the reader will tell why
         self.mask = 0  # what the poller watches
+        self.held = False  # do not read: frames here come after a RETIRE not read yet
+        self.ended = False  # the peer sends nothing more here
+        self.quiet = False  # its EOF is expected, not a crash
+        self.dead = False  # to be closed by the driver
         # reader state (driver only)
         self.hdr = bytearray(HEADER_SIZE)
         self.hdr_view = memoryview(self.hdr)
         self.hdr_got = 0
+        self.hello: tuple[int, int, bytearray] | None = None  # rank, flags, uid being read
         self.frame: Frame | None = None  # the frame whose payload is being read
         self.dest: memoryview | None = None  # where it goes (None: discard)
         self.target: Recv | Payload | None = None
         self.got = 0
 
 
+class _Peer:
+    """Another rank of the group: its connections and what waits for one. Under ``_lock``."""
+
+    __slots__ = ("address", "backlog", "closed", "connecting", "conns", "crashed", "hold", "rank", "send")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.conns: list[_Conn] = []
+        self.send: _Conn | None = None  # the connection this rank writes to it on
+        self.backlog: deque[Send] = deque()  # sends posted before there was a connection
+        self.connecting = False  # a thread of this rank is making a connection to it
+        self.address: tuple[str, int] | None = None
+        self.hold = 0  # SWITCH answers read minus RETIRE frames read (> 0: hold the switched connection)
+        self.closed: str | None = None  # why this peer can no longer be talked to
+        self.crashed = False
+
+
+class _NotPublished(Exception):
+    """The peer has not published its address yet (a probe that does not wait)."""
+
+
+class _Closing(Exception):
+    """The transport closed while a connection was being made."""
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 # -- the transport -----------------------------------------------------------------------
 
 
 class Transport:
-    """A connected mesh for one group and the requests that move data over it.
+    """The connections of one rank of one group and the requests that move data over them.
 
-    Construct with a :class:`~pg_core.backend.BackendContext`: that connects to
-    every peer (collectively: every rank constructs one) or raises. Thread-safe.
+    Construct with a :class:`~pg_core.backend.BackendContext`: that listens and publishes
+    this rank's address in the store, and waits for nobody. Connections are made on first
+    use (see the module docstring). Thread-safe.
     """
 
     def __init__(self, ctx: BackendContext) -> None:
         self.rank = ctx.rank
         self.size = ctx.size
         self.label = f"pg-tcp group {ctx.group_name!r} rank {ctx.rank}"
+        self._store = ctx.store
+        self._uid = ctx.group_uid.encode()
+        if len(self._uid) > _MAX_UID:
+            raise ValueError(f"{self.label}: group_uid is longer than {_MAX_UID} bytes")
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # "something completed / the driver left"
         self._sleepers = 0  # threads waiting on _cond
@@ -392,28 +524,53 @@ class Transport:
         self._arrivals: dict[int, tuple[int, int, int]] = {}  # peer -> (seq, opcode, arg) it announced
         self._thread: threading.Thread | None = None
         self._scratch = memoryview(bytearray(_DISCARD_CHUNK))
-        self._peers: list[_Peer | None] = [None] * ctx.size
-        self._by_fd: dict[int, _Peer] = {}
+        self._peers: list[_Peer | None] = [None if r == ctx.rank else _Peer(r) for r in range(ctx.size)]
+        self._conns: dict[int, _Conn] = {}  # fd -> connection, every one (accepted ones not known yet too)
+        self._anonymous: set[_Conn] = set()  # accepted, hello not read yet
+        self._poller = select.poll()
+        self._poll_dirty = True
+        self._listener: socket.socket | None = None
+        self._listen_fd = -1
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._poller = select.poll()
-        self._poller.register(self._wake_r.fileno(), select.POLLIN)
-        self._poll_dirty = True
+        self._wake_fd = self._wake_r.fileno()
+        self._poller.register(self._wake_fd, select.POLLIN)
+        if ctx.size > 1:
+            try:
+                self._listen(ctx)
+            except BaseException:
+                self._wake_r.close()
+                self._wake_w.close()
+                raise
+
+    def _listen(self, ctx: BackendContext) -> None:
+        """Listen on port 0 of the interface that reaches the store and publish the address."""
+        host = advertise_address(ctx.store, ctx.options.get("addr"))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            for rank, sock in _connect_mesh(ctx).items():
-                peer = _Peer(rank, sock)
-                self._peers[rank] = peer
-                self._by_fd[peer.fd] = peer
+            listener.bind((host, 0))
+            listener.listen(ctx.size + 8)
+            listener.setblocking(False)
+            port = listener.getsockname()[1]
+        except OSError as exc:
+            listener.close()
+            raise BackendUnavailableError(f"{self.label}: cannot listen on {host}: {exc}") from exc
+        try:
+            ctx.store.set(f"addr/{ctx.rank}", f"{host}:{port}")
         except BaseException:
-            self._wake_r.close()
-            self._wake_w.close()
+            listener.close()
             raise
+        self._listener = listener
+        self._listen_fd = listener.fileno()
+        self._poller.register(self._listen_fd, select.POLLIN)
 
     # == posting ==============================================================================
 
     def post_send(self, req: Send) -> Send:
         """Start ``req``: written now as far as the kernel takes it, the rest queued."""
+        self._prepare(req)
         with self._lock:
             peer = self._admit(req)
             if peer is not None:
@@ -424,6 +581,7 @@ class Transport:
 
     def post_recv(self, req: Recv) -> Recv:
         """Start ``req``: matched now against a frame that already arrived, or posted."""
+        self._prepare(req)
         with self._lock:
             peer = self._admit(req)
             if peer is None:
@@ -446,8 +604,25 @@ class Transport:
         self._settle()
         return req
 
+    def _prepare(self, req: Request) -> None:
+        """Connect to ``req``'s peer first if there is no connection and it is this rank's to
+        make now (see the module docstring). Outside the lock."""
+        peer = self._peers[req.peer] if 0 <= req.peer < self.size else None
+        if peer is not None and peer.send is None and peer.closed is None and self._initiates(req, peer):
+            self._connect_for(req, block=True)
+
+    def _initiates(self, req: Request, peer: _Peer) -> bool:
+        """Whether this rank connects to ``peer`` for ``req`` at once, rather than waiting for
+        the peer's connection: to send point to point (a send must not wait for its receiver),
+        and as the lower rank of a collective's pair (both are in it: one connects, no race)."""
+        if req.seq is not None:
+            return self.rank < peer.rank
+        return isinstance(req, Send) and req.kind in (TENSOR, BYTES)
+
     def _admit(self, req: Request) -> _Peer | None:
-        """Register ``req``; ``None`` if it failed at once (closed, broken, bad peer). Under the lock."""
+        """Register ``req``; ``None`` if it failed (closed, broken, bad peer, or already). Under the lock."""
+        if req.done:  # making the connection failed it
+            return None
         if self._closed is not None:
             self._complete(req, GroupClosedError(f"{self.label}: {req.name} after the group was {self._closed}"))
             return None
@@ -489,6 +664,153 @@ class Transport:
             self._settle()
         return work
 
+    # == connections ==========================================================================
+
+    def _connect_for(self, req: Request, *, block: bool) -> None:
+        """Make a connection to ``req``'s peer, unless it has one or one is being made.
+        ``block``: wait for the peer's address within ``req``'s deadline; else only if it is
+        published already. A failure fails ``req`` (CollectiveTimeout at its deadline) or the
+        peer (a refused connection: it is gone). Outside the lock."""
+        peer = self._peers[req.peer]
+        assert peer is not None
+        self._progress_now()  # a connection the peer made may be waiting: take it rather than make a second
+        with self._lock:
+            if peer.send is not None or peer.closed is not None or peer.connecting:
+                return
+            if self._closed is not None or req.done:
+                return
+            peer.connecting = True
+        try:
+            sock = self._dial(peer, req.deadline, block=block)
+        except (_NotPublished, _Closing):
+            sock = None
+        except TimeoutError as exc:  # CollectiveTimeout (the store) or socket.timeout (connect)
+            self._connect_failed(peer)
+            self._expire(req, f"no connection to rank {peer.rank}: {exc}")
+            return
+        except OSError as exc:  # refused, unreachable: nothing listens there any more
+            # A peer that sent something and then shut down may have left its connection, its
+            # frames and its BYE in our listener: read those first; the verdict is theirs.
+            self._progress_now()
+            with self._lock:
+                peer.connecting = False
+                if peer.send is None and peer.closed is None and not self._anonymous:
+                    self._lose_peer(
+                        peer,
+                        f"rank {peer.rank} does not accept connections (it shut down or its process died): {exc}",
+                        crashed=False,
+                    )
+            self._settle()
+            return
+        except RuntimeError as exc:  # the store failed (torch raises DistStoreError, a RuntimeError)
+            self._connect_failed(peer)
+            self._fail(
+                req,
+                PeerFailureError(
+                    f"{self.label}: {req.name}: cannot read rank {peer.rank}'s address from the store: {exc}",
+                    peers=(peer.rank,),
+                ),
+            )
+            return
+        except BaseException:
+            self._connect_failed(peer)
+            raise
+        with self._lock:
+            peer.connecting = False
+            if sock is None:
+                return
+            if peer.send is not None or peer.closed is not None or self._closed is not None:
+                sock.close()  # one came meanwhile: drop ours before saying a word, so it is never used
+                return
+            conn = _Conn(sock, peer, initiated=True)
+            self._add_conn(conn)
+            peer.conns.append(conn)
+            self._write(conn, Send.raw("hello", peer.rank, self._hello(0)))
+            self._attach(peer, conn)
+        self._settle()
+
+    def _connect_failed(self, peer: _Peer) -> None:
+        with self._lock:
+            peer.connecting = False
+
+    def _dial(self, peer: _Peer, deadline: float, *, block: bool) -> socket.socket:
+        """A connected, tuned socket to ``peer``'s listener. Outside the lock."""
+        if peer.address is None:
+            key = f"addr/{peer.rank}"
+            if not block:
+                if not self._store.check([key]):
+                    raise _NotPublished
+            else:
+                while True:  # in slices, so that abort() is noticed
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CollectiveTimeout(
+                            f"rank {peer.rank} never published its address (has it created its pg-tcp backend?)"
+                        )
+                    if self._closed is not None:
+                        raise _Closing
+                    try:
+                        wait_for(self._store, [key], min(left, _STORE_SLICE_S), what=f"{self.label}: address")
+                        break
+                    except CollectiveTimeout:
+                        continue
+            host, _, port = self._store.get(key).decode().rpartition(":")
+            peer.address = (host, int(port))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveTimeout(f"the deadline passed before rank {peer.rank} could be reached")
+        if self._closed is not None:
+            raise _Closing
+        sock = socket.create_connection(peer.address, timeout=min(left, _HELLO_TIMEOUT))
+        try:
+            _tune(sock)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _hello(self, flags: int) -> bytes:
+        return _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, self.rank, flags, len(self._uid)) + self._uid
+
+    def _progress_now(self) -> None:
+        """Two rounds of progress that do not block (accept, then read hellos); none if
+        another thread drives (it does the same)."""
+        if self._listener is not None:
+            self._drive(None, 0.0)
+            self._drive(None, 0.0)
+
+    def _add_conn(self, conn: _Conn) -> None:
+        """Under the lock; the driver registers it with the poller."""
+        self._conns[conn.fd] = conn
+        self._poll_dirty = True
+        self._wake_driver()
+
+    def _attach(self, peer: _Peer, conn: _Conn) -> None:
+        """``conn`` becomes what this rank sends to ``peer`` on; what waited for it goes. Under the lock."""
+        peer.send = conn
+        backlog, peer.backlog = peer.backlog, deque()
+        for req in backlog:
+            self._write(conn, req)
+        self._poll_dirty = True
+        self._wake_driver()
+
+    def _tick_connect(self, req: Request, peer: _Peer, now: float, limit: float, *, block: bool) -> float:
+        """``req`` waits and its peer has no connection yet. If the connection is this rank's to
+        make, (re)try to make it (``block``: waiting for the peer's address); otherwise wait for
+        the peer's, and after min(1 s, timeout/4) probe: make one if the peer's address is
+        published (a refused connection says the peer is gone). Returns when to look again.
+        Outside the lock."""
+        if peer.connecting:  # another thread is making it
+            return limit
+        immediate = self._initiates(req, peer)
+        grace = min(_PROBE_S, req.timeout / 4)
+        if req.probe_at == 0.0 and not immediate:
+            req.probe_at = now + grace
+        if now >= req.probe_at:
+            self._connect_for(req, block=block and immediate)
+            req.probe_at = time.monotonic() + (_RETRY_S if immediate else grace)
+        return min(limit, req.probe_at)
+
     # == waiting ==============================================================================
 
     def wait(self, req: Request) -> None:
@@ -499,6 +821,12 @@ class Transport:
                 self._expire(req)
                 break
             limit = req.deadline
+            peer = self._peers[req.peer]
+            if peer is not None and peer.send is None and peer.closed is None:
+                limit = self._tick_connect(req, peer, now, limit, block=True)
+                if req.done:
+                    break
+                now = time.monotonic()
             if req.seq is not None:
                 limit = self._maybe_announce(req, now, limit)
             self._drive(req, limit - now)
@@ -513,9 +841,14 @@ class Transport:
                 self._expire(req)
             else:
                 limit = min(req.deadline, now + timeout)
-                if req.seq is not None:
+                peer = self._peers[req.peer]
+                if peer is not None and peer.send is None and peer.closed is None:
+                    limit = self._tick_connect(req, peer, now, limit, block=timeout > 0)
+                    now = time.monotonic()
+                if req.seq is not None and not req.done:
                     limit = self._maybe_announce(req, now, limit)
-                self._drive(req, limit - now)
+                if not req.done:
+                    self._drive(req, limit - now)
         if req.done and req.work is not None:
             _settle_work(req)
 
@@ -575,8 +908,7 @@ class Transport:
             self._sync_poller()
         events = self._poller.poll(max(0.0, timeout) * 1000.0)
         for fd, mask in events:
-            peer = self._by_fd.get(fd)
-            if peer is None:
+            if fd == self._wake_fd:
                 try:
                     while self._wake_r.recv(4096):
                         pass
@@ -585,29 +917,71 @@ class Transport:
                 continue
             if self._closed == "aborted":
                 return
+            if fd == self._listen_fd:
+                self._accept()
+                continue
+            conn = self._conns.get(fd)
+            if conn is None or conn.dead:
+                continue
             if mask & _POLLOUT:
-                self._flush(peer)
-            if mask & _POLLIN and peer.closed is None:
-                self._read(peer, want)
+                self._flush(conn)
+            if mask & _POLLIN and not conn.dead and (conn.peer is None or conn.peer.closed is None):
+                if conn.held:  # not reading it; an error or hang-up on it, though, is news
+                    if mask & (select.POLLERR | select.POLLHUP):
+                        self._conn_lost(conn, f"connection to rank {conn.peer.rank if conn.peer else '?'} failed")
+                    continue
+                self._read(conn, want)
+        if self._anonymous:
+            self._drop_silent_strays()
 
     def _sync_poller(self) -> None:
-        """Make the poller watch POLLIN on live peers, POLLOUT where sends are queued. Driver only."""
+        """Watch POLLIN where reading, POLLOUT where sends are queued; close dead connections. Driver only."""
         with self._lock:
             self._poll_dirty = False
-            for peer in self._peers:
-                if peer is None:
+            for conn in list(self._conns.values()):
+                if conn.dead:
+                    self._discard(conn)
                     continue
-                writable = peer.outq and peer.send_error is None
-                want = 0 if peer.closed is not None else _POLLIN | (_POLLOUT if writable else 0)
-                if want == peer.mask:
+                peer = conn.peer
+                want = 0
+                if peer is None or peer.closed is None:
+                    if not conn.ended and not conn.held:
+                        want |= _POLLIN
+                    if conn.outq and conn.send_error is None:
+                        want |= _POLLOUT
+                if want == conn.mask:
                     continue
                 if want == 0:
-                    self._poller.unregister(peer.fd)
-                elif peer.mask == 0:
-                    self._poller.register(peer.fd, want)
+                    self._poller.unregister(conn.fd)
+                elif conn.mask == 0:
+                    self._poller.register(conn.fd, want)
                 else:
-                    self._poller.modify(peer.fd, want)
-                peer.mask = want
+                    self._poller.modify(conn.fd, want)
+                conn.mask = want
+
+    def _discard(self, conn: _Conn) -> None:
+        """Close a dead connection; what was still queued on it fails. Under the lock, driver only."""
+        if conn.mask:
+            self._poller.unregister(conn.fd)
+            conn.mask = 0
+        self._conns.pop(conn.fd, None)
+        self._anonymous.discard(conn)
+        peer = conn.peer
+        if peer is not None:
+            if conn in peer.conns:
+                peer.conns.remove(conn)
+            if peer.send is conn:
+                peer.send = None
+        leftovers: list[Request] = list(conn.outq)
+        conn.outq.clear()
+        if isinstance(conn.target, Recv):
+            leftovers.append(conn.target)
+        for req in leftovers:
+            self._complete(
+                req,
+                PeerFailureError(f"{self.label}: {req.name}: connection to rank {req.peer} closed", peers=(req.peer,)),
+            )
+        conn.sock.close()
 
     def _wake_driver(self) -> None:
         """Interrupt the driver's poll (it must pick up new work). Under the lock."""
@@ -615,51 +989,193 @@ class Transport:
             with contextlib.suppress(OSError):  # full: it is being woken already
                 self._wake_w.send(b"\0")
 
+    # == accepting ==========================================================================
+
+    def _accept(self) -> None:
+        """Take every connection waiting in the listener; their hellos are read next. Driver only."""
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            try:
+                _tune(sock)
+            except OSError:
+                sock.close()
+                continue
+            conn = _Conn(sock, None, initiated=False)
+            conn.hello_by = time.monotonic() + _HELLO_TIMEOUT
+            with self._lock:
+                self._add_conn(conn)
+                self._anonymous.add(conn)
+
+    def _drop_silent_strays(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for conn in list(self._anonymous):
+                if conn.hello_by < now:
+                    self._anonymous.discard(conn)
+                    conn.dead = True
+                    self._poll_dirty = True
+
+    def _identify(self, conn: _Conn, rank: int, uid: bytes) -> bool:
+        """An accepted connection said hello as ``rank``: answer it and put it to use. True
+        if frames may be read from it now. Under the lock."""
+        self._anonymous.discard(conn)
+        peer = self._peers[rank] if 0 <= rank < self.size else None
+        if uid != self._uid or peer is None:
+            conn.dead = True  # another group's, or not pg-tcp at all
+            self._poll_dirty = True
+            return False
+        if peer.closed is not None or any(not c.initiated for c in peer.conns if not c.dead):
+            conn.dead = True  # a peer already gone, or a second connection made by the same peer
+            self._poll_dirty = True
+            return False
+        conn.peer = peer
+        conn.state = _OPEN
+        peer.conns.append(conn)
+        if self._closed is not None:  # shutting down: say so, rather than let it take our exit for a crash
+            self._write(
+                conn, Send.raw("closing", rank, self._hello(_REPLY_GONE if peer.send is None else _REPLY_CLOSING))
+            )
+            conn.ended = conn.quiet = True
+            self._poll_dirty = True
+            return False
+        if peer.send is None:
+            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_OK)))
+            self._attach(peer, conn)
+        elif self.rank > rank:
+            # Both connected at once, and the lower rank's connection wins: everything sent on
+            # ours so far is followed by RETIRE, and the rest goes on this one.
+            old = peer.send
+            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_SWITCH)))
+            self._write(old, Send("retire", RETIRE, rank, _EMPTY, timeout=_CONTROL_TIMEOUT))
+            old.quiet = True
+            peer.send = conn
+            self._poll_dirty = True
+        else:
+            # Both connected at once, and ours wins: the peer retires this one once it has
+            # read our hello; until then frames from it arrive here.
+            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_OK)))
+        return True
+
+    def _answered(self, conn: _Conn, rank: int, flags: int, uid: bytes) -> bool:
+        """The acceptor answered a connection this rank made. True if frames may be read
+        from it now. Under the lock."""
+        peer = conn.peer
+        assert peer is not None
+        if rank != peer.rank or uid != self._uid:
+            self._lose_peer(
+                peer,
+                f"the address rank {peer.rank} published is answered by another process (rank {rank} of "
+                f"{'this' if uid == self._uid else 'another'} group)",
+                crashed=True,
+            )
+            return False
+        conn.state = _OPEN
+        if flags == _REPLY_SWITCH:
+            peer.hold += 1
+            if peer.hold > 0:
+                conn.held = True
+                self._poll_dirty = True
+                return False
+        elif flags in (_REPLY_CLOSING, _REPLY_GONE):
+            conn.ended = conn.quiet = True
+            self._poll_dirty = True
+            if flags == _REPLY_GONE:
+                self._lose_peer(peer, f"rank {peer.rank} shut down", crashed=False)
+            else:
+                self._stop_sending(peer, conn)
+            return False
+        return True
+
+    def _retired(self, conn: _Conn) -> None:
+        """RETIRE came on ``conn``: the peer sends nothing more on it. Under the lock, driver only."""
+        peer = conn.peer
+        assert peer is not None
+        conn.ended = conn.quiet = True
+        conn.dead = True
+        if peer.send is conn:  # the peer is shutting down; its BYE comes on its own connection
+            self._stop_sending(peer, conn)
+        elif peer.rank > self.rank:  # the higher rank switched to our connection
+            peer.hold -= 1
+            if peer.hold <= 0:
+                for other in peer.conns:
+                    other.held = False
+        self._poll_dirty = True
+
+    def _stop_sending(self, peer: _Peer, conn: _Conn) -> None:
+        """The peer will not read ``conn`` any more (it is shutting down). Under the lock."""
+        if peer.send is conn:
+            peer.send = None
+        doomed = list(conn.outq)
+        conn.outq.clear()
+        for req in doomed:
+            self._complete(
+                req,
+                PeerFailureError(
+                    f"{self.label}: {req.name} to rank {peer.rank}: it is shutting down", peers=(peer.rank,)
+                ),
+            )
+
     # == sending ==============================================================================
 
     def _send_locked(self, peer: _Peer, req: Send) -> None:
         if peer.closed is not None:
             self._complete(req, self._peer_error(req, peer))
             return
-        if not peer.outq and peer.send_error is None:
+        conn = peer.send
+        if conn is None:  # the connection is being made, by this rank or the peer
+            peer.backlog.append(req)
+            return
+        self._write(conn, req)
+
+    def _write(self, conn: _Conn, req: Send) -> None:
+        """Write ``req`` on ``conn`` as far as the kernel takes it; queue the rest. Under the lock."""
+        req.conn = conn
+        if not conn.outq and conn.send_error is None:
             try:
-                req.sent = peer.sock.sendmsg(req.pending())
+                req.sent = conn.sock.sendmsg(req.pending())
             except BlockingIOError:
                 pass
             except OSError as exc:
-                self._send_failed(peer, exc)
+                self._send_failed(conn, exc)
             if req.sent == req.total:
                 self._complete(req, None)
                 return
             self._poll_dirty = True
             self._wake_driver()
-        peer.outq.append(req)
+        conn.outq.append(req)
 
-    def _send_failed(self, peer: _Peer, exc: OSError) -> None:
-        """Writing to ``peer`` failed (it closed or reset). Under the lock.
+    def _send_failed(self, conn: _Conn, exc: OSError) -> None:
+        """Writing to ``conn`` failed (the peer closed or reset). Under the lock.
 
         Not a verdict yet: what the peer said before it went (an ABORT, a BYE) is
         still in our receive buffer, so stop writing and let the reader, which
         reads those frames and then the EOF, decide between "shut down" and a
         crash. The queued sends fail then.
         """
-        if peer.send_error is None:
-            peer.send_error = f"connection to rank {peer.rank} failed while sending: {exc}"
+        if conn.send_error is None:
+            rank = conn.peer.rank if conn.peer is not None else "?"
+            conn.send_error = f"connection to rank {rank} failed while sending: {exc}"
             self._poll_dirty = True
             self._wake_driver()
 
-    def _flush(self, peer: _Peer) -> None:
-        """Continue queued sends to ``peer`` (the driver, on POLLOUT)."""
+    def _flush(self, conn: _Conn) -> None:
+        """Continue queued sends on ``conn`` (the driver, on POLLOUT)."""
         with self._lock:
-            outq = peer.outq
-            while outq and peer.closed is None:
+            outq = conn.outq
+            while outq and not conn.dead and (conn.peer is None or conn.peer.closed is None):
                 req = outq[0]
                 try:
-                    req.sent += peer.sock.sendmsg(req.pending())
+                    req.sent += conn.sock.sendmsg(req.pending())
                 except BlockingIOError:
                     return
                 except OSError as exc:
-                    self._send_failed(peer, exc)
+                    self._send_failed(conn, exc)
                     return
                 if req.sent < req.total:
                     return
@@ -669,63 +1185,128 @@ class Transport:
 
     # == receiving ============================================================================
 
-    def _read(self, peer: _Peer, want: Request | None) -> None:
-        """Read whatever ``peer`` has for us, frame by frame (the driver, on POLLIN)."""
-        sock = peer.sock
+    def _read(self, conn: _Conn, want: Request | None) -> None:
+        """Read whatever ``conn`` has for us: the hello or its answer, then frame by frame
+        (the driver, on POLLIN)."""
+        sock = conn.sock
         while True:
             try:
-                if peer.frame is None:
-                    n = sock.recv_into(peer.hdr_view[peer.hdr_got :])
-                elif peer.dest is None:
-                    n = sock.recv_into(self._scratch, min(_DISCARD_CHUNK, peer.frame[5] - peer.got))
+                if conn.state != _OPEN:
+                    if conn.hello is None:
+                        n = sock.recv_into(conn.hdr_view[conn.hdr_got : _HELLO.size])
+                    else:
+                        n = sock.recv_into(memoryview(conn.hello[2])[conn.got :])
+                elif conn.frame is None:
+                    n = sock.recv_into(conn.hdr_view[conn.hdr_got :])
+                elif conn.dest is None:
+                    n = sock.recv_into(self._scratch, min(_DISCARD_CHUNK, conn.frame[5] - conn.got))
                 else:
-                    n = sock.recv_into(peer.dest[peer.got :])
+                    n = sock.recv_into(conn.dest[conn.got :])
             except BlockingIOError:
                 return
             except OSError as exc:
-                with self._lock:
-                    self._lose_peer(
-                        peer, peer.send_error or f"connection to rank {peer.rank} failed: {exc}", crashed=True
-                    )
+                rank = conn.peer.rank if conn.peer is not None else "?"
+                self._conn_lost(conn, conn.send_error or f"connection to rank {rank} failed: {exc}")
                 return
             if n == 0:
-                with self._lock:
-                    self._lose_peer(
-                        peer,
-                        f"rank {peer.rank} closed its connection without saying goodbye (did its process die?)",
-                        crashed=True,
-                    )
+                rank = conn.peer.rank if conn.peer is not None else "?"
+                self._conn_lost(
+                    conn, f"rank {rank} closed its connection without saying goodbye (did its process die?)"
+                )
                 return
-            if peer.frame is None:
-                peer.hdr_got += n
-                if peer.hdr_got < HEADER_SIZE:
+            if conn.state != _OPEN:
+                if not self._read_hello(conn, n):
+                    return
+                continue
+            if conn.frame is None:
+                conn.hdr_got += n
+                if conn.hdr_got < HEADER_SIZE:
                     continue
-                peer.hdr_got = 0
-                if not self._begin_frame(peer):
+                conn.hdr_got = 0
+                if not self._begin_frame(conn):
                     return
             else:
-                peer.got += n
-            frame = peer.frame
-            if frame is not None and peer.got == frame[5]:
-                self._end_frame(peer)
-                if peer.closed is not None or (want is not None and want.done):
+                conn.got += n
+            frame = conn.frame
+            if frame is not None and conn.got == frame[5]:
+                self._end_frame(conn)
+                peer = conn.peer
+                if (
+                    conn.ended
+                    or conn.held
+                    or (peer is not None and peer.closed is not None)
+                    or (want is not None and want.done)
+                ):
                     return
 
-    def _begin_frame(self, peer: _Peer) -> bool:
+    def _read_hello(self, conn: _Conn, n: int) -> bool:
+        """``n`` more bytes of a hello or an answer arrived. False: stop reading ``conn`` now
+        (not one of ours, held, or it ends); True: read on. Driver only."""
+        if conn.hello is None:
+            conn.hdr_got += n
+            if conn.hdr_got < _HELLO.size:
+                return True
+            conn.hdr_got = 0
+            magic, version, rank, flags, uid_len = _HELLO.unpack_from(conn.hdr)
+            if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or uid_len > _MAX_UID:
+                self._bad_hello(conn, f"magic {magic!r}, protocol version {version}")
+                return False
+            conn.hello = (rank, flags, bytearray(uid_len))
+            conn.got = 0
+        else:
+            conn.got += n
+        rank, flags, uid = conn.hello
+        if conn.got < len(uid):
+            return True
+        conn.hello = None
+        conn.got = 0
+        with self._lock:
+            if conn.initiated:
+                return self._answered(conn, rank, flags, bytes(uid))
+            return self._identify(conn, rank, bytes(uid))
+
+    def _bad_hello(self, conn: _Conn, what: str) -> None:
+        with self._lock:
+            if conn.peer is None:  # a stray: drop it
+                self._anonymous.discard(conn)
+                conn.dead = True
+                self._poll_dirty = True
+            else:
+                self._lose_peer(
+                    conn.peer,
+                    f"the address rank {conn.peer.rank} published does not answer as pg-tcp does ({what})",
+                    crashed=True,
+                )
+
+    def _conn_lost(self, conn: _Conn, reason: str) -> None:
+        """EOF or an error on ``conn`` (the driver). Expected when the connection was ending;
+        otherwise the peer crashed."""
+        with self._lock:
+            peer = conn.peer
+            if peer is None or conn.quiet or peer.closed is not None:
+                self._anonymous.discard(conn)
+                conn.dead = conn.ended = True
+                self._poll_dirty = True
+                return
+            self._lose_peer(peer, reason, crashed=True)
+
+    def _begin_frame(self, conn: _Conn) -> bool:
         """A header arrived: decide where its payload goes. False if the stream is unusable."""
-        magic, kind, opcode, dtype, tag, seq, nbytes = HEADER.unpack_from(peer.hdr)
-        if magic != MAGIC or not TENSOR <= kind <= BYE:
+        peer = conn.peer
+        assert peer is not None
+        magic, kind, opcode, dtype, tag, seq, nbytes = HEADER.unpack_from(conn.hdr)
+        if magic != MAGIC or not TENSOR <= kind <= RETIRE:
             with self._lock:
                 self._lose_peer(
                     peer, f"rank {peer.rank} sent a malformed frame (magic {magic:#x}, kind {kind})", crashed=True
                 )
             return False
         frame: Frame = (kind, opcode, dtype, tag, seq, nbytes)
-        peer.frame, peer.got, peer.dest, peer.target = frame, 0, None, None
+        conn.frame, conn.got, conn.dest, conn.target = frame, 0, None, None
         if kind >= ARRIVED:
             if kind in (ABORT, BYE):
-                reason = peer.target = bytearray(nbytes)
-                peer.dest = memoryview(reason)
+                reason = conn.target = bytearray(nbytes)
+                conn.dest = memoryview(reason)
             return True
         with self._lock:
             if kind == COLL:
@@ -743,20 +1324,20 @@ class Transport:
                     return True
                 if req.buf is None:
                     req.result = _payload_buffer(nbytes)
-                    peer.dest = memoryview(req.result)
+                    conn.dest = memoryview(req.result)
                 else:
-                    peer.dest = req.buf
-                peer.target = req
+                    conn.dest = req.buf
+                conn.target = req
                 return True
-        buf = peer.target = _payload_buffer(nbytes)
-        peer.dest = memoryview(buf)
+        buf = conn.target = _payload_buffer(nbytes)
+        conn.dest = memoryview(buf)
         return True
 
-    def _end_frame(self, peer: _Peer) -> None:
+    def _end_frame(self, conn: _Conn) -> None:
         """A payload is complete: finish its receive, queue it as unexpected, or act on it."""
-        frame, target = peer.frame, peer.target
-        assert frame is not None
-        peer.frame, peer.dest, peer.target, peer.got = None, None, None, 0
+        frame, target, peer = conn.frame, conn.target, conn.peer
+        assert frame is not None and peer is not None
+        conn.frame, conn.dest, conn.target, conn.got = None, None, None, 0
         kind, opcode, _, tag, seq, _ = frame
         if isinstance(target, Recv):
             with self._lock:
@@ -767,6 +1348,9 @@ class Transport:
                 self._heard[peer.rank] = max(self._heard[peer.rank], seq)
                 self._arrivals[peer.rank] = (seq, opcode, tag)
                 self._compare_arrival(peer.rank)
+                return
+            if kind == RETIRE:
+                self._retired(conn)
                 return
             if target is None:
                 return  # discarded
@@ -863,15 +1447,19 @@ class Transport:
                 posted.remove(req)
             # else: its payload is being read right now; the reader drops the completion.
         elif isinstance(req, Send):
-            peer = self._peers[req.peer]
-            if peer is not None and req in peer.outq:
+            peer = self._peers[req.peer] if 0 <= req.peer < self.size else None
+            if peer is not None and req in peer.backlog:
+                peer.backlog.remove(req)
+                return
+            conn = req.conn
+            if conn is not None and req in conn.outq:
                 if req.sent == 0:  # nothing on the wire yet
-                    peer.outq.remove(req)
+                    conn.outq.remove(req)
                 else:  # partly on the wire: the frame must be finished, from a private copy
                     req.detach()
 
-    def _expire(self, req: Request) -> None:
-        """``req`` passed its deadline: fail it with CollectiveTimeout."""
+    def _expire(self, req: Request, why: str | None = None) -> None:
+        """``req`` passed its deadline: fail it with CollectiveTimeout (``why``: what it waited for)."""
         with self._lock:
             if req.done:
                 return
@@ -885,7 +1473,7 @@ class Transport:
                 what = f"{req.name} (collective #{req.seq})"
             error = CollectiveTimeout(
                 f"{self.label}: {what} timed out after {req.timeout:g} s; not heard from rank(s) "
-                f"{', '.join(map(str, peers))}",
+                f"{', '.join(map(str, peers))}" + (f" ({why})" if why else ""),
                 op=req.name,
                 seq=req.seq,
                 peers=peers,
@@ -893,6 +1481,17 @@ class Transport:
             self._complete(req, error)
             if req.seq is not None:
                 self._break_collectives(CollectiveTimeout, str(error), peers, req.seq, notify=False)
+        self._settle()
+
+    def _fail(self, req: Request, error: PGError) -> None:
+        """Fail ``req`` with ``error`` (a collective's failure stops the collectives)."""
+        with self._lock:
+            if req.done:
+                return
+            self._withdraw(req)
+            self._complete(req, error)
+            if req.seq is not None:
+                self._break_collectives(type(error), str(error), (req.peer,), req.seq, notify=True)
         self._settle()
 
     def _peer_error(self, req: Request, peer: _Peer) -> PeerFailureError:
@@ -908,12 +1507,15 @@ class Transport:
         self._poll_dirty = True
         self._wake_driver()
         doomed: list[Request] = [r for key, queue in self._posted.items() if key[0] == peer.rank for r in queue]
-        doomed.extend(peer.outq)
-        if isinstance(peer.target, Recv):
-            doomed.append(peer.target)
+        doomed.extend(peer.backlog)
+        peer.backlog.clear()
+        for conn in peer.conns:
+            doomed.extend(conn.outq)
+            conn.outq.clear()
+            if isinstance(conn.target, Recv):
+                doomed.append(conn.target)
         for key in [key for key in self._posted if key[0] == peer.rank]:
             del self._posted[key]
-        peer.outq.clear()
         for req in doomed:
             self._complete(req, self._peer_error(req, peer))
         if crashed:  # a crashed rank cannot finish any collective: everyone must stop
@@ -997,7 +1599,8 @@ class Transport:
             )
 
     def _live_peers(self) -> list[_Peer]:
-        return [p for p in self._peers if p is not None and p.closed is None]
+        """The peers this rank can send to now: not gone, and connected."""
+        return [p for p in self._peers if p is not None and p.closed is None and p.send is not None]
 
     # == the progress thread ==================================================================
 
@@ -1011,34 +1614,63 @@ class Transport:
                     return
                 now = time.monotonic()
                 expired = [r for r in self._async if r.deadline <= now]
-                horizon = min(r.deadline for r in self._async) - now
+                horizon = min(r.deadline for r in self._async)
+                unconnected = [
+                    (r, p)
+                    for r in self._async
+                    if (p := self._peers[r.peer]) is not None and p.send is None and p.closed is None
+                ]
             for req in expired:
                 self._expire(req)
-            self._drive(None, min(max(horizon, 0.0), 0.5))
+            for req, peer in unconnected:  # never waits for the store here: other requests need this thread
+                horizon = self._tick_connect(req, peer, now, horizon, block=False)
+            self._drive(None, min(max(horizon - time.monotonic(), 0.0), 0.5))
 
     # == life ===========================================================================
 
     def shutdown(self, timeout: float) -> None:
-        """Drain queued sends (bounded by ``timeout``), say BYE, close everything."""
+        """Answer connections never read, drain queued sends (bounded by ``timeout``), say
+        BYE, close everything."""
         with self._lock:
             if self._closed is not None:
                 return
             self._closed = "shut down"
-            for req in [r for q in self._posted.values() for r in q]:
+            doomed: list[Request] = [r for q in self._posted.values() for r in q]
+            for peer in self._peers:
+                if peer is not None:
+                    doomed.extend(peer.backlog)
+                    peer.backlog.clear()
+            for req in doomed:
                 self._complete(req, GroupClosedError(f"{self.label}: {req.name} was pending at shutdown"))
             self._posted.clear()
+        self._settle()
+        # Connections made to this rank that it never read: read their hellos, so that their
+        # makers hear "shut down" (see _identify) instead of taking the exit for a crash.
+        deadline = time.monotonic() + min(timeout, _SHUTDOWN_HELLOS_S)
+        self._progress_now()
+        while self._anonymous and time.monotonic() < deadline:
+            self._drive(None, min(0.05, max(deadline - time.monotonic(), 0.0)))
+        with self._lock:
             code, reason = 0, _EMPTY
             if self._broken is not None and self._broken[0] in _ABORT_CODE:
                 # peers still waiting learn why, not just "shut down" (a timeout each rank sees for itself)
                 code = _ABORT_CODE[self._broken[0]]
                 reason = memoryview(self._broken[1].encode())
             for peer in self._live_peers():
-                self._send_locked(peer, Send("bye", BYE, peer.rank, reason, opcode=code, timeout=timeout))
+                assert peer.send is not None
+                self._write(peer.send, Send("bye", BYE, peer.rank, reason, opcode=code, timeout=timeout))
+                for conn in peer.conns:  # a connection both made at once whose RETIRE is still to come
+                    if conn is not peer.send and not conn.quiet and not conn.dead and conn.state == _OPEN:
+                        self._write(conn, Send("retire", RETIRE, peer.rank, _EMPTY, timeout=timeout))
+                        conn.quiet = True
+            for conn in list(self._anonymous):  # still silent: whoever it is, nothing comes from here
+                self._write(conn, Send.raw("closing", -1, self._hello(_REPLY_CLOSING)))
+                conn.ended = conn.quiet = True
         self._settle()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(p.outq for p in self._live_peers()):
+                if not any(c.outq for c in self._conns.values() if not c.dead and c.send_error is None):
                     break
             self._drive(None, min(0.1, deadline - time.monotonic()))
         self._close("shut down")
@@ -1052,9 +1684,11 @@ class Transport:
             doomed = [r for q in self._posted.values() for r in q] + list(self._async) + list(self._pending_coll)
             for peer in self._peers:
                 if peer is not None:
-                    doomed.extend(peer.outq)
-                    if isinstance(peer.target, Recv):
-                        doomed.append(peer.target)
+                    doomed.extend(peer.backlog)
+            for conn in self._conns.values():
+                doomed.extend(conn.outq)
+                if isinstance(conn.target, Recv):
+                    doomed.append(conn.target)
             for req in doomed:
                 self._complete(req, GroupClosedError(f"{self.label}: {req.name} was aborted"))
             self._wake_driver()
@@ -1082,18 +1716,23 @@ class Transport:
             leftovers = [r for q in self._posted.values() for r in q] + list(self._async) + list(self._pending_coll)
             for peer in self._peers:
                 if peer is not None:
-                    leftovers.extend(peer.outq)
-                    peer.outq.clear()
+                    leftovers.extend(peer.backlog)
+                    peer.backlog.clear()
+                    if peer.closed is None:
+                        peer.closed = f"this rank's transport was {how}"
+            for conn in self._conns.values():
+                leftovers.extend(conn.outq)
+                conn.outq.clear()
+                conn.sock.close()
+            self._conns.clear()
+            self._anonymous.clear()
             self._posted.clear()
             for req in leftovers:
                 self._complete(
                     req, GroupClosedError(f"{self.label}: {req.name} did not finish before the group was {how}")
                 )
-            for peer in self._peers:
-                if peer is not None:
-                    if peer.closed is None:
-                        peer.closed = f"this rank's transport was {how}"
-                    peer.sock.close()
+            if self._listener is not None:
+                self._listener.close()
             self._wake_r.close()
             self._wake_w.close()
         self._settle()
@@ -1110,119 +1749,3 @@ def _settle_work(req: Request) -> None:
         work.set_exception(req.error)
     else:
         work.set_result(getattr(req, "result", None))
-
-
-# -- connection setup ---------------------------------------------------------------------
-
-_HELLO: Final = struct.Struct("<8sHIH")  # magic, protocol version, rank, len(group_uid)
-_ACK: Final = b"pg-tcp-ok"
-_HELLO_TIMEOUT: Final = 10.0  # a peer says hello right after connecting; a silent stray is dropped
-
-
-def _connect_mesh(ctx: BackendContext) -> dict[int, socket.socket]:
-    """Connect to every other rank of the group; returns rank -> connected socket."""
-    if ctx.size == 1:
-        return {}
-    deadline = time.monotonic() + ctx.timeout
-    host = advertise_address(ctx.store, ctx.options.get("addr"))
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    socks: dict[int, socket.socket] = {}
-    try:
-        listener.bind((host, 0))
-        listener.listen(ctx.size)
-        port = listener.getsockname()[1]
-        ctx.store.set(f"addr/{ctx.rank}", f"{host}:{port}")
-        uid = ctx.group_uid.encode()
-        hello = _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, ctx.rank, len(uid)) + uid
-
-        # 1. connect to every lower rank and say hello (their listeners exist: they published)
-        for rank in range(ctx.rank):
-            key = f"addr/{rank}"
-            try:
-                wait_for(ctx.store, [key], _left(deadline, ctx, rank))  # polled: the store may be shared
-            except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on a store timeout
-                raise TimeoutError(f"rank {rank} did not publish its address in the store: {exc}") from exc
-            peer_host, _, peer_port = ctx.store.get(key).decode().rpartition(":")
-            sock = socket.create_connection((peer_host, int(peer_port)), timeout=_left(deadline, ctx, rank))
-            socks[rank] = sock
-            sock.sendall(hello)
-        # 2. accept every higher rank; check its hello; acknowledge it
-        while len(socks) < ctx.size - 1:
-            listener.settimeout(_left(deadline, ctx, None))
-            conn, _ = listener.accept()
-            conn.settimeout(min(_left(deadline, ctx, None), _HELLO_TIMEOUT))
-            try:
-                head = _recv_exact(conn, _HELLO.size)
-                magic, version, rank, uid_len = _HELLO.unpack(head)
-                their_uid = _recv_exact(conn, uid_len) if magic == HELLO_MAGIC and uid_len < 4096 else b""
-            except (OSError, struct.error):  # includes a stray that stays silent past _HELLO_TIMEOUT
-                conn.close()
-                continue
-            if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or their_uid != uid:
-                conn.close()  # not one of ours
-                continue
-            if not ctx.rank < rank < ctx.size or rank in socks:
-                conn.close()
-                raise PeerFailureError(
-                    f"pg-tcp: rank {ctx.rank} got a second connection claiming rank {rank}", peers=(rank,)
-                )
-            conn.sendall(_ACK)
-            socks[rank] = conn
-        # 3. collect the acknowledgements of the lower ranks
-        for rank in range(ctx.rank):
-            socks[rank].settimeout(_left(deadline, ctx, rank))
-            if _recv_exact(socks[rank], len(_ACK)) != _ACK:
-                raise PeerFailureError(f"pg-tcp: rank {rank} refused rank {ctx.rank}'s connection", peers=(rank,))
-    except TimeoutError as exc:
-        for sock in socks.values():
-            sock.close()
-        missing = sorted(set(range(ctx.size)) - set(socks) - {ctx.rank})
-        raise CollectiveTimeout(
-            f"pg-tcp group {ctx.group_name!r} rank {ctx.rank}: could not connect to rank(s) {missing} "
-            f"within {ctx.timeout:g} s ({exc})",
-            op="connect",
-            peers=missing,
-        ) from exc
-    except OSError as exc:
-        for sock in socks.values():
-            sock.close()
-        raise PeerFailureError(
-            f"pg-tcp group {ctx.group_name!r} rank {ctx.rank}: setting up connections failed: {exc}"
-        ) from exc
-    except BaseException:
-        for sock in socks.values():
-            sock.close()
-        raise
-    finally:
-        listener.close()
-    for sock in socks.values():
-        _tune(sock)
-    return socks
-
-
-def _left(deadline: float, ctx: BackendContext, rank: int | None) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("setup deadline passed" + ("" if rank is None else f" while connecting to rank {rank}"))
-    return left
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        buf += chunk
-    return bytes(buf)
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
-        option = getattr(socket, name, None)
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
