@@ -109,19 +109,9 @@ class ProcessGroup:
     ) -> None:
         rank, size = _rank_and_size(rank, size)
         check_name(name)
-        specs = resolve_backends(backends, registry)
         self._attach(
-            form(
-                store,
-                ROOT_NAMESPACE,
-                name,
-                rank,
-                size,
-                name=name,
-                specs=specs,
-                timeout=seconds(timeout, DEFAULT_TIMEOUT),
-                options=options or {},
-                registry=registry,
+            _form_top_level(
+                store, name, rank, size, backends=backends, timeout=timeout, options=options, registry=registry
             )
         )
 
@@ -1014,25 +1004,42 @@ def rendezvous(
         raise TypeError(f"size must be an int, got {size!r}")
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
-    # resolve the backends before taking a place: a wrong name fails here, not in the others' wait
-    specs = resolve_backends(backends, registry)
-    formation = form(
-        store,
-        ROOT_NAMESPACE,
-        name,
-        None,
-        size,
-        name=name,
-        specs=specs,
-        timeout=seconds(timeout, DEFAULT_TIMEOUT),
-        options=options or {},
-        registry=registry,
-        wait=True,
+    group = ProcessGroup._of(
+        _form_top_level(store, name, None, size, backends=backends, timeout=timeout, options=options, registry=registry)
     )
-    group = ProcessGroup._of(formation)
     try:
         group._objects.endpoint("rendezvous")  # the message backend, created while every member is here
     except BaseException:
         group.abort()
         raise
     return group
+
+
+def _form_top_level(
+    store: Store,
+    name: str,
+    rank: int | None,
+    size: int,
+    *,
+    backends: BackendsArg,
+    timeout: float | timedelta | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+    registry: Registry | None,
+) -> Formation:
+    """A group formed in the store's root namespace: at ``rank``, or (``None``) in arrival
+    order once all ``size`` have arrived, as :func:`rendezvous` does. The backends are
+    resolved before this rank takes a place: a wrong name fails here, not in the others' wait."""
+    specs = resolve_backends(backends, registry)
+    return form(
+        store,
+        ROOT_NAMESPACE,
+        name,
+        rank,
+        size,
+        name=name,
+        specs=specs,
+        timeout=seconds(timeout, DEFAULT_TIMEOUT),
+        options=options or {},
+        registry=registry,
+        wait=rank is None,
+    )

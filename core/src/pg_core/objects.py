@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import messages
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, CollectiveTimeout
 from .tags import check_tag
-from .timeouts import Deadline, told_as
+from .timeouts import Deadline, retell
 from .validation import check_peer, check_rank
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class Objects:
 
         def run() -> None:
             self._executor.check_open()
-            with told_as(op, f" to rank {dst} (tag {tag})", timeout):  # the user's op, not send_bytes
+            try:
                 if ep.native and not out.separate:  # one send_bytes: atomic, needs no stream lock
                     ep.send_one(out.parts(), dst, wire, timeout, op)
                     return
@@ -123,6 +123,8 @@ class Objects:
                     for t in out.separate:
                         inst = self._instance(t.device)
                         inst.backend.send(t, dst, inst.tags.message(tag), timeout=deadline.left())
+            except CollectiveTimeout as exc:
+                retell(exc, op, f" to rank {dst} (tag {tag})", timeout)  # the user's op, not send_bytes
 
         result = ep.instance.ordered("send", dst, wire, op, run, async_op=async_op)
         return result if async_op else None
@@ -148,7 +150,7 @@ class Objects:
 
         def run() -> Any:
             self._executor.check_open()
-            with told_as(op, f" from rank {src} (tag {tag})", timeout):  # the user's op, not recv_bytes
+            try:
                 if ep.native and not self.separate:  # every message is one recv_bytes
                     data = ep.recv_one(src, wire, timeout, op)
                     if kind == messages.TENSOR and (tensor := messages.parse_tensor(data)) is not None:
@@ -160,6 +162,8 @@ class Objects:
                         data = ep.recv(src, wire, deadline, progress)
                         incoming = messages.parse(data, src=src)
                         separate = self._recv_separate(incoming, src, tag, deadline)
+            except CollectiveTimeout as exc:
+                retell(exc, op, f" from rank {src} (tag {tag})", timeout)  # the user's op, not recv_bytes
             if kind is not None and incoming.kind != kind:
                 raise CollectiveMismatchError(
                     f"{op}: rank {src} sent {messages.KIND_NAMES.get(incoming.kind, 'an unknown message')} with "
@@ -191,8 +195,10 @@ class Objects:
         ep = self._checked_endpoint(op, "send", "recv")
 
         def told(seq: int) -> Any:
-            with told_as(op, f" #{seq}", timeout, seq):  # the user's op, not its messages' recv_bytes
+            try:
                 return call(Deadline(op, timeout), ep, seq)
+            except CollectiveTimeout as exc:
+                retell(exc, op, f" #{seq}", timeout, seq)  # the user's op, not its messages' recv_bytes
 
         return self._executor.run(op, told, async_op=async_op)
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
+from typing import NoReturn
 
 from .errors import CollectiveTimeout
 
-__all__ = ["DEFAULT_TIMEOUT", "Deadline", "seconds", "told_as"]
+__all__ = ["DEFAULT_TIMEOUT", "Deadline", "retell", "seconds"]
 
 #: Default per-operation timeout of a group, in seconds.
 DEFAULT_TIMEOUT = 300.0
@@ -50,16 +49,14 @@ class Deadline:
         return max(0.0, self.at - time.monotonic())
 
 
-@contextmanager
-def told_as(op: str, what: str, timeout: float, seq: int | None = None) -> Iterator[None]:
-    """A timeout inside the block is told as the user's ``op`` (``what``: its peer, its tag),
-    not as the internal step that met it (a backend's ``recv_bytes``); the step's own error
-    stays attached as the cause. Its ``peers`` (the ranks not heard from) carry over."""
-    try:
-        yield
-    except CollectiveTimeout as exc:
-        if exc.op == op and exc.seq == seq:
-            raise  # already the user's: a Deadline of this op
-        silent = f"; not heard from rank(s) {', '.join(map(str, exc.peers))}" if exc.peers else ""
-        told = CollectiveTimeout(f"{op}{what} timed out after {timeout:g} s{silent}", op=op, seq=seq, peers=exc.peers)
-        raise told from exc
+def retell(exc: CollectiveTimeout, op: str, what: str, timeout: float, seq: int | None = None) -> NoReturn:
+    """Raise ``exc``, a timeout met by an internal step (a backend's ``recv_bytes``), as the
+    user's ``op`` (``what``: its peer and tag, or its number), with ``exc`` as the cause and
+    its ``peers`` (the ranks not heard from) carried over. Call it in an ``except`` clause:
+    the try costs nothing while no timeout happens."""
+    if exc.op == op and exc.seq == seq:
+        raise exc  # already the user's: a Deadline of this op
+    silent = f"; not heard from rank(s) {', '.join(map(str, exc.peers))}" if exc.peers else ""
+    raise CollectiveTimeout(
+        f"{op}{what} timed out after {timeout:g} s{silent}", op=op, seq=seq, peers=exc.peers
+    ) from exc
