@@ -38,9 +38,8 @@ from .validation import (
     check_rank,
     check_tensor,
     check_tensor_list,
+    device_and_dtype,
     device_arg,
-    one_device,
-    same_dtype,
     same_numel,
     split_sizes,
 )
@@ -229,8 +228,10 @@ class ProcessGroup:
         whose ``result()`` it is."""
         self._executor.check_open()
         if tensors:
-            device = one_device(tensors, op) if len(tensors) > 1 else tensors[0].device
-            dtype = same_dtype(tensors, op) if len(tensors) > 1 else tensors[0].dtype
+            if len(tensors) == 1:
+                device, dtype = tensors[0].device, tensors[0].dtype
+            else:
+                device, dtype = device_and_dtype(tensors, op)
         else:
             device, dtype = self._barrier_device, None
         self._supported.check(op, device, dtype, reduce_op)

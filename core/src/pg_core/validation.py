@@ -25,9 +25,8 @@ __all__ = [
     "check_tensor",
     "check_tensor_list",
     "dense",
+    "device_and_dtype",
     "device_arg",
-    "one_device",
-    "same_dtype",
     "same_numel",
     "split_sizes",
 ]
@@ -41,8 +40,8 @@ def dense(t: torch.Tensor) -> bool:
     if t.is_conj() or t.is_neg():
         return False
     ndim = t.dim()
-    if ndim <= 1:  # the common case, without building tuples
-        return ndim == 0 or t.stride(0) == 1
+    if ndim <= 1:  # the common case: stride() is cheaper than stride(0)
+        return ndim == 0 or t.stride() == (1,)
     expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
     for size, stride in zip(reversed(t.shape), reversed(t.stride())):  # noqa: B905 - equal lengths
         if stride != expected:
@@ -139,22 +138,18 @@ def check_tensor_list(ts: object, what: str, length: int | None) -> list[torch.T
     return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(ts)]
 
 
-def one_device(tensors: Sequence[torch.Tensor], op: str) -> torch.device:
-    """The single device of a call's tensors (``ValueError`` if they differ)."""
-    first = tensors[0].device
-    for t in tensors:
-        if t.device != first:
-            raise ValueError(f"{op}: all tensors of one call must have one device, got {first} and {t.device}")
-    return first
-
-
-def same_dtype(tensors: Sequence[torch.Tensor], op: str) -> torch.dtype:
-    """The single dtype of a call's tensors (``ValueError`` if they differ)."""
-    first = tensors[0].dtype
-    for t in tensors:
-        if t.dtype is not first:
-            raise ValueError(f"{op}: all tensors of one call must have one dtype, got {first} and {t.dtype}")
-    return first
+def device_and_dtype(tensors: Sequence[torch.Tensor], op: str) -> tuple[torch.device, torch.dtype]:
+    """The single device and the single dtype of a call's (one or more) tensors
+    (``ValueError`` if they differ)."""
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    for i in range(1, len(tensors)):
+        t = tensors[i]
+        if t.device != device:
+            raise ValueError(f"{op}: all tensors of one call must have one device, got {device} and {t.device}")
+        if t.dtype is not dtype:
+            raise ValueError(f"{op}: all tensors of one call must have one dtype, got {dtype} and {t.dtype}")
+    return device, dtype
 
 
 def same_numel(tensors: Sequence[torch.Tensor], numel: int, op: str, what: str) -> None:
