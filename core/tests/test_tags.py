@@ -40,7 +40,7 @@ def test_a_backend_without_tags_takes_tag_zero_only():
 
 def test_user_tags_are_non_negative_ints():
     assert check_tag(5) == 5
-    with pytest.raises(ValueError, match="reserved for the core"):
+    with pytest.raises(ValueError, match="tag must be >= 0, got -1"):
         check_tag(-1)
     with pytest.raises(TypeError):
         check_tag(True)

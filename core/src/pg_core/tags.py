@@ -53,7 +53,7 @@ def check_tag(tag: object) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int):
         raise TypeError(f"tag must be an int, got {tag!r}")
     if tag < 0:
-        raise ValueError(f"tag must be >= 0, got {tag}; negative tags are reserved for the core")
+        raise ValueError(f"tag must be >= 0, got {tag}")
     return tag
 
 
