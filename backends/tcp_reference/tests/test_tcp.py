@@ -574,6 +574,30 @@ def test_messages_sent_before_a_clean_shutdown_arrive(rank_pools: Pools) -> None
     assert message is not None and "rank 0 shut down" in message
 
 
+def send_then_shutdown_at_once(ctx: RankContext, rounds: int) -> None:
+    """A gather, then rank 2 sends rank 0 more than a socket's receive window holds and shuts
+    down at once, while rank 0 may just be answering the connection's hello. A socket closed
+    with unread bytes (that answer) is reset, and a reset throws away what the kernel had not
+    delivered yet: rank 0 would see a crash mid-message. Every round must arrive whole."""
+    payload = bytes(range(256)) * 760  # 194,560 bytes
+    for r in range(rounds):
+        b = make_backend(ctx, f"round{r}")
+        try:
+            t = torch.full((2,), float(ctx.rank))
+            out = [torch.empty(2) for _ in range(ctx.size)] if ctx.rank == 3 else None
+            b.gather(t, out, 3, timeout=ctx.timeout)
+            if ctx.rank == 2:
+                b.send_bytes(payload, 0, 7, timeout=ctx.timeout)
+            elif ctx.rank == 0:
+                assert bytes(b.recv_bytes(2, 7, timeout=ctx.timeout)) == payload
+        finally:
+            b.shutdown()
+
+
+def test_a_send_survives_the_senders_shutdown_right_after_it(rank_pools: Pools) -> None:
+    rank_pools(4).run(send_then_shutdown_at_once, 8, timeout=240)
+
+
 def p2p_stress(ctx: RankContext, seed: int) -> int:
     """Every rank sends random-size messages on random tags to every peer from several
     threads, blocking and asynchronous mixed; receivers check content and order."""

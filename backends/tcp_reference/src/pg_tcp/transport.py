@@ -119,11 +119,14 @@ outside the lock, so their callbacks may call back into the backend.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import mmap
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 from collections import deque
@@ -394,6 +397,8 @@ _PROBE_S: Final = 1.0  # a rank waiting for a connection makes one itself after 
 _RETRY_S: Final = 0.1  # a connection this rank must make could not be made yet: try again after this
 _STORE_SLICE_S: Final = 0.25  # store waits in slices, so that abort() is noticed
 _SHUTDOWN_HELLOS_S: Final = 1.0  # at shutdown: how long to wait for the hellos of connections never read
+_FLUSH_POLL_S: Final = 0.01  # at shutdown: how often to look whether the kernel has delivered what was sent
+_TIOCOUTQ: Final = getattr(termios, "TIOCOUTQ", None)  # bytes a socket has sent that its peer has not acknowledged
 _CONTROL_TIMEOUT: Final = 30.0
 
 
@@ -1667,12 +1672,22 @@ class Transport:
                 self._write(conn, Send.raw("closing", -1, self._hello(_REPLY_CLOSING)))
                 conn.ended = conn.quiet = True
         self._settle()
+        # Deliver before closing: what is queued here, then what the kernel holds. A socket
+        # closed with unread bytes in it (a hello's answer that came late, an ARRIVED frame)
+        # is reset, not closed, and a reset throws away whatever the kernel had not yet
+        # delivered (a large frame, the BYE): its peer would see a crash. So wait (reading,
+        # bounded by the timeout) until the peers have everything, then read what came.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not any(c.outq for c in self._conns.values() if not c.dead and c.send_error is None):
-                    break
-            self._drive(None, min(0.1, deadline - time.monotonic()))
+                live = [c for c in self._conns.values() if not c.dead and c.send_error is None]
+                queued = any(c.outq for c in live)
+                # a peer that is gone (reset, BYE) acknowledges nothing more: its count never falls
+                socks = [c.sock for c in live if c.peer is None or c.peer.closed is None]
+            if not queued and not any(_unacknowledged(sock) for sock in socks):
+                break
+            self._drive(None, min(0.1 if queued else _FLUSH_POLL_S, max(deadline - time.monotonic(), 0.0)))
+        self._progress_now()
         self._close("shut down")
 
     def abort(self) -> None:
@@ -1740,6 +1755,19 @@ class Transport:
     @property
     def closed(self) -> bool:
         return self._closed is not None
+
+
+def _unacknowledged(sock: socket.socket) -> int:
+    """Bytes written to ``sock`` that its peer's kernel has not acknowledged yet (0 where the
+    platform cannot say, or the socket is gone)."""
+    if _TIOCOUTQ is None:
+        return 0
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), _TIOCOUTQ, buf, True)
+    except (OSError, ValueError):
+        return 0
+    return buf[0]
 
 
 def _settle_work(req: Request) -> None:
