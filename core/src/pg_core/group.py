@@ -226,12 +226,14 @@ class ProcessGroup:
         """Validate and check capabilities, then run ``call(backend, seconds)`` in the
         executor's order. Blocking: returns what ``call`` returned; ``async_op``: a ``Work``
         whose ``result()`` it is."""
-        self._executor.check_open()
-        if tensors:
-            if len(tensors) == 1:
-                device, dtype = tensors[0].device, tensors[0].dtype
-            else:
-                device, dtype = device_and_dtype(tensors, op)
+        # (a closed group raises in the executor, before anything is sent)
+        n = len(tensors)
+        if n == 1:
+            device, dtype = tensors[0].device, tensors[0].dtype
+        elif n == 2 and tensors[0].dtype is tensors[1].dtype and (device := tensors[0].device) == tensors[1].device:
+            dtype = tensors[0].dtype  # an output and an input that agree: the common case, checked inline
+        elif n:
+            device, dtype = device_and_dtype(tensors, op)
         else:
             device, dtype = self._barrier_device, None
         self._supported.check(op, device, dtype, reduce_op)
@@ -240,7 +242,7 @@ class ProcessGroup:
 
         def run(_seq: int) -> Any:
             result = call(dispatch.instance(device).backend, budget)
-            if staging is not None and staging.pending:
+            if staging is not None and staging.back:
                 staging.finish()
             return result
 
@@ -347,18 +349,16 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``output_tensor`` (``size`` times ``input_tensor``'s elements) receives every rank's input in rank order."""
-        out = check_tensor(output_tensor, "output_tensor")
-        inp = check_tensor(input_tensor, "input_tensor")
-        if out.numel() != inp.numel() * self._size:
+        st = Staging()  # it checks the types; a stand-in has its original's shape, dtype and device
+        o, i = st.output(output_tensor, "output_tensor"), st.input(input_tensor, "input_tensor")
+        if o.numel() != i.numel() * self._size:
             raise ValueError(
-                f"all_gather_into_tensor: output_tensor has {out.numel()} elements, expected "
-                f"{self._size} x {inp.numel()} = {self._size * inp.numel()}"
+                f"all_gather_into_tensor: output_tensor has {o.numel()} elements, expected "
+                f"{self._size} x {i.numel()} = {self._size * i.numel()}"
             )
-        st = Staging()
-        o, i = st.output(out), st.input(inp)
         return self._collective(
             "all_gather_into_tensor",
-            [out, inp],
+            [o, i],
             lambda b, s: b.all_gather_into_tensor(o, i, timeout=s),
             reduce_op=None,
             async_op=async_op,
@@ -403,19 +403,17 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``output`` on rank ``i`` receives the reduction of block ``i`` of every rank's ``input``."""
-        out = check_tensor(output, "output")
-        inp = check_tensor(input, "input")
-        if inp.numel() != out.numel() * self._size:
+        st = Staging()  # it checks the types; a stand-in has its original's shape, dtype and device
+        o, i = st.output(output, "output"), st.input(input, "input")
+        if i.numel() != o.numel() * self._size:
             raise ValueError(
-                f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
-                f"{self._size} x {out.numel()} = {self._size * out.numel()}"
+                f"reduce_scatter_tensor: input has {i.numel()} elements, expected "
+                f"{self._size} x {o.numel()} = {self._size * o.numel()}"
             )
         rop = as_reduce_op(op)
-        st = Staging()
-        o, i = st.output(out), st.input(inp)
         return self._collective(
             "reduce_scatter_tensor",
-            [out, inp],
+            [o, i],
             lambda b, s: b.reduce_scatter_tensor(o, i, rop, timeout=s),
             reduce_op=rop,
             async_op=async_op,
@@ -593,7 +591,7 @@ class ProcessGroup:
         """Receive the next message from group rank ``src`` with ``tag`` into ``tensor``."""
         inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inst.p2p("recv", t, src, tag, budget, async_op=False)
-        if st.pending:
+        if st.back:
             st.finish()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
@@ -605,7 +603,7 @@ class ProcessGroup:
         """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes."""
         inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inner: Work = inst.p2p("recv", t, src, tag, budget, async_op=True)
-        return _then(inner, st.finish) if st.pending else inner
+        return _then(inner, st.finish) if st.back else inner
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of the list; returns one ``Work`` per op, in order."""
