@@ -261,7 +261,7 @@ class ProcessGroup:
         tensor = check_tensor(tensor)
         rop = as_reduce_op(op)
         st = Staging()
-        t = st.output(tensor)
+        t = st.stage(tensor, written=True)
         return self._collective(
             "all_reduce",
             [tensor],
@@ -279,7 +279,7 @@ class ProcessGroup:
         tensor = check_tensor(tensor)
         check_rank(src, self._size, "src")
         st = Staging()
-        t = st.output(tensor) if self._rank != src else st.input(tensor)
+        t = st.stage(tensor, written=True) if self._rank != src else st.stage(tensor)
         return self._collective(
             "broadcast",
             [tensor],
@@ -304,7 +304,7 @@ class ProcessGroup:
         check_rank(dst, self._size, "dst")
         rop = as_reduce_op(op)
         st = Staging()
-        t = st.output(tensor) if self._rank == dst else st.input(tensor)
+        t = st.stage(tensor, written=True) if self._rank == dst else st.stage(tensor)
         return self._collective(
             "reduce",
             [tensor],
@@ -328,8 +328,8 @@ class ProcessGroup:
         outs = check_tensor_list(tensor_list, "tensor_list", self._size)
         same_numel(outs, tensor.numel(), "all_gather", "tensor_list")
         st = Staging()
-        staged = [st.output(o) for o in outs]
-        t = st.input(tensor)
+        staged = [st.stage(o, written=True) for o in outs]
+        t = st.stage(tensor)
         return self._collective(
             "all_gather",
             [tensor, *outs],
@@ -350,7 +350,7 @@ class ProcessGroup:
     ) -> Work | None:
         """``output_tensor`` (``size`` times ``input_tensor``'s elements) receives every rank's input in rank order."""
         st = Staging()  # it checks the types; a stand-in has its original's shape, dtype and device
-        o, i = st.output(output_tensor, "output_tensor"), st.input(input_tensor, "input_tensor")
+        o, i = st.stage(output_tensor, "output_tensor", written=True), st.stage(input_tensor, "input_tensor")
         if o.numel() != i.numel() * self._size:
             raise ValueError(
                 f"all_gather_into_tensor: output_tensor has {o.numel()} elements, expected "
@@ -381,8 +381,8 @@ class ProcessGroup:
         same_numel(ins, out.numel(), "reduce_scatter", "input_list")
         rop = as_reduce_op(op)
         st = Staging()
-        o = st.output(out)
-        staged = [st.input(t) for t in ins]
+        o = st.stage(out, written=True)
+        staged = [st.stage(t) for t in ins]
         return self._collective(
             "reduce_scatter",
             [out, *ins],
@@ -404,7 +404,7 @@ class ProcessGroup:
     ) -> Work | None:
         """``output`` on rank ``i`` receives the reduction of block ``i`` of every rank's ``input``."""
         st = Staging()  # it checks the types; a stand-in has its original's shape, dtype and device
-        o, i = st.output(output, "output"), st.input(input, "input")
+        o, i = st.stage(output, "output", written=True), st.stage(input, "input")
         if i.numel() != o.numel() * self._size:
             raise ValueError(
                 f"reduce_scatter_tensor: input has {i.numel()} elements, expected "
@@ -438,8 +438,8 @@ class ProcessGroup:
                 f"input_tensor_list[{self._rank}] (what this rank sends itself) has {ins[self._rank].numel()}"
             )
         st = Staging()
-        o = [st.output(t) for t in outs]
-        i = [st.input(t) for t in ins]
+        o = [st.stage(t, written=True) for t in outs]
+        i = [st.stage(t) for t in ins]
         return self._collective(
             "all_to_all",
             [*outs, *ins],
@@ -479,7 +479,7 @@ class ProcessGroup:
                 f"{out_splits[self._rank]}"
             )
         st = Staging()
-        o, i = st.output(out), st.input(inp)
+        o, i = st.stage(out, written=True), st.stage(inp)
         return self._collective(
             "all_to_all_single",
             [out, inp],
@@ -502,7 +502,7 @@ class ProcessGroup:
         """``gather_list[i]`` on ``dst`` receives rank ``i``'s ``tensor``; other ranks pass no list."""
         st = Staging()
         tensor, staged, tensors = self._rooted("gather", tensor, gather_list, dst, st)
-        t = st.input(tensor)
+        t = st.stage(tensor)
         return self._collective(
             "gather",
             tensors,
@@ -525,7 +525,7 @@ class ProcessGroup:
         """``tensor`` on rank ``i`` receives ``scatter_list[i]`` of ``src``; other ranks pass no list."""
         st = Staging()
         tensor, staged, tensors = self._rooted("scatter", tensor, scatter_list, src, st)
-        t = st.output(tensor)
+        t = st.stage(tensor, written=True)
         return self._collective(
             "scatter",
             tensors,
@@ -553,7 +553,7 @@ class ProcessGroup:
             raise ValueError(f"{op}: the {role} rank {root} must pass {name}")
         items = check_tensor_list(lst, name, self._size)
         same_numel(items, tensor.numel(), op, name)
-        staged = [st.output(i) if op == "gather" else st.input(i) for i in items]
+        staged = [st.stage(i, written=True) if op == "gather" else st.stage(i) for i in items]
         return tensor, staged, [tensor, *items]
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
@@ -579,7 +579,7 @@ class ProcessGroup:
         inst = self._dispatch.instance(tensor.device, kind)
         inst.tags.check(tag)
         st = Staging()
-        staged = st.input(tensor) if kind == "send" else st.output(tensor)
+        staged = st.stage(tensor) if kind == "send" else st.stage(tensor, written=True)
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:

@@ -59,34 +59,22 @@ class Staging:
         #: (original, stand-in) of every staged output: non-empty means :meth:`finish` is due
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    # Both methods test dense()'s common case (1-D, unit stride, or 0-D) themselves before
-    # calling it: on the hot path of every collective, the call is a tenth of the cost.
-
-    def input(self, t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
-        """What a backend reads: ``t`` itself when dense (detached from autograd).
-        ``TypeError`` naming ``what`` if it is not a tensor."""
+    def stage(self, t: torch.Tensor, what: str = "tensor", *, written: bool = False) -> torch.Tensor:
+        """What a backend reads (``written=False``) or writes: ``t`` itself when dense
+        (detached: communication is not differentiable, and a parameter is written in place),
+        else a dense copy, which for a written tensor :meth:`finish` copies back.
+        ``TypeError`` naming ``what`` if ``t`` is not a tensor."""
         if not isinstance(t, torch.Tensor):
             check_tensor(t, what)
         if t.requires_grad:
             t = t.detach()
         strides = t.stride()
-        if ((strides == (1,) or not strides) and not (t.is_conj() or t.is_neg())) or dense(t):
-            return t
-        return t.clone(memory_format=torch.contiguous_format)
-
-    def output(self, t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
-        """What a backend writes: ``t`` itself when dense (detached: communication is not
-        differentiable, and a parameter is written in place), else a stand-in copied back
-        by :meth:`finish`. ``TypeError`` naming ``what`` if it is not a tensor."""
-        if not isinstance(t, torch.Tensor):
-            check_tensor(t, what)
-        if t.requires_grad:
-            t = t.detach()
-        strides = t.stride()
+        # dense()'s common case (1-D with unit stride, or 0-D) first: this is every collective's hot path
         if ((strides == (1,) or not strides) and not (t.is_conj() or t.is_neg())) or dense(t):
             return t
         staged = t.clone(memory_format=torch.contiguous_format)
-        self.back.append((t, staged))
+        if written:
+            self.back.append((t, staged))
         return staged
 
     def finish(self) -> None:
