@@ -92,7 +92,9 @@ naming it; after a crash (EOF without BYE) every collective does, because a
 collective needs every rank. A clean ``shutdown`` sends BYE first (and answers the
 connections it never used, so their makers do not take its exit for a crash), so
 peers say "rank N shut down" instead of reporting a crash, and only what needed
-rank N fails. A failed *write* decides nothing by itself: the peer's last frames
+rank N fails; it closes only once the peers' kernels acknowledged every byte sent
+(a socket closed with unread bytes is reset, and a reset discards what was not
+delivered yet, the BYE included). A failed *write* decides nothing by itself: the peer's last frames
 (an ABORT, a BYE) are still in the receive buffer, and the reader, which reads them
 and then the EOF, gives the verdict. A collective that fails locally (mismatch,
 peer failure) sends ABORT to the connected ranks so they raise too instead of
