@@ -82,7 +82,9 @@ class Executor:
                     "callback); pass async_op=True there"
                 )
             if self._pending == 0:  # nothing queued (read again under the lock that queued ones need)
-                with self._exec_lock:
+                running = self._exec_lock
+                running.acquire()  # not `with`: on this hot path, acquire/release cost half as much
+                try:
                     if self._pending == 0:
                         if self._state is not None:
                             self.check_open()
@@ -95,6 +97,8 @@ class Executor:
                                 self._latch(exc, op, seq)
                                 raise
                         return self._invoke(op, fn)
+                finally:
+                    running.release()
         work = Work(op)
         with self._lock:
             self.check_open()
