@@ -959,17 +959,19 @@ def _all_to_all_pieces(ch: Channel, outputs: list[torch.Tensor], inputs: list[to
 # -- barrier ---------------------------------------------------------------------
 
 
-def barrier(ch: Channel, *, tuning: Tuning | None = None) -> None:
+def barrier(ch: Channel, *, tuning: Tuning | None = None, token: torch.Tensor | None = None) -> None:
     """Return only after every rank of the group has entered the barrier.
 
-    Dissemination: ``ceil(log2 size)`` rounds of one-byte messages. (``tuning``
-    is accepted and unused.)
+    Dissemination: ``ceil(log2 size)`` rounds of messages of ``token`` (default one byte;
+    a channel that carries empty messages may pass an empty tensor). (``tuning`` is
+    accepted and unused.)
     """
     size, rank = ch.size, ch.rank
     if size == 1:
         return
-    token = torch.zeros(1, dtype=torch.uint8)
-    echo = torch.empty(1, dtype=torch.uint8)
+    if token is None:
+        token = torch.zeros(1, dtype=torch.uint8)
+    echo = torch.empty_like(token)
     distance = 1
     while distance < size:
         ch.sendrecv(token, (rank + distance) % size, echo, (rank - distance) % size)

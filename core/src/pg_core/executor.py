@@ -88,14 +88,6 @@ class Executor:
                     if self._pending == 0:
                         if self._state is not None:
                             self.check_open()
-                        if self._broken is None:  # _invoke, written out: this is the hot path
-                            seq = self.seq = self._next_seq
-                            self._next_seq = seq + 1
-                            try:
-                                return fn(seq)
-                            except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
-                                self._latch(exc, op, seq)
-                                raise
                         return self._invoke(op, fn)
                 finally:
                     running.release()
@@ -123,14 +115,10 @@ class Executor:
         try:
             return fn(seq)
         except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
-            self._latch(exc, op, seq)
+            if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
+                exc.op, exc.seq = op, seq
+            self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
             raise
-
-    def _latch(self, exc: PGError, op: str, seq: int) -> None:
-        """Collective ``seq`` failed with ``exc``: later collectives refuse to run."""
-        if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
-            exc.op, exc.seq = op, seq
-        self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
 
     def _run_queued(self, work: Work, op: str, fn: Callable[[int], Any]) -> None:
         try:

@@ -227,12 +227,7 @@ class ProcessGroup:
         executor's order. Blocking: returns what ``call`` returned; ``async_op``: a ``Work``
         whose ``result()`` it is."""
         # (a closed group raises in the executor, before anything is sent)
-        n = len(tensors)
-        if n == 1:
-            device, dtype = tensors[0].device, tensors[0].dtype
-        elif n == 2 and tensors[0].dtype is tensors[1].dtype and (device := tensors[0].device) == tensors[1].device:
-            dtype = tensors[0].dtype  # an output and an input that agree: the common case, checked inline
-        elif n:
+        if tensors:
             device, dtype = device_and_dtype(tensors, op)
         else:
             device, dtype = self._barrier_device, None

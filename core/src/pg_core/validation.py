@@ -64,13 +64,10 @@ class Staging:
         (detached: communication is not differentiable, and a parameter is written in place),
         else a dense copy, which for a written tensor :meth:`finish` copies back.
         ``TypeError`` naming ``what`` if ``t`` is not a tensor."""
-        if not isinstance(t, torch.Tensor):
-            check_tensor(t, what)
+        check_tensor(t, what)
         if t.requires_grad:
             t = t.detach()
-        strides = t.stride()
-        # dense()'s common case (1-D with unit stride, or 0-D) first: this is every collective's hot path
-        if ((strides == (1,) or not strides) and not (t.is_conj() or t.is_neg())) or dense(t):
+        if dense(t):
             return t
         staged = t.clone(memory_format=torch.contiguous_format)
         if written:
