@@ -70,12 +70,25 @@ def _xfails(path: str) -> list[tuple[str, str]]:
     return entries
 
 
+def _backend(config: pytest.Config) -> str:
+    """The backend to certify; running the suite without one is a usage error, not a skip."""
+    backend = config.getoption("pg_backend")
+    if not backend:
+        raise pytest.UsageError(
+            "the pg-core conformance suite needs a backend to certify: pass --pg-backend NAME "
+            "(or run `pg-core conformance NAME`)"
+        )
+    return str(backend)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     names = {}
     for item in items:
         marker = item.get_closest_marker("pg_conformance")
         if marker is not None and marker.args:
             names[item] = str(marker.args[0])
+    if names:
+        _backend(config)
     path = config.getoption("pg_xfail")
     if path:
         entries = _xfails(path)
@@ -101,9 +114,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pg_conformance(request: pytest.FixtureRequest) -> Iterator[Any]:
     """The :class:`~pg_core.testing.harness.Conformance` for ``--pg-backend``."""
     config = request.config
-    backend = config.getoption("pg_backend")
-    if not backend:
-        pytest.skip("no backend to certify: pass --pg-backend NAME (or run `pg-core conformance NAME`)")
+    backend = _backend(config)
     try:
         import hypothesis  # noqa: F401
     except ImportError:

@@ -104,6 +104,13 @@ def test_a_relative_file_reference_is_the_same_file_on_every_rank(
     assert info.value.replay.startswith("pg-core conformance wrong_root.py:SPEC --replay broadcast "), info.value.replay
 
 
+def test_the_suite_without_a_backend_is_a_usage_error_not_a_skip(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--pyargs", "pg_core.testing"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout + proc.stderr
+    assert "--pg-backend NAME" in proc.stderr and "skipped" not in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_pytest_help_names_every_form_of_backend_reference() -> None:
     cmd = [sys.executable, "-m", "pytest", "-p", "pytest_pg_core", "--help"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)

@@ -335,22 +335,17 @@ def pair_while_third_is_idle(ctx):
     with _group(ctx) as g:
         if ctx.rank == 2:
             ctx.store.wait(["pair-done"])  # idle: it touches the group only after the pair finished
+        elif ctx.rank == 0:
+            g.send(torch.arange(4.0), 1)
+            g.send_object({"hello": "from 0"}, 1)
+            assert g.recv_object(1) == ["from", 1]
         else:
-            peer = 1 - ctx.rank
-            if ctx.rank == 0:
-                g.send(torch.arange(4.0), peer)
-                g.send_object({"hello": "from 0"}, peer)
-                got = g.recv_object(peer)
-            else:
-                t = torch.empty(4)
-                g.recv(t, peer)
-                assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
-                assert g.recv_object(peer) == {"hello": "from 0"}
-                g.send_object(["from", 1], peer)
-                got = None
-                ctx.store.set("pair-done", "1")
-            if ctx.rank == 0:
-                assert got == ["from", 1]
+            t = torch.empty(4)
+            g.recv(t, 0)
+            assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+            assert g.recv_object(0) == {"hello": "from 0"}
+            g.send_object(["from", 1], 0)
+            ctx.store.set("pair-done", "1")
         t = torch.full((3,), float(ctx.rank + 1))
         g.all_reduce(t)  # then everyone: the connections to rank 2 are made now
         assert t.tolist() == [6.0, 6.0, 6.0]
