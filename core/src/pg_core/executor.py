@@ -41,16 +41,19 @@ class Executor:
         "_queue",
         "_state",
         "_worker",
+        "_worker_ident",
         "seq",
     )
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._lock = threading.Lock()  # guards _pending, _worker, _state
+        self._lock = threading.Lock()  # guards _pending, _worker, _worker_ident, _state
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
+        #: the progress thread's ident while it runs (compared on every blocking call: cheaper than the thread)
+        self._worker_ident: int | None = None
         self._state: str | None = None  # None: open; else "shutting down", "shut down" or "aborted"
         self._broken: tuple[type[PGError], str] | None = None
         self._next_seq = 1
@@ -75,8 +78,7 @@ class Executor:
         """Run collective ``op`` as ``fn(seq)`` in order. Blocking: returns ``fn``'s result;
         ``async_op``: a :class:`Work` whose ``result()`` it is."""
         if not async_op:
-            worker = self._worker
-            if worker is not None and worker is threading.current_thread():
+            if self._worker_ident == threading.get_ident():
                 raise RuntimeError(
                     f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
                     "callback); pass async_op=True there"
@@ -100,6 +102,7 @@ class Executor:
                     target=_work_loop, args=(self._queue, weakref.ref(self)), name=f"pg-core-{self._name}", daemon=True
                 )
                 self._worker.start()
+                self._worker_ident = self._worker.ident
             self._queue.put((work, op, fn))
         return work if async_op else work.result()
 
@@ -143,7 +146,7 @@ class Executor:
             if self._state is not None:
                 return False
             self._state = "shutting down"
-            worker, self._worker = self._worker, None
+            worker, self._worker, self._worker_ident = self._worker, None, None
             if worker is not None:
                 self._queue.put(None)
         if worker is not None and worker is not threading.current_thread():
@@ -166,7 +169,7 @@ class Executor:
             if self._state == "aborted":
                 return False
             self._state = "aborted"
-            worker, self._worker = self._worker, None
+            worker, self._worker, self._worker_ident = self._worker, None, None
         release()
         if worker is not None:
             self._queue.put(None)

@@ -38,7 +38,6 @@ from .validation import (
     check_rank,
     check_tensor,
     check_tensor_list,
-    device_and_dtype,
     device_arg,
     same_numel,
     split_sizes,
@@ -215,22 +214,22 @@ class ProcessGroup:
     def _collective(
         self,
         op: str,
-        tensors: Sequence[torch.Tensor],
+        staging: Staging | None,
         call: Callable[[Backend, float], Any],
         *,
         reduce_op: ReduceOp | None,
         async_op: bool,
         timeout: float | timedelta | None,
-        staging: Staging | None = None,
     ) -> Any:
-        """Validate and check capabilities, then run ``call(backend, seconds)`` in the
-        executor's order. Blocking: returns what ``call`` returned; ``async_op``: a ``Work``
-        whose ``result()`` it is."""
+        """Check that the backend for the staged tensors' device (``barrier``: none staged)
+        declares ``op``, then run ``call(backend, seconds)`` in the executor's order.
+        Blocking: returns what ``call`` returned; ``async_op``: a ``Work`` whose ``result()``
+        it is."""
         # (a closed group raises in the executor, before anything is sent)
-        if tensors:
-            device, dtype = device_and_dtype(tensors, op)
-        else:
+        if staging is None or staging.device is None:
             device, dtype = self._barrier_device, None
+        else:
+            device, dtype = staging.device, staging.dtype
         self._supported.check(op, device, dtype, reduce_op)
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         dispatch = self._dispatch
@@ -255,16 +254,15 @@ class ProcessGroup:
         """Reduce ``tensor`` across the group, in place, on every rank."""
         tensor = check_tensor(tensor)
         rop = as_reduce_op(op)
-        st = Staging()
+        st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         return self._collective(
             "all_reduce",
-            [tensor],
+            st,
             lambda b, s: b.all_reduce(t, rop, timeout=s),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def broadcast(
@@ -273,16 +271,15 @@ class ProcessGroup:
         """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank."""
         tensor = check_tensor(tensor)
         check_rank(src, self._size, "src")
-        st = Staging()
+        st = Staging("broadcast")
         t = st.stage(tensor, written=True) if self._rank != src else st.stage(tensor)
         return self._collective(
             "broadcast",
-            [tensor],
+            st,
             lambda b, s: b.broadcast(t, src, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def reduce(
@@ -298,16 +295,15 @@ class ProcessGroup:
         tensor = check_tensor(tensor)
         check_rank(dst, self._size, "dst")
         rop = as_reduce_op(op)
-        st = Staging()
+        st = Staging("reduce")
         t = st.stage(tensor, written=True) if self._rank == dst else st.stage(tensor)
         return self._collective(
             "reduce",
-            [tensor],
+            st,
             lambda b, s: b.reduce(t, dst, rop, timeout=s),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def all_gather(
@@ -322,17 +318,16 @@ class ProcessGroup:
         tensor = check_tensor(tensor)
         outs = check_tensor_list(tensor_list, "tensor_list", self._size)
         same_numel(outs, tensor.numel(), "all_gather", "tensor_list")
-        st = Staging()
+        st = Staging("all_gather")
         staged = [st.stage(o, written=True) for o in outs]
         t = st.stage(tensor)
         return self._collective(
             "all_gather",
-            [tensor, *outs],
+            st,
             lambda b, s: b.all_gather(staged, t, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def all_gather_into_tensor(
@@ -344,7 +339,7 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``output_tensor`` (``size`` times ``input_tensor``'s elements) receives every rank's input in rank order."""
-        st = Staging()  # it checks the types; a stand-in has its original's shape, dtype and device
+        st = Staging("all_gather_into_tensor")
         o, i = st.stage(output_tensor, "output_tensor", written=True), st.stage(input_tensor, "input_tensor")
         if o.numel() != i.numel() * self._size:
             raise ValueError(
@@ -353,12 +348,11 @@ class ProcessGroup:
             )
         return self._collective(
             "all_gather_into_tensor",
-            [o, i],
+            st,
             lambda b, s: b.all_gather_into_tensor(o, i, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def reduce_scatter(
@@ -375,17 +369,16 @@ class ProcessGroup:
         ins = check_tensor_list(input_list, "input_list", self._size)
         same_numel(ins, out.numel(), "reduce_scatter", "input_list")
         rop = as_reduce_op(op)
-        st = Staging()
+        st = Staging("reduce_scatter")
         o = st.stage(out, written=True)
         staged = [st.stage(t) for t in ins]
         return self._collective(
             "reduce_scatter",
-            [out, *ins],
+            st,
             lambda b, s: b.reduce_scatter(o, staged, rop, timeout=s),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def reduce_scatter_tensor(
@@ -398,7 +391,7 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``output`` on rank ``i`` receives the reduction of block ``i`` of every rank's ``input``."""
-        st = Staging()  # it checks the types; a stand-in has its original's shape, dtype and device
+        st = Staging("reduce_scatter_tensor")
         o, i = st.stage(output, "output", written=True), st.stage(input, "input")
         if i.numel() != o.numel() * self._size:
             raise ValueError(
@@ -408,12 +401,11 @@ class ProcessGroup:
         rop = as_reduce_op(op)
         return self._collective(
             "reduce_scatter_tensor",
-            [o, i],
+            st,
             lambda b, s: b.reduce_scatter_tensor(o, i, rop, timeout=s),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def all_to_all(
@@ -432,17 +424,16 @@ class ProcessGroup:
                 f"all_to_all: output_tensor_list[{self._rank}] has {outs[self._rank].numel()} elements but "
                 f"input_tensor_list[{self._rank}] (what this rank sends itself) has {ins[self._rank].numel()}"
             )
-        st = Staging()
+        st = Staging("all_to_all")
         o = [st.stage(t, written=True) for t in outs]
         i = [st.stage(t) for t in ins]
         return self._collective(
             "all_to_all",
-            [*outs, *ins],
+            st,
             lambda b, s: b.all_to_all(o, i, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def all_to_all_single(
@@ -473,16 +464,15 @@ class ProcessGroup:
                 f"all_to_all_single: this rank sends itself {in_splits[self._rank]} rows but expects "
                 f"{out_splits[self._rank]}"
             )
-        st = Staging()
+        st = Staging("all_to_all_single")
         o, i = st.stage(out, written=True), st.stage(inp)
         return self._collective(
             "all_to_all_single",
-            [out, inp],
+            st,
             lambda b, s: b.all_to_all_single(o, i, out_splits, in_splits, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def gather(
@@ -495,17 +485,16 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``gather_list[i]`` on ``dst`` receives rank ``i``'s ``tensor``; other ranks pass no list."""
-        st = Staging()
-        tensor, staged, tensors = self._rooted("gather", tensor, gather_list, dst, st)
+        st = Staging("gather")
+        tensor, staged = self._rooted("gather", tensor, gather_list, dst, st)
         t = st.stage(tensor)
         return self._collective(
             "gather",
-            tensors,
+            st,
             lambda b, s: b.gather(t, staged, dst, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def scatter(
@@ -518,22 +507,21 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """``tensor`` on rank ``i`` receives ``scatter_list[i]`` of ``src``; other ranks pass no list."""
-        st = Staging()
-        tensor, staged, tensors = self._rooted("scatter", tensor, scatter_list, src, st)
+        st = Staging("scatter")
+        tensor, staged = self._rooted("scatter", tensor, scatter_list, src, st)
         t = st.stage(tensor, written=True)
         return self._collective(
             "scatter",
-            tensors,
+            st,
             lambda b, s: b.scatter(t, staged, src, timeout=s),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
-            staging=st,
         )
 
     def _rooted(
         self, op: str, tensor: object, lst: list[torch.Tensor] | None, root: int, st: Staging
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None, list[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Validate gather/scatter: the list exists on the root only, one tensor per rank,
         each with ``tensor``'s element count; stage it (outputs for gather, inputs for scatter)."""
         tensor = check_tensor(tensor)
@@ -543,23 +531,18 @@ class ProcessGroup:
         if self._rank != root:
             if lst:
                 raise ValueError(f"{op}: {name} is only passed on the {role} rank ({root})")
-            return tensor, None, [tensor]
+            return tensor, None
         if lst is None:
             raise ValueError(f"{op}: the {role} rank {root} must pass {name}")
         items = check_tensor_list(lst, name, self._size)
         same_numel(items, tensor.numel(), op, name)
         staged = [st.stage(i, written=True) if op == "gather" else st.stage(i) for i in items]
-        return tensor, staged, [tensor, *items]
+        return tensor, staged
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
         """Return once every rank has entered the barrier (on the cpu backend if the group has one)."""
         return self._collective(
-            "barrier",
-            [],
-            lambda b, s: b.barrier(timeout=s),
-            reduce_op=None,
-            async_op=async_op,
-            timeout=timeout,
+            "barrier", None, lambda b, s: b.barrier(timeout=s), reduce_op=None, async_op=async_op, timeout=timeout
         )
 
     # -- point to point -----------------------------------------------------------
@@ -573,7 +556,7 @@ class ProcessGroup:
         self._supported.check(kind, tensor.device, tensor.dtype)
         inst = self._dispatch.instance(tensor.device, kind)
         inst.tags.check(tag)
-        st = Staging()
+        st = Staging(kind)
         staged = st.stage(tensor) if kind == "send" else st.stage(tensor, written=True)
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
 

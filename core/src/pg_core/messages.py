@@ -62,7 +62,7 @@ from .dtypes import dtype_code, dtype_from_code
 from .errors import CollectiveMismatchError
 from .instance import Instance
 from .timeouts import Deadline
-from .validation import dense
+from .validation import Staging
 
 __all__ = [
     "EAGER_BYTES",
@@ -122,13 +122,8 @@ def _aligned(n: int) -> int:
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` detached, lazy conjugation/negation applied, laid out densely: what its
-    bytes must look like on the wire."""
-    t = tensor.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t if dense(t) else t.clone(memory_format=torch.contiguous_format)
+    bytes must look like on the wire (the tensor a backend would be handed)."""
+    return Staging("send").stage(tensor)
 
 
 # -- sending side ---------------------------------------------------------------------------

@@ -38,6 +38,10 @@ class RedOpType(enum.Enum):
     def __repr__(self) -> str:
         return f"RedOpType.{self.name}"
 
+    # Members are singletons compared by identity, so identity is their hash: Enum's own
+    # hashes the name in Python, and the capability check hashes one on every call.
+    __hash__ = object.__hash__
+
 
 class ReduceOp:
     """A reduction: one of the class constants, or ``ReduceOp.premul_sum(factor)``.

@@ -24,52 +24,62 @@ __all__ = [
     "check_rank",
     "check_tensor",
     "check_tensor_list",
-    "dense",
-    "device_and_dtype",
     "device_arg",
     "same_numel",
     "split_sizes",
 ]
 
 
-def dense(t: torch.Tensor) -> bool:
-    """Laid out exactly as ``torch.empty(t.shape)`` would be, with no lazy conjugation or
-    negation. Stricter than ``is_contiguous()``, which ignores the strides of size-1
-    dimensions: a backend may ``view`` the tensor as bytes, and that needs the canonical
-    strides and the values as they are in memory."""
-    strides = t.stride()
-    if strides == (1,) or not strides:  # the common case first: 1-D with unit stride, or 0-D
-        return not (t.is_conj() or t.is_neg())
-    if t.is_conj() or t.is_neg():
-        return False
-    expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
-    for size, stride in zip(reversed(t.shape), reversed(strides)):  # noqa: B905 - equal lengths
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class Staging:
-    """Dense stand-ins for tensors that are not dense, and the copies back into the originals."""
+    """The tensors of one call, made ready for a backend: each checked, all on one device
+    with one dtype (read back as :attr:`device` and :attr:`dtype`), and dense stand-ins for
+    those that are not dense, with the copies back into the originals."""
 
-    __slots__ = ("back",)
+    __slots__ = ("back", "device", "dtype", "op")
 
-    def __init__(self) -> None:
+    def __init__(self, op: str) -> None:
+        self.op = op
         #: (original, stand-in) of every staged output: non-empty means :meth:`finish` is due
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: the device and dtype of every tensor staged so far (``None`` before the first)
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
 
     def stage(self, t: torch.Tensor, what: str = "tensor", *, written: bool = False) -> torch.Tensor:
         """What a backend reads (``written=False``) or writes: ``t`` itself when dense
         (detached: communication is not differentiable, and a parameter is written in place),
         else a dense copy, which for a written tensor :meth:`finish` copies back.
-        ``TypeError`` naming ``what`` if ``t`` is not a tensor."""
-        check_tensor(t, what)
+        ``TypeError`` naming ``what`` if ``t`` is not a tensor; ``ValueError`` if its device
+        or dtype differs from the tensors staged before it.
+
+        Dense means laid out exactly as ``torch.empty(t.shape)`` would be, with no lazy
+        negation or (complex) conjugation. That is stricter than ``is_contiguous()``, which
+        ignores the strides of size-1 dimensions: a backend may ``view`` the tensor as bytes,
+        and that needs the canonical strides and the values as they are in memory. (Torch
+        sets the conjugate bit on complex tensors only.)"""
+        if not isinstance(t, torch.Tensor):
+            check_tensor(t, what)  # raises, naming what
+        device, dtype = t.device, t.dtype
+        if self.dtype is None:
+            self.device, self.dtype = device, dtype
+        elif device != self.device:
+            raise ValueError(f"{self.op}: all tensors of one call must have one device, got {self.device} and {device}")
+        elif dtype is not self.dtype:
+            raise ValueError(f"{self.op}: all tensors of one call must have one dtype, got {self.dtype} and {dtype}")
         if t.requires_grad:
             t = t.detach()
-        if dense(t):
-            return t
-        staged = t.clone(memory_format=torch.contiguous_format)
+        if not (t.is_neg() or (dtype.is_complex and t.is_conj())):
+            strides = t.stride()
+            if strides == (1,) or not strides:  # the common case first: 1-D with unit stride, or 0-D
+                return t
+            expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
+            for size, stride in zip(reversed(t.shape), reversed(strides)):  # noqa: B905 - equal lengths
+                if stride != expected:
+                    break
+                expected *= size
+            else:
+                return t
+        staged = t.clone(memory_format=torch.contiguous_format)  # (a clone applies lazy conjugation and negation)
         if written:
             self.back.append((t, staged))
         return staged
@@ -129,20 +139,6 @@ def check_tensor_list(ts: object, what: str, length: int | None) -> list[torch.T
     if length is not None and len(ts) != length:
         raise ValueError(f"{what} must have one tensor per rank ({length}), got {len(ts)}")
     return [check_tensor(t, f"{what}[{i}]") for i, t in enumerate(ts)]
-
-
-def device_and_dtype(tensors: Sequence[torch.Tensor], op: str) -> tuple[torch.device, torch.dtype]:
-    """The single device and the single dtype of a call's (one or more) tensors
-    (``ValueError`` if they differ)."""
-    first = tensors[0]
-    device, dtype = first.device, first.dtype
-    for i in range(1, len(tensors)):
-        t = tensors[i]
-        if t.device != device:
-            raise ValueError(f"{op}: all tensors of one call must have one device, got {device} and {t.device}")
-        if t.dtype is not dtype:
-            raise ValueError(f"{op}: all tensors of one call must have one dtype, got {dtype} and {t.dtype}")
-    return device, dtype
 
 
 def same_numel(tensors: Sequence[torch.Tensor], numel: int, op: str, what: str) -> None:
