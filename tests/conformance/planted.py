@@ -49,6 +49,27 @@ Bugs that only the value operations (objects, tensors of unknown shape, tensor d
     sends), whose recv keeps only the first 64 KiB of a larger tensor.
 26. PROCESS_WIDE_SEQUENCE: the collective sequence number is one counter for the whole process instead of
     one per group, so ranks whose other groups ran different numbers of collectives disagree.
+
+Bugs that a full declaration hides from a few drawn examples, each declared with pg-tcp's full capabilities
+(every op, dtype and reduce op) and caught by the coverage test (every declared combination with values,
+the whole range of every dtype, sizes across thresholds, every root, every odd one out):
+
+27. BFLOAT16_VIA_FLOAT16: all_reduce of bfloat16 runs in float16 ("the same 16 bits, more mantissa"), which
+    overflows where bfloat16 does not.
+28. INT64_VIA_FLOAT64: all_reduce SUM of int64 accumulates in float64, exact only up to 2**53.
+29. UINT8_AS_INT8: all_reduce MIN/MAX of uint8 compares the bytes as signed, so 128-255 sort below 0.
+30. SATURATING_INT_SUM: integer all_reduce SUM clamps at the dtype's limits instead of wrapping around as
+    torch's CPU ops do.
+31. ZERO_START_SUM: floating all_reduce SUM accumulates into zeros, so a sum of -0.0 comes out +0.0.
+32. NAN_AS_ZERO_SUM: floating all_reduce SUM treats NaN as 0 ("skip missing values").
+33. COMPLEX_PRODUCT_ELEMENTWISE: complex all_reduce PRODUCT multiplies real and imaginary parts separately.
+34. BROADCAST_LAST_CHUNK_DROPPED: broadcast past 4 MiB goes in 4 MiB chunks, and the loop drops the last,
+    partial one.
+35. ODD_BYTES_DROPPED: send/isend copy whole 4-byte words, so the last 1-3 bytes of a message whose size is
+    not a multiple of 4 arrive as zeros.
+36. LAST_ROOT_REDUCE: reduce to the last rank of a group of 4 or more goes to rank 0 (the last rank is the
+    tree's "no parent" sentinel).
+37. A2A_QUIET_RANK_SKIPS: all_to_all on a rank with nothing to send returns at once, without receiving.
 """
 
 from __future__ import annotations
@@ -439,6 +460,150 @@ class ProcessWideSequence(TCPBackend):
         return TCPChannel(self._transport, op, self._seq, arg, timeout)
 
 
+# -- 27-37: mistakes a full declaration hides from a few drawn examples ---------------------------------
+
+
+def _integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype is torch.bool)
+
+
+class _Converted(TCPBackend):
+    """all_reduce of ``source`` tensors through a copy in ``through`` (the bug), then back."""
+
+    source: torch.dtype
+    through: torch.dtype
+    kinds: frozenset[RedOpType] = frozenset(RedOpType)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if tensor.dtype is not self.source or op.type not in self.kinds:
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        other = tensor.to(self.through)
+        super().all_reduce(other, op, timeout=timeout)
+        tensor.copy_(other)
+
+
+class Bfloat16ViaFloat16(_Converted):
+    source, through = torch.bfloat16, torch.float16
+
+
+class Int64ViaFloat64(_Converted):
+    source, through = torch.int64, torch.float64
+    kinds = frozenset({RedOpType.SUM})
+
+
+class Uint8AsInt8(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if tensor.dtype is torch.uint8 and op.type in (RedOpType.MIN, RedOpType.MAX):
+            tensor = tensor.view(torch.int8)  # bug: "a byte is a byte"
+        super().all_reduce(tensor, op, timeout=timeout)
+
+
+class _Folded(TCPBackend):
+    """all_reduce SUM of the matching tensors folded by :meth:`fold` over every rank's contribution
+    (in rank order, the same on every rank)."""
+
+    def applies(self, tensor: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def fold(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if op.type is not RedOpType.SUM or not self.applies(tensor):
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        tensor.view(-1).copy_(self.fold(_gathered(self, tensor, timeout)))
+
+
+class SaturatingIntSum(_Folded):
+    def applies(self, tensor: torch.Tensor) -> bool:
+        return _integer(tensor) and tensor.dtype is not torch.int64
+
+    def fold(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        info = torch.iinfo(parts[0].dtype)
+        total = torch.stack([p.to(torch.int64) for p in parts]).sum(0)
+        return total.clamp(info.min, info.max).to(parts[0].dtype)  # bug: saturates instead of wrapping
+
+
+class ZeroStartSum(_Folded):
+    def applies(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_floating_point()
+
+    def fold(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        acc = torch.zeros_like(parts[0])  # bug: 0.0 + -0.0 is +0.0
+        for part in parts:
+            acc.add_(part)
+        return acc
+
+
+class NanAsZeroSum(_Folded):
+    def applies(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_floating_point()
+
+    def fold(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            acc.add_(part)
+        return torch.where(torch.isnan(acc), torch.zeros_like(acc), acc)  # bug: "skip missing values"
+
+
+class ComplexProductElementwise(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if not (tensor.is_complex() and op.type is RedOpType.PRODUCT):
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        pairs = torch.view_as_real(tensor)  # bug: (a+bi)(c+di) taken as (ac) + (bd)i
+        super().all_reduce(pairs, op, timeout=timeout)
+
+
+_CHUNK = 4 * 1024 * 1024
+
+
+class BroadcastLastChunkDropped(TCPBackend):
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        flat = tensor.view(-1)
+        chunk = _CHUNK // tensor.element_size()
+        if flat.numel() <= chunk:
+            super().broadcast(tensor, src, timeout=timeout)
+            return
+        for start in range(0, flat.numel() // chunk * chunk, chunk):  # bug: the partial last chunk is never sent
+            super().broadcast(flat[start : start + chunk], src, timeout=timeout)
+
+
+def _whole_words(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a word-aligned copy would carry it: its last ``nbytes % 4`` bytes zeroed."""
+    raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else tensor.reshape(-1)
+    tail = raw.numel() % 4 if tensor.numel() else 0
+    if not tail:
+        return tensor
+    copy = tensor.clone()
+    copy.reshape(-1).view(torch.uint8)[raw.numel() - tail :] = 0  # bug: only whole words are copied
+    return copy
+
+
+class OddBytesDropped(TCPBackend):
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        super().send(_whole_words(tensor), dst, tag, timeout=timeout)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        return super().isend(_whole_words(tensor), dst, tag, timeout=timeout)
+
+
+class LastRootReduce(TCPBackend):
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+        if self.size >= 4 and dst == self.size - 1:
+            dst = 0  # bug: the last rank doubles as the tree's "no parent" sentinel
+        super().reduce(tensor, dst, op, timeout=timeout)
+
+
+class A2AQuietRankSkips(TCPBackend):
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+        if all(t.numel() == 0 for t in input_list):
+            return  # bug: "nothing to send, nothing to do"; what the others send is never received
+        super().all_to_all(output_list, input_list, timeout=timeout)
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -467,6 +632,17 @@ BYTES_TAGS_IGNORED = _spec("bytes-tags-ignored", BytesTagsIgnored, MESSAGE_CAPS)
 SEND_BYTES_SCRUBS_PARTS = _spec("send-bytes-scrubs-parts", SendBytesScrubsParts, MESSAGE_CAPS)
 EMULATED_RECV_SHORT_READ = _spec("emulated-recv-short-read", EmulatedRecvShortRead, MESSAGE_CAPS)
 PROCESS_WIDE_SEQUENCE = _spec("process-wide-sequence", ProcessWideSequence)
+BFLOAT16_VIA_FLOAT16 = _spec("bfloat16-via-float16", Bfloat16ViaFloat16)
+INT64_VIA_FLOAT64 = _spec("int64-via-float64", Int64ViaFloat64)
+UINT8_AS_INT8 = _spec("uint8-as-int8", Uint8AsInt8)
+SATURATING_INT_SUM = _spec("saturating-int-sum", SaturatingIntSum)
+ZERO_START_SUM = _spec("zero-start-sum", ZeroStartSum)
+NAN_AS_ZERO_SUM = _spec("nan-as-zero-sum", NanAsZeroSum)
+COMPLEX_PRODUCT_ELEMENTWISE = _spec("complex-product-elementwise", ComplexProductElementwise)
+BROADCAST_LAST_CHUNK_DROPPED = _spec("broadcast-last-chunk-dropped", BroadcastLastChunkDropped)
+ODD_BYTES_DROPPED = _spec("odd-bytes-dropped", OddBytesDropped)
+LAST_ROOT_REDUCE = _spec("last-root-reduce", LastRootReduce)
+A2A_QUIET_RANK_SKIPS = _spec("a2a-quiet-rank-skips", A2AQuietRankSkips)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 

@@ -64,6 +64,22 @@ the other members (Gloo's connects them all): the core never assumes it does not
   :class:`~pg_core.errors.CollectiveMismatchError` when the backend can see that
   ranks disagree, :class:`~pg_core.errors.GroupClosedError` after ``abort``.
 * All reduce results are bitwise identical on every rank.
+* **Reduction values** are what some order and grouping of the dtype's own elementwise
+  operations gives, rounded to the dtype as torch's CPU ops round (pg-core's default
+  algorithms fold with them):
+
+  - integers: ``SUM`` and ``PRODUCT`` wrap around in the dtype's width (two's complement),
+    as torch's CPU ops on that dtype do; nothing saturates, nothing goes through a float;
+  - floats: IEEE arithmetic in the dtype itself (or wider), so ``NaN`` in any operand of
+    ``SUM``, ``AVG``, ``PREMUL_SUM`` or ``PRODUCT`` gives ``NaN``; ``inf`` plus ``-inf``
+    gives ``NaN``, ``inf`` times ``0`` gives ``NaN``, and otherwise ``±inf`` propagates
+    with its sign; a ``SUM`` of zeros is ``-0.0`` exactly when every operand is ``-0.0``
+    (start the fold from an operand, not from ``+0.0``), and a zero ``PRODUCT`` has the
+    product of the operands' signs. ``MIN``/``MAX`` treat ``±inf`` as ordinary values;
+    with a ``NaN`` operand their result is undefined (torch propagates it, MPI and Gloo
+    compare), and a tie of ``-0.0`` with ``0.0`` may give either;
+  - copies (``broadcast``, the gathers, scatters and all-to-alls, point to point) are
+    bit-exact, ``NaN`` payloads and ``-0.0`` included.
 * ``shutdown`` releases every thread, socket and process the backend started;
   ``abort`` does so at once and makes operations blocked in other threads raise.
   The core drains pending operations before ``shutdown``, and stops its own helper

@@ -30,6 +30,7 @@ from ..ops import RedOpType, ReduceOp
 
 __all__ = [
     "DTYPE_NAMES",
+    "EXTREME",
     "VALUE_OPS",
     "Bufs",
     "Call",
@@ -38,6 +39,7 @@ __all__ = [
     "Lane",
     "dtype_of",
     "expected",
+    "extreme_tensor",
     "prepare",
     "tolerance_note",
 ]
@@ -259,6 +261,106 @@ def random_tensor(key: tuple[object, ...], shape: Sequence[int], dtype: torch.dt
     return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
+#: ``Call.params["values"]``: ``"extreme"`` draws from each dtype's whole range
+#: (:func:`extreme_tensor`); absent, the comfortable ranges of :func:`random_tensor`.
+EXTREME = "extreme"
+
+
+def _log_uniform(g: torch.Generator, shape: Sequence[int], lo: float, hi: float) -> torch.Tensor:
+    """float64 values of random sign whose magnitudes are spread evenly over the binary
+    exponents from ``lo`` to below ``hi``. Built from their bits with integer operations
+    only, so every process makes exactly the same values (a vectorised ``exp2`` may differ
+    in the last bit between a loop's body and its tail)."""
+    shape = tuple(shape)
+    first = max(1, math.frexp(lo)[1] + 1022)  # biased exponents (1: the smallest normal; 0: subnormals)
+    last = math.frexp(hi)[1] + 1022 - 1
+    biased = torch.randint(first - 1, max(first, last) + 1, shape, generator=g, dtype=torch.int64)
+    mantissa = torch.randint(0, 2**52, shape, generator=g, dtype=torch.int64)
+    sign = torch.randint(0, 2, shape, generator=g, dtype=torch.int64) << 63
+    return (sign | (biased << 52) | mantissa).view(torch.float64)
+
+
+def _float_range(dtype: torch.dtype, kind: str | None, n: int) -> tuple[float, float]:
+    """Magnitudes a float ``dtype`` can hold in a reduction ``kind`` of ``n`` ranks without
+    overflowing in any order: from a subnormal up to a share of the largest finite value."""
+    info = torch.finfo(dtype)
+    tiny = info.smallest_normal * info.eps  # the smallest subnormal
+    top = float(info.max) * 0.99
+    if kind in ("SUM", "AVG", "PREMUL_SUM"):
+        return tiny, top / (4 * n)  # |premul factor| <= 3
+    if kind == "PRODUCT":
+        root = top ** (1 / n) / 2  # no partial product overflows; none underflows below the normals
+        return max(float(info.smallest_normal) ** (1 / n) * 2, 1 / root), root
+    return tiny, top
+
+
+def extreme_tensor(
+    key: tuple[object, ...], shape: Sequence[int], dtype: torch.dtype, kind: str | None, *, rank: int, n: int
+) -> torch.Tensor:
+    """Values from ``dtype``'s whole range, for rank ``rank`` of ``n``, with special values at
+    positions that every rank agrees on (the flat index ``i`` decides):
+
+    * integers: uniform over the whole range (past 2**53 for int64, 128-255 for uint8), with
+      the minimum and the maximum planted; SUM and PRODUCT results wrap around as torch's CPU
+      ops on that dtype do. (AVG and PREMUL_SUM, declared for an integer dtype, keep the
+      comfortable range: their integer result is not defined past it.)
+    * floats: magnitudes spread over every exponent from the smallest subnormal up to what a
+      reduction of ``n`` ranks cannot overflow (copies, MIN and MAX: up to the largest finite
+      value, so bfloat16 holds values that float16 cannot); ``-0.0`` on every rank at ``i % 7
+      == 3`` (a SUM of them is ``-0.0``); for copies, SUM, AVG, PREMUL_SUM and PRODUCT, NaN on
+      one rank at ``i % 11 == 5``, ``inf`` on one rank at ``i % 13 == 6``, and ``inf`` on one
+      rank with ``-inf`` (SUM kinds) or ``0`` (PRODUCT) on the next at ``i % 17 == 8``. MIN
+      and MAX get ``inf`` and ``-inf`` but no NaN: the contract leaves NaN there undefined.
+    * complex: each part as a float of the same width, the quadrant chosen by ``i % 4``;
+      non-finite parts only in copies.
+    """
+    g = _generator(*key, "extreme")
+    shape = tuple(shape)
+    count = math.prod(shape)
+    index = torch.arange(count, dtype=torch.int64)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.int64).bool()
+    if not (dtype.is_floating_point or dtype.is_complex):
+        if kind in ("AVG", "PREMUL_SUM"):
+            return random_tensor(key, shape, dtype, kind)
+        info = torch.iinfo(dtype)
+        flat = torch.randint(info.min, info.max, (count,), generator=g, dtype=torch.int64)
+        flat[index % 5 == 0] = info.min
+        flat[index % 5 == 1] = info.max
+        if dtype == torch.int64:  # just past float64's exact integers
+            flat[index % 5 == 2] = 2**53 + 1 + rank
+        return flat.to(dtype).reshape(shape)
+    real_dtype = dtype.to_real() if dtype.is_complex else dtype
+    lo, hi = _float_range(real_dtype, kind, n)
+    parts = 2 if dtype.is_complex else 1
+    # finite values first, converted once; the special values are written in the dtype itself
+    # (converting a NaN is not reproducible: torch's vectorised and scalar paths differ in its bits)
+    flat = _log_uniform(g, (count, parts), lo, hi).to(real_dtype)
+    specials = kind is None or (kind in ("SUM", "AVG", "PREMUL_SUM", "PRODUCT") and not dtype.is_complex)
+    ordered = kind in ("MIN", "MAX")
+    mine = index % n == rank
+    nxt = index % n == (rank - 1) % n if n > 1 else torch.zeros_like(mine)
+    for part in range(parts):
+        values = flat[:, part]
+        if dtype.is_complex:  # quadrant i % 4: (+,+), (-,+), (-,-), (+,-)
+            negative = ((index % 4 == 1) | (index % 4 == 2)) if part == 0 else (index % 4 >= 2)
+            values.copy_(torch.where(negative, -values.abs(), values.abs()))
+        if not ordered:
+            values[index % 7 == 3] = -0.0
+        if specials or ordered:
+            values[(index % 13 == 6) & mine] = math.inf if ordered or kind is not None else -math.inf
+            if ordered:
+                values[(index % 17 == 8) & mine] = -math.inf
+        if specials:
+            values[(index % 11 == 5) & mine] = math.nan
+            pair = index % 17 == 8
+            values[pair & mine] = math.inf
+            values[pair & nxt] = 0.0 if kind == "PRODUCT" else -math.inf
+    if dtype.is_complex:
+        return torch.view_as_complex(flat.contiguous()).reshape(shape)
+    return flat[:, 0].reshape(shape)
+
+
 def _laid_out(values: torch.Tensor, layout: str, key: tuple[object, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(view, base)``: ``view`` holds ``values`` with ``layout``; ``base`` is the
     whole buffer behind it, its other elements filled with junk that must survive."""
@@ -345,8 +447,14 @@ def prepare(call: Call, where: tuple[int, int, int], rank: int, n: int) -> Bufs:
     def key(role: object) -> tuple[object, ...]:
         return _key(seed, lane, step, rank, role)
 
+    extreme = call.params.get("values") == EXTREME
+
     def make(role: object, shape: Sequence[int], value_kind: str | None = kind) -> tuple[torch.Tensor, torch.Tensor]:
-        return _laid_out(random_tensor(key(role), shape, dtype, value_kind), layout, key(role))
+        if extreme:
+            values = extreme_tensor(key(role), shape, dtype, value_kind, rank=rank, n=n)
+        else:
+            values = random_tensor(key(role), shape, dtype, value_kind)
+        return _laid_out(values, layout, key(role))
 
     def junk(role: object, shape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return _laid_out(random_tensor(key(("junk", role)), shape, dtype, None), layout, key(role))
@@ -397,7 +505,11 @@ def prepare(call: Call, where: tuple[int, int, int], rank: int, n: int) -> Bufs:
         for m, (src, dst, _tag, shape, dname) in enumerate(call.params["messages"]):
             mdtype = dtype_of(dname)
             if rank == src:
-                values = random_tensor(_key(seed, lane, step, src, ("m", m)), shape, mdtype, None)
+                mkey = _key(seed, lane, step, src, ("m", m))
+                if extreme:
+                    values = extreme_tensor(mkey, shape, mdtype, None, rank=src, n=n)
+                else:
+                    values = random_tensor(mkey, shape, mdtype, None)
                 b.add_in(_laid_out(values, layout, key(("m", m))))
             if rank == dst:
                 values = random_tensor(_key(seed, lane, step, dst, ("junk-m", m)), shape, mdtype, None)
@@ -411,11 +523,14 @@ def prepare(call: Call, where: tuple[int, int, int], rank: int, n: int) -> Bufs:
 @dataclass
 class Expected:
     """What one output base must hold: ``value`` exactly where ``tol`` is 0, within
-    ``tol`` (elementwise, in the wide dtype) elsewhere."""
+    ``tol`` (elementwise, in the wide dtype) elsewhere; non-finite values exactly (NaN
+    matches NaN). The sign of a zero must match wherever the comparison is exact, and where
+    ``signs`` is true (a reduction whose zero has a defined sign)."""
 
     value: torch.Tensor
     tol: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # True where the output view is (the rest is the buffer's own junk)
+    signs: torch.Tensor | None = None
 
 
 _EPS = {
@@ -456,8 +571,16 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.int64
 
 
-def reduce_reference(xs: list[torch.Tensor], call: Call) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(reference in the wide dtype, elementwise tolerance or None if exact)``."""
+def reduce_reference(
+    xs: list[torch.Tensor], call: Call
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(reference in the wide dtype, elementwise tolerance or None if exact, where the sign
+    of a zero result is defined or None)``.
+
+    Floats fold from the first rank's value, one IEEE operation at a time, as any order of a
+    real reduction does: NaN and infinities propagate as IEEE says, and a SUM of zeros is
+    ``-0.0`` exactly when every term is. Integer SUM and PRODUCT wrap around as torch's CPU
+    ops on the dtype do (computed exactly in int64, then narrowed)."""
     dtype = xs[0].dtype
     wide = _wide(dtype)
     ws = [x.to(wide) for x in xs]
@@ -466,63 +589,80 @@ def reduce_reference(xs: list[torch.Tensor], call: Call) -> tuple[torch.Tensor, 
     stacked = torch.stack(ws)
     if dtype == torch.bool:
         if kind in (RedOpType.MIN, RedOpType.BAND):
-            return stacked.all(0), None
+            return stacked.all(0), None, None
         if kind in (RedOpType.MAX, RedOpType.BOR):
-            return stacked.any(0), None
+            return stacked.any(0), None, None
         if kind == RedOpType.BXOR:
-            return (stacked.to(torch.int64).sum(0) % 2).bool(), None
+            return (stacked.to(torch.int64).sum(0) % 2).bool(), None, None
         if kind == RedOpType.SUM:
-            return stacked.any(0), None  # torch's bool sum saturates
+            return stacked.any(0), None, None  # torch's bool sum saturates
         if kind == RedOpType.PRODUCT:
-            return stacked.all(0), None
+            return stacked.all(0), None, None
         raise ValueError(f"no reference for {kind.name} on bool")
+    floating = dtype.is_floating_point or dtype.is_complex
     if kind == RedOpType.MIN:
-        return stacked.amin(0), None
+        return stacked.amin(0), None, None
     if kind == RedOpType.MAX:
-        return stacked.amax(0), None
+        return stacked.amax(0), None, None
     if kind in (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR):
         acc = ws[0].clone()
         for w in ws[1:]:
             acc = {RedOpType.BAND: acc & w, RedOpType.BOR: acc | w, RedOpType.BXOR: acc ^ w}[kind]
-        return acc, None
+        return acc, None, None
+    signs: torch.Tensor | None
     if kind == RedOpType.PRODUCT:
         acc = ws[0].clone()
         for w in ws[1:]:
             acc = acc * w
-        scale = stacked.abs().prod(0) if (dtype.is_floating_point or dtype.is_complex) else None
+        scale = stacked.abs().prod(0) if floating else None
+        signs = (stacked == 0).any(0)  # a zero product's sign is the product of the signs
     else:
         factor = float(call.params["factor"]) if kind == RedOpType.PREMUL_SUM else 1.0
-        acc = (stacked * factor).sum(0) if kind == RedOpType.PREMUL_SUM else stacked.sum(0)
-        scale = stacked.abs().sum(0) * abs(factor) if (dtype.is_floating_point or dtype.is_complex) else None
+        terms = [w * factor for w in ws] if kind == RedOpType.PREMUL_SUM else ws
+        acc = terms[0].clone()
+        for w in terms[1:]:
+            acc = acc + w
+        scale = stacked.abs().sum(0) * abs(factor) if floating else None
+        signs = (stacked == 0).all(0)  # -0.0 exactly when every term is
         if kind == RedOpType.AVG:
-            if dtype.is_floating_point or dtype.is_complex:
+            if floating:
                 acc = acc / n
                 scale = scale / n if scale is not None else None
             else:
                 acc = torch.div(acc, n, rounding_mode="trunc")
     if scale is None:
-        return acc, None
+        return acc.to(dtype).to(wide), None, None  # integers wrap around in their own width
     tol = 2 * (n + 2) * _EPS[dtype] * scale.to(torch.float64) + _TINY[dtype]
     # the result is rounded to dtype once more at the end
     tol = tol + _EPS[dtype] * acc.abs().to(torch.float64)
-    return acc, tol
+    return acc, tol, None if dtype.is_complex else signs
 
 
-def _fill(base_dtype: torch.dtype, bufs: Bufs, index: int, value: torch.Tensor, tol: torch.Tensor | None) -> Expected:
+def _fill(
+    base_dtype: torch.dtype,
+    bufs: Bufs,
+    index: int,
+    value: torch.Tensor,
+    tol: torch.Tensor | None,
+    *,
+    signs: torch.Tensor | None = None,
+) -> Expected:
     """The expected base of output ``index``: its junk everywhere but the view, which holds ``value``."""
     base = bufs.out_bases[index].to(_wide(base_dtype)).clone()
     view = bufs.outs[index]
     offset = view.storage_offset() - bufs.out_bases[index].storage_offset()
-    target = base.as_strided(view.shape, view.stride(), base.storage_offset() + offset)
-    target.copy_(value.reshape(view.shape))
-    mask = torch.zeros(base.shape, dtype=torch.bool)
-    mask.as_strided(view.shape, view.stride(), mask.storage_offset() + offset).fill_(True)
+
+    def placed(fill: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        into.as_strided(view.shape, view.stride(), into.storage_offset() + offset).copy_(fill.reshape(view.shape))
+        return into
+
+    placed(value, base)
+    mask = placed(torch.ones(view.shape, dtype=torch.bool), torch.zeros(base.shape, dtype=torch.bool))
     if tol is None:
         return Expected(base, None, mask)
-    tol_base = torch.zeros(base.shape, dtype=torch.float64)
-    tol_target = tol_base.as_strided(view.shape, view.stride(), tol_base.storage_offset() + offset)
-    tol_target.copy_(tol.reshape(view.shape))
-    return Expected(base, tol_base, mask)
+    tol_base = placed(tol, torch.zeros(base.shape, dtype=torch.float64))
+    sign_base = None if signs is None else placed(signs, torch.zeros(base.shape, dtype=torch.bool))
+    return Expected(base, tol_base, mask, sign_base)
 
 
 def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[Expected] | None]:
@@ -532,13 +672,13 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
     dtype = call.torch_dtype
     out: list[list[Expected] | None] = []
     if op in ("all_reduce", "reduce"):
-        value, tol = reduce_reference([b.outs[0] for b in bufs], call)
+        value, tol, signs = reduce_reference([b.outs[0] for b in bufs], call)
         for r in range(n):
             if op == "reduce" and r != call.params["root"]:
                 # pg-core's decision (docs/decisions.md): non-root inputs are left unchanged
                 out.append([_fill(dtype, bufs[r], 0, bufs[r].outs[0], None)])
             else:
-                out.append([_fill(dtype, bufs[r], 0, value, tol)])
+                out.append([_fill(dtype, bufs[r], 0, value, tol, signs=signs)])
     elif op == "broadcast":
         src = bufs[call.params["root"]].outs[0]
         out = [[_fill(dtype, bufs[r], 0, src, None)] for r in range(n)]
@@ -550,13 +690,13 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
         out = [[_fill(dtype, bufs[r], 0, whole, None)] for r in range(n)]
     elif op == "reduce_scatter":
         for r in range(n):
-            value, tol = reduce_reference([b.ins[r] for b in bufs], call)
-            out.append([_fill(dtype, bufs[r], 0, value, tol)])
+            value, tol, signs = reduce_reference([b.ins[r] for b in bufs], call)
+            out.append([_fill(dtype, bufs[r], 0, value, tol, signs=signs)])
     elif op == "reduce_scatter_tensor":
         for r in range(n):
             blocks = [b.ins[0].reshape(n, -1)[r].reshape(call.shape) for b in bufs]
-            value, tol = reduce_reference(blocks, call)
-            out.append([_fill(dtype, bufs[r], 0, value, tol)])
+            value, tol, signs = reduce_reference(blocks, call)
+            out.append([_fill(dtype, bufs[r], 0, value, tol, signs=signs)])
     elif op == "all_to_all":
         out = [[_fill(dtype, bufs[r], i, bufs[i].ins[r], None) for i in range(n)] for r in range(n)]
     elif op == "all_to_all_single":

@@ -46,6 +46,7 @@ Checks, by the name a failure carries:
 from __future__ import annotations
 
 import collections
+import math
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +58,7 @@ import torch
 from ..backend import Backend, BackendSpec, Capabilities
 from ..ops import COLLECTIVE_OPS, RedOpType
 from ..registry import absolute_backend_ref, resolve_backend_ref
-from .cases import VALUE_OPS, Call, Example, Expected, dtype_of, expected, input_bases
+from .cases import VALUE_OPS, Call, Example, Expected, dtype_name, dtype_of, expected, input_bases
 from .pool import RankPool, RanksFailed
 from .rank import run_dead_peer, run_example
 from .values import collective_input, collective_result, difference, message_value, observe
@@ -67,6 +68,7 @@ __all__ = ["PROFILES", "TESTS", "Conformance", "ConformanceFailure", "Profile"]
 #: Every conformance test, in the order the suite runs them.
 TESTS: tuple[str, ...] = (
     "supports",
+    "coverage",
     *COLLECTIVE_OPS,
     "p2p",
     "objects",
@@ -178,6 +180,10 @@ class Conformance:
         self.sizes: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.notes: dict[str, str] = {}
+        #: op -> (device, dtype, reduce op) -> the (world size, async) pairs it passed with values
+        self.covered: dict[str, dict[tuple[str, str, str | None], set[tuple[int, bool]]]] = collections.defaultdict(
+            lambda: collections.defaultdict(set)
+        )
 
     # -- pools ---------------------------------------------------------------------
     def pool(self, world_size: int) -> RankPool:
@@ -218,6 +224,9 @@ class Conformance:
             return
         if test == "dead_peer":
             self.check_dead_peer()
+            return
+        if test == "coverage":
+            self.check_coverage()
             return
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis.errors import FlakyFailure
@@ -330,6 +339,10 @@ class Conformance:
         finally:
             self.seconds[test] += time.monotonic() - start
         self.judge(test, example, results)
+        for lane in example.lanes:
+            for call in lane.calls:
+                for op, combo in _combos(call, example.device):
+                    self.covered[op][combo].add((len(lane.members), call.async_op))
 
     def _ranks_failed(self, test: str, exc: RanksFailed, example: Example) -> ConformanceFailure:
         outcomes = exc.outcomes
@@ -565,6 +578,36 @@ class Conformance:
             )
 
     # -- the checks that are not drawn -----------------------------------------------
+    def check_coverage(self) -> None:
+        """Every declared combination with values, every root, every odd one out, and a
+        piece past 4 MiB per op (see :mod:`pg_core.testing.coverage`)."""
+        from .coverage import coverage_examples
+
+        examples = coverage_examples(self.target())
+        if not examples:
+            raise NotApplicable("nothing is declared: no collective, no point to point")
+        for example in examples:
+            self.execute("coverage", example)
+
+    def declared_combinations(self) -> dict[str, list[tuple[str, str, str | None]]]:
+        """Per op (``send``/``recv`` as ``p2p``), every declared (device, dtype, reduce op)."""
+        target = self.target()
+        out: dict[str, list[tuple[str, str, str | None]]] = {}
+        for op in COLLECTIVE_OPS:
+            combos = [
+                (d, "-" if op == "barrier" else dtype_name(dtype), kind.name if kind else None)
+                for d in self.devices
+                for dtype, kind in target.declared(op, d)
+            ]
+            if combos:
+                out[op] = combos
+        p2p: list[tuple[str, str, str | None]] = [
+            (d, dtype_name(dtype), None) for d in self.devices for dtype in target.p2p_dtypes(d)
+        ]
+        if p2p:
+            out["p2p"] = p2p
+        return out
+
     def check_supports(self) -> None:
         """``ProcessGroup.supports`` on a formed group says exactly what the spec declares."""
         n = self.world_sizes[0]
@@ -643,6 +686,20 @@ class Conformance:
             lines.append(f"{test:<24} {self.examples[test]:>8}  {sizes:<24} {self.seconds[test]:>7.1f}  {calls}")
         for test, note in self.notes.items():
             lines.append(f"{test}: {note}")
+        declared = self.declared_combinations()
+        if any(self.covered.values()):
+            sizes_run = {n for combos in self.covered.values() for runs in combos.values() for n, _ in runs}
+            lines.append("")
+            lines.append(
+                "declared combinations (device, dtype, reduce op) run with values and checked; "
+                "'both' = blocking and async, at two world sizes or more"
+            )
+            lines.append(f"{'op':<24} {'declared':>8} {'run':>5} {'both':>5}")
+            for op, combos in declared.items():
+                runs = [self.covered[op].get(c, set()) for c in combos]
+                run = sum(1 for r in runs if r)
+                both = sum(1 for r in runs if _both(r, multi=len(sizes_run) > 1))
+                lines.append(f"{op:<24} {len(combos):>8} {run:>5} {both:>5}")
         return "\n".join(lines)
 
 
@@ -697,6 +754,22 @@ def _counted(call: Call) -> list[str]:
     if call.op == "messages":
         return [_METHODS[m[3]] for m in call.params["messages"]]
     return [call.op]
+
+
+def _combos(call: Call, device: str) -> list[tuple[str, tuple[str, str, str | None]]]:
+    """The declared combinations a passed call ran with values, as the summary counts them."""
+    if call.op in COLLECTIVE_OPS:
+        dtype = "-" if call.op == "barrier" else call.dtype
+        return [(call.op, (device, dtype, call.params.get("reduce")))]
+    if call.op == "p2p":
+        return [("p2p", (device, m[4], None)) for m in call.params["messages"]]
+    return []
+
+
+def _both(runs: set[tuple[int, bool]], *, multi: bool) -> bool:
+    """Run blocking and async, and (when the run has several world sizes) at two of them."""
+    modes = {a for _, a in runs}
+    return modes == {False, True} and (not multi or len({n for n, _ in runs}) >= 2)
 
 
 def _value_problem(got: Any, want: Any) -> str | None:
@@ -761,22 +834,50 @@ def _compare(got: torch.Tensor, exp: Expected) -> str | None:
     if tuple(got.shape) != tuple(exp.value.shape):
         return f"shape {tuple(got.shape)}, expected {tuple(exp.value.shape)}"
     g = got.to(exp.value.dtype)
-    if exp.tol is None:
-        bad = g != exp.value
-        limit = "exactly"
+    e = exp.value
+    floating = e.dtype.is_floating_point or e.dtype.is_complex
+    limit = "exactly" if exp.tol is None else "within tolerance"
+    sign_only = torch.zeros(e.shape, dtype=torch.bool)
+    if not floating:
+        bad = g != e
     else:
-        diff = (g - exp.value).abs().to(torch.float64)
-        bad = ~(diff <= exp.tol)
-        limit = "within tolerance"
+        same = (g == e) | (torch.isnan(g) & torch.isnan(e))  # non-finite values exactly; NaN matches NaN
+        if exp.tol is None:
+            bad = ~same
+        else:
+            within = (g - e).abs().to(torch.float64) <= exp.tol
+            bad = torch.where(torch.isfinite(e), ~within, ~same)
+        if exp.tol is None:
+            signed: torch.Tensor | None = e == 0
+        else:
+            signed = None if exp.signs is None else exp.signs & (e == 0)
+        if signed is not None and bool(signed.any()):
+            sign_only = signed & (_signbits(g) != _signbits(e)) & ~bad
+            bad = bad | sign_only
     if not bool(bad.any()):
         return None
     idx = bad.nonzero()
     first = tuple(int(i) for i in idx[0])
     total = int(bad.sum())
-    detail = f"got {g[first].item()!r}, expected {exp.value[first].item()!r} {limit}"
-    if exp.tol is not None:
+    if floating and bool(sign_only[first]):
+        limit = "(a zero's sign is part of the result here)"
+    detail = f"got {_shown(g[first])}, expected {_shown(e[first])} {limit}"
+    if exp.tol is not None and bool(torch.isfinite(e[first])):
         detail += f" (tolerance {exp.tol[first].item():.3g})"
     return f"{total} of {bad.numel()} elements wrong; first at index {list(first)}: {detail}"
+
+
+def _signbits(t: torch.Tensor) -> torch.Tensor:
+    """Per element, whether the sign bit is set (for complex: of either part, as a pair)."""
+    if t.is_complex():
+        parts = torch.view_as_real(t).signbit()
+        return parts[..., 0] * 2 + parts[..., 1]
+    return t.signbit()
+
+
+def _shown(x: torch.Tensor) -> str:
+    value = x.item()
+    return "-0.0" if isinstance(value, float) and value == 0 and math.copysign(1.0, value) < 0 else repr(value)
 
 
 def _supports_table(
