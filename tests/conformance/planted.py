@@ -70,11 +70,32 @@ the whole range of every dtype, sizes across thresholds, every root, every odd o
 36. LAST_ROOT_REDUCE: reduce to the last rank of a group of 4 or more goes to rank 0 (the last rank is the
     tree's "no parent" sentinel).
 37. A2A_QUIET_RANK_SKIPS: all_to_all on a rank with nothing to send returns at once, without receiving.
+
+Errors and resources, also declared with pg-tcp's full capabilities:
+
+38. TIMEOUT_FROM_GROUP: every blocking operation waits for the group's default timeout, not the call's.
+39. CACHED_WAKEUP_PIPE: a wake-up pipe kept in a module-level cache per group name "for the next formation",
+    which shutdown() never closes.
+40. HELPER_PROCESS_LEFT: a helper process started at construction that shutdown() never stops.
+
+Buffer lifetime, order and tags, with the full declaration:
+
+41. ISEND_COMPLETES_EARLY: isend's Work is complete at once and the data goes out a moment later, from the
+    caller's buffer ("handed to the transport" taken for "sent").
+42. IRECV_FILLS_LATE: irecv's Work completes when the message has arrived, and the data is copied into the
+    caller's tensor a moment after.
+43. TAGS_TRUNCATED_32: the wire header keeps 32 bits of the tag while the spec declares 63, so tags that
+    differ above bit 31 meet.
+44. RECV_BYTES_SHARED_BUFFER: recv_bytes returns a view of one receive buffer per peer, reused for the next
+    message, so a value received earlier changes under the receiver.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -604,6 +625,113 @@ class A2AQuietRankSkips(TCPBackend):
         super().all_to_all(output_list, input_list, timeout=timeout)
 
 
+# -- 38-40: errors and resources ---------------------------------------------------------------------
+
+
+class TimeoutFromGroup(TCPBackend):
+    """bug: the call's ``timeout`` is read, then the socket waits use the group's default"""
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        super().recv(tensor, src, tag, timeout=self.ctx.timeout)
+
+    def barrier(self, *, timeout: float) -> None:
+        super().barrier(timeout=self.ctx.timeout)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        super().all_reduce(tensor, op, timeout=self.ctx.timeout)
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+        super().all_gather(output_list, tensor, timeout=self.ctx.timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        super().broadcast(tensor, src, timeout=self.ctx.timeout)
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        return super().recv_bytes(src, tag, timeout=self.ctx.timeout)  # type: ignore[return-value]
+
+
+#: bug: a module-level cache of wake-up pipes, by group name, "for the next formation of that group"
+_WAKEUP_PIPES: dict[str, tuple[int, int]] = {}
+
+
+class CachedWakeupPipe(TCPBackend):
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        if ctx.group_name not in _WAKEUP_PIPES:
+            _WAKEUP_PIPES[ctx.group_name] = os.pipe()
+
+
+_UNTIL_PARENT_EXITS = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent:\n    time.sleep(0.2)\n"
+
+
+class HelperProcessLeft(TCPBackend):
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        # bug: shutdown() never terminates it (it ends with its parent, so the test leaves no orphan)
+        self._helper = subprocess.Popen([sys.executable, "-c", _UNTIL_PARENT_EXITS])
+
+
+# -- 41-44: buffer lifetime, order and tags ---------------------------------------------------------------
+
+
+class IsendCompletesEarly(TCPBackend):
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        work = Work("isend")
+        work.set_result(None)  # bug: "handed to the transport" is not "the buffer may be reused"
+        send = super().send
+        threading.Timer(0.02, send, (tensor, dst, tag), {"timeout": timeout}).start()
+        return work
+
+
+class IrecvFillsLate(TCPBackend):
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        landing = torch.empty_like(tensor)
+        inner = super().irecv(landing, src, tag, timeout=timeout)
+        outer = Work("irecv")
+
+        def arrived(work: Work) -> None:
+            error = work.exception(0)
+            if error is not None:
+                outer.set_exception(error)
+                return
+            outer.set_result(None)  # bug: complete before the data is where the caller reads it
+            threading.Timer(0.02, tensor.copy_, (landing,)).start()
+
+        inner.add_done_callback(arrived)
+        return outer
+
+
+_TAG_BITS = 0xFFFFFFFF
+
+
+class TagsTruncated32(TCPBackend):
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        super().send(tensor, dst, tag & _TAG_BITS, timeout=timeout)  # bug: a 32-bit tag field
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        super().recv(tensor, src, tag & _TAG_BITS, timeout=timeout)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        return super().isend(tensor, dst, tag & _TAG_BITS, timeout=timeout)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        return super().irecv(tensor, src, tag & _TAG_BITS, timeout=timeout)
+
+
+_SHARED_BYTES = 1024 * 1024
+
+
+class RecvBytesSharedBuffer(TCPBackend):
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        data = super().recv_bytes(src, tag, timeout=timeout)
+        if len(data) > _SHARED_BYTES:
+            return data  # type: ignore[return-value]
+        shared = self.__dict__.setdefault("_shared", {}).setdefault(src, bytearray(_SHARED_BYTES))
+        view = memoryview(shared)[: len(data)]
+        view[:] = data  # bug: one receive buffer per peer, handed out again for the next message
+        return view  # type: ignore[return-value]
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -643,6 +771,13 @@ BROADCAST_LAST_CHUNK_DROPPED = _spec("broadcast-last-chunk-dropped", BroadcastLa
 ODD_BYTES_DROPPED = _spec("odd-bytes-dropped", OddBytesDropped)
 LAST_ROOT_REDUCE = _spec("last-root-reduce", LastRootReduce)
 A2A_QUIET_RANK_SKIPS = _spec("a2a-quiet-rank-skips", A2AQuietRankSkips)
+TIMEOUT_FROM_GROUP = _spec("timeout-from-group", TimeoutFromGroup)
+CACHED_WAKEUP_PIPE = _spec("cached-wakeup-pipe", CachedWakeupPipe)
+HELPER_PROCESS_LEFT = _spec("helper-process-left", HelperProcessLeft)
+ISEND_COMPLETES_EARLY = _spec("isend-completes-early", IsendCompletesEarly)
+IRECV_FILLS_LATE = _spec("irecv-fills-late", IrecvFillsLate)
+TAGS_TRUNCATED_32 = _spec("tags-truncated-32", TagsTruncated32)
+RECV_BYTES_SHARED_BUFFER = _spec("recv-bytes-shared-buffer", RecvBytesSharedBuffer)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 

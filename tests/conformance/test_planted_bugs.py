@@ -117,6 +117,15 @@ BUGS = {
     "last-root-reduce": Bug("LAST_ROOT_REDUCE", "coverage", ("reference",)),
     # the quiet rank's outputs stay as they were, or what it never received meets its next call there
     "a2a-quiet-rank-skips": Bug("A2A_QUIET_RANK_SKIPS", "coverage", ("reference", "declared-must-pass")),
+    # errors and resources, with the full declaration too
+    "timeout-from-group": Bug("TIMEOUT_FROM_GROUP", "timeouts", ("timeout",)),
+    "cached-wakeup-pipe": Bug("CACHED_WAKEUP_PIPE", "coverage", ("leak",)),
+    "helper-process-left": Bug("HELPER_PROCESS_LEFT", "coverage", ("leak",)),
+    # buffer lifetime, order and tags, with the full declaration too
+    "isend-completes-early": Bug("ISEND_COMPLETES_EARLY", "coverage", ("reference",)),
+    "irecv-fills-late": Bug("IRECV_FILLS_LATE", "coverage", ("reference",)),
+    "tags-truncated-32": Bug("TAGS_TRUNCATED_32", "coverage", ("reference",)),
+    "recv-bytes-shared-buffer": Bug("RECV_BYTES_SHARED_BUFFER", "coverage", ("reference",)),
 }
 
 #: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.

@@ -14,7 +14,12 @@ calls on one group per example:
 * **every odd one out**: at every world size >= 2, for every rank k, an ``all_to_all`` and
   an ``all_to_all_single`` in which k sends nothing, and one in which k receives nothing;
   point to point in which k sends to every other rank, and every other rank sends to k;
-* **a piece past 4 MiB** for every declared op, where transports switch protocols.
+* **a piece past 4 MiB** for every declared op, where transports switch protocols;
+* **buffer lifetime, order and tags** (:func:`lifetime_calls`): send buffers overwritten as
+  soon as their ``isend`` completed, receives read as soon as their ``wait()`` returned,
+  messages in flight on one (peer, tag) in quick succession, blocking and async mixed,
+  user tags on both sides of 2**31 and 2**32 and at the top of the declared range while
+  the core's own tags carry values and collectives.
 
 Every example is an ordinary :class:`~pg_core.testing.cases.Example`, judged like any
 other and printed with a replay line when it fails.
@@ -30,7 +35,7 @@ from ..ops import COLLECTIVE_OPS, RedOpType
 from .cases import EXTREME, Call, Example, Lane, dtype_name
 from .strategies import Target
 
-__all__ = ["BATCH", "HUGE_BYTES", "coverage_examples", "sizes", "world_sizes"]
+__all__ = ["BATCH", "HUGE_BYTES", "coverage_examples", "lifetime_calls", "sizes", "world_sizes"]
 
 #: Calls per example: enough to amortise forming a group, few enough that a failure reads.
 BATCH = 24
@@ -156,6 +161,9 @@ def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
             if p2p:
                 star = [(k, j) for j in range(n) if j != k] + [(j, k) for j in range(n) if j != k]
                 calls[n].append(_p2p(p2p[k % len(p2p)], star, (4,), async_op=k % 2 == 0, extreme=False))
+    for n in target.world_sizes:
+        if n >= 2:
+            calls[n].extend(lifetime_calls(target, device, n))
     big = calls.setdefault(first, [])
     for op in (*COLLECTIVE_OPS, "p2p"):  # one piece past 4 MiB per op
         declared = [(d, None) for d in target.p2p_dtypes(device)] if op == "p2p" else target.declared(op, device)
@@ -172,6 +180,53 @@ def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
             _call(op, dtype, kind, first, (elements,), async_op=False, extreme=False, root=first - 1, splits=splits)
         )
     return calls
+
+
+def lifetime_calls(target: Target, device: str, n: int) -> list[Call]:
+    """Buffer lifetime, order and tags on a group of ``n`` >= 2 ranks:
+
+    * ``overwrite``: every rank isends two messages to the next, waits, and overwrites its send
+      buffers at once; the receivers receive afterwards and must get what was sent;
+    * ``mixed``: eight messages each way between ranks 0 and 1 on one tag, sent and received
+      blocking and async in turn (each async receive read as soon as its ``wait()`` returns);
+    * tags: one message from rank 0 to rank 1 on each of :meth:`Target.tags` (both sides of
+      2**31 and 2**32, the top of the declared range), received in the reverse order;
+    * values, where they travel: objects, tensors of unknown shape and plain sends on the
+      top user tag and on tag 0, three tensors in a row on one tag (each must stay as it
+      arrived while the next ones come).
+    """
+    p2p = target.p2p_dtypes(device)
+    if not p2p:
+        return []
+    dtype = torch.float32 if torch.float32 in p2p else p2p[0]
+    name = dtype_name(dtype)
+    out: list[Call] = []
+    ring = [[r, (r + 1) % n, 0, [size], name] for r in range(n) for size in (1025, 2**14 + 1)]
+    out.append(Call("p2p", params={"messages": ring, "mode": "overwrite", "recv_order": list(range(len(ring)))}))
+    burst = [[src, 1 - src, 0, [size], name] for src in (0, 1) for size in (4, 1, 300, 0, 2**14 + 3, 5, 1, 7)]
+    out.append(
+        Call("p2p", async_op=True, params={"messages": burst, "mode": "mixed", "recv_order": list(range(len(burst)))})
+    )
+    tags = target.tags(device)
+    if len(tags) > 1:
+        tagged = [[0, 1, tag, [6], name] for tag in tags]
+        params = {"messages": tagged, "mode": "async", "recv_order": list(range(len(tagged)))[::-1]}
+        out.append(Call("p2p", async_op=True, params=params))
+    if target.messages(device):
+        top = tags[-1]
+        tensor = ["tensor", name, [257], "contig", True]
+        msgs = [
+            [0, 1, top, "object", "recv_object", ["list", [["int", 2**70], ["str", "top"]]]],
+            [0, 1, top, "tensor", "recv_tensor", tensor],
+            [0, 1, top, "tensor", "recv_tensor", ["tensor", name, [3], "contig", False]],
+            [0, 1, top, "tensor", "recv_tensor", ["tensor", name, [2**14 + 1], "contig", True]],
+            [0, 1, top, "plain", "recv", ["tensor", name, [9], "contig", False]],
+            [0, 1, 0, "object", "recv_object", ["dict", [[["str", "k"], tensor]]]],
+            [1, 0, top, "tensor", "recv_tensor", tensor],
+        ]
+        params = {"messages": msgs, "mode": "blocking", "recv_order": list(range(len(msgs)))}
+        out.append(Call("messages", params=params))
+    return out
 
 
 def coverage_examples(target: Target) -> list[Example]:

@@ -426,6 +426,17 @@ class Conformance:
                         f"rank joined it, so it must raise CollectiveTimeout; {_said(err)}",
                         ex,
                     )
+                took, asked = rec.get("seconds") if rec is not None else None, float(p["seconds"])
+                if took is not None and not (TIMEOUT_EARLY * asked <= took <= asked + TIMEOUT_LATE_S):
+                    raise self.fail(
+                        test,
+                        "timeout",
+                        f"{where}: rank {p['caller']} called {p['target']} with timeout={asked} s and its "
+                        f"CollectiveTimeout came after {took:.2f} s; it must come between {TIMEOUT_EARLY * asked:.2f} s "
+                        f"and {asked + TIMEOUT_LATE_S:.2f} s (the requested time, less {1 - TIMEOUT_EARLY:.0%}, "
+                        f"plus {TIMEOUT_LATE_S:g} s for a loaded machine)",
+                        ex,
+                    )
                 if p["target"] not in ("recv", "recv_object") and err.get("op") != p["target"]:
                     raise self.fail(
                         test,
@@ -480,8 +491,20 @@ class Conformance:
                 if problem is not None:
                     name = _out_name(call, k, r)
                     raise self.fail(test, "reference", f"{where}: rank {r}, {name}: {problem}", ex)
-        before = input_bases(call, ex.seed, li, ci, n)
-        for r, rec in enumerate(recs):
+            for k, got in sorted(rec.get("at_once", {}).items()):  # read as soon as its wait() returned
+                problem = _compare(got, exp[k])
+                if problem is not None:
+                    name = _out_name(call, k, r)
+                    raise self.fail(
+                        test,
+                        "reference",
+                        f"{where}: rank {r}, {name}, read as soon as its wait() returned (the data must be final "
+                        f"then): {problem}",
+                        ex,
+                    )
+        overwritten = call.op == "p2p" and call.params.get("mode") == "overwrite"  # on purpose, after each wait()
+        before = [] if overwritten else input_bases(call, ex.seed, li, ci, n)
+        for r, rec in enumerate(recs if not overwritten else []):
             for k, (got, orig) in enumerate(zip(rec.get("ins", []), before[r], strict=False)):
                 if not _same_bytes(got, orig):
                     raise self.fail(
@@ -704,6 +727,10 @@ class Conformance:
 
 
 _TIMEOUT_OPS = ("all_reduce", "barrier", "all_gather", "broadcast")
+#: A timeout must fire no sooner than this share of the requested time...
+TIMEOUT_EARLY = 0.9
+#: ... and no later than the requested time plus this many seconds (a loaded machine's delays).
+TIMEOUT_LATE_S = 3.0
 
 
 class NotApplicable(Exception):

@@ -16,7 +16,7 @@ other's keys. Guarantees:
   dumps, and the next call starts fresh workers;
 * a rank that raises fails the call with its traceback; a rank that dies fails
   it too, unless it is listed in ``may_exit``;
-* a rank that leaves threads or sockets behind after the function returned
+* a rank that leaves threads, file descriptors or child processes behind after the function returned
   fails the call (``check_leaks``), because ``shutdown()`` must release
   everything.
 """
@@ -263,39 +263,58 @@ class RankPool:
 # -- the worker side ---------------------------------------------------------------
 
 
-def resources() -> tuple[set[threading.Thread], set[str]]:
-    """This process's live threads and open sockets: what :func:`leaks` compares against."""
-    sockets = set()
+Resources = tuple[set[threading.Thread], set[str], set[int]]
+
+
+def resources() -> Resources:
+    """This process's live threads, open file descriptors (``"fd->target"``: sockets, pipes,
+    event fds, files, whatever ``/proc/self/fd`` shows) and child processes: what
+    :func:`leaks` compares against. (The descriptors and children are read from ``/proc``,
+    so that part is Linux only.)"""
+    fds = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/self/fd/{fd}")
-                if target.startswith("socket:"):
-                    sockets.add(f"{fd}->{target}")
-    return set(threading.enumerate()), sockets
+                fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+    children: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+    return set(threading.enumerate()), fds, children
 
 
-def leaks(before: tuple[set[threading.Thread], set[str]], grace_s: float = _LEAK_GRACE_S) -> str | None:
-    """Threads and sockets left behind since ``before`` (a :func:`resources` reading), or
-    ``None``. Garbage in reference cycles (an exception's traceback holding a closed
-    backend's frames) is collected first: what only the collector would free is not a
-    leak; what is still referenced is. Threads that are ending get ``grace_s`` to end."""
+def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
+    """Threads, file descriptors and child processes left behind since ``before`` (a
+    :func:`resources` reading), or ``None``. Garbage in reference cycles (an exception's
+    traceback holding a closed backend's frames) is collected first: what only the
+    collector would free is not a leak; what is still referenced is, a module-level cache
+    included. Threads that are ending, descriptors closing and children exiting get
+    ``grace_s``."""
     import gc
 
     gc.collect()
     deadline = time.monotonic() + grace_s
     while True:
-        threads, sockets = resources()
+        threads, fds, children = resources()
         extra = [t for t in threads - before[0] if t.is_alive()]
-        fds = sockets - before[1]
-        if not extra and not fds:
+        opened = fds - before[1]
+        started = children - before[2]
+        if not extra and not opened and not started:
             return None
         if time.monotonic() > deadline:
-            return f"leaked threads {[t.name for t in extra]} and sockets {sorted(fds)}"
+            parts = []
+            if extra:
+                parts.append(f"threads {[t.name for t in extra]}")
+            if opened:
+                parts.append(f"file descriptors {sorted(opened)}")
+            if started:
+                parts.append(f"child processes {sorted(started)}")
+            return "leaked " + " and ".join(parts)
         for t in extra:
             t.join(timeout=0.1)
         if not extra:
-            time.sleep(0.05)  # a socket closing in the kernel: no event to wait on
+            time.sleep(0.05)  # a socket closing in the kernel, a child exiting: no event to wait on
 
 
 def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None:

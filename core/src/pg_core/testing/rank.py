@@ -91,6 +91,9 @@ class _Lane:
         self.values: dict[int, Any] = {}  # value collective -> what it returned (its Work, if async)
         self.sent: dict[int, dict[int, Any]] = {}  # messages call -> message -> the value sent
         self.received: dict[int, dict[int, Any]] = {}  # messages call -> message -> value, Work or buffer
+        #: id of a receive's Work -> (call, receive index): its buffer is read as soon as wait() returns
+        self.snapshot_after: dict[int, tuple[int, int]] = {}
+        self.at_once: dict[int, dict[int, torch.Tensor]] = {}  # call -> receive index -> buffer read then
 
     # -- running -------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
@@ -128,6 +131,10 @@ class _Lane:
                 except Exception as exc:
                     if self.records[ci]["error"] is None:
                         self.records[ci]["error"] = _error(exc)
+                    continue
+                at = self.snapshot_after.get(id(work))
+                if at is not None:  # a receive's data must be final once wait() returns: read it at once
+                    self.at_once.setdefault(at[0], {})[at[1]] = self.bufs[at[0]].out_bases[at[1]].detach().cpu().clone()
         # Values are observed now, after every call of the lane: a value that a later
         # message overwrote (a reused receive buffer) shows.
         for record in self.records:
@@ -136,6 +143,8 @@ class _Lane:
             if bufs is not None:
                 record["outs"] = [b.detach().cpu().clone() for b in bufs.out_bases]
                 record["ins"] = [b.detach().cpu().clone() for b in bufs.in_bases]
+            if ci in self.at_once:
+                record["at_once"] = self.at_once[ci]
             if ci in self.inputs:
                 record["input"] = observe(self.inputs[ci])
             if ci in self.values:
@@ -165,7 +174,7 @@ class _Lane:
                 _bad_input(group, call, self.device)
             return
         if call.op == "timeout":
-            self._timeout(group, call)
+            self._timeout(group, call, record)
             return
         if call.op in ("split", "new_group"):
             self._subgroup(group, call, record)
@@ -216,6 +225,36 @@ class _Lane:
         send_t = dict(zip((m for m, _ in sends), bufs.ins, strict=True))
         recv_t = dict(zip((m for m, _ in recvs), bufs.outs, strict=True))
         order = [m for m in call.params["recv_order"] if m in recv_t]
+        received = {m: k for k, (m, _msg) in enumerate(recvs)}  # message -> this rank's receive index
+        if mode == "overwrite":
+            # Every send's Work waited, then its buffer overwritten at once: what the receivers
+            # get (they receive afterwards) must be what was there when isend was called.
+            sent = [group.isend(send_t[m], dst, tag) for m, (_, dst, tag, *_r) in sends]
+            for work in sent:
+                work.wait()
+            for t in send_t.values():
+                t.copy_(torch.full_like(t, 1) if t.dtype is torch.bool else torch.full_like(t, 77))
+            for m in order:
+                group.recv(recv_t[m], msgs[m][0], msgs[m][2])
+            return
+        if mode == "mixed":
+            # Several messages in flight on one (peer, tag), blocking and async alternating:
+            # sends first (a send does not wait for its receiver), then the receives.
+            mixed: list[Work] = []
+            for i, (m, (_, dst, tag, *_r)) in enumerate(sends):
+                if i % 2:
+                    mixed.append(group.isend(send_t[m], dst, tag))
+                else:
+                    group.send(send_t[m], dst, tag)
+            for i, m in enumerate(order):
+                if i % 2:
+                    work = group.irecv(recv_t[m], msgs[m][0], msgs[m][2])
+                    self.snapshot_after[id(work)] = (ci, received[m])
+                    mixed.append(work)
+                else:
+                    group.recv(recv_t[m], msgs[m][0], msgs[m][2])
+            self.works[ci] = mixed[::-1]
+            return
         if mode == "blocking":
             # Every rank takes the messages in list order, so a send that waits for its
             # receiver (which the contract allows) cannot deadlock; out-of-order receives
@@ -235,7 +274,9 @@ class _Lane:
             self.works[ci] = group.batch_isend_irecv(ops)
             return
         for m in order:
-            works.append(group.irecv(recv_t[m], msgs[m][0], msgs[m][2]))
+            work = group.irecv(recv_t[m], msgs[m][0], msgs[m][2])
+            self.snapshot_after[id(work)] = (ci, received[m])
+            works.append(work)
         if call.late is not None:
             # Every sender waits until its receivers have posted and looked: a receive
             # that is complete before its sender sent anything reports completion early.
@@ -332,16 +373,18 @@ class _Lane:
             return
         _call_once(group, p["target"], device, dtype, rop)
 
-    def _timeout(self, group: ProcessGroup, call: Call) -> None:
+    def _timeout(self, group: ProcessGroup, call: Call, record: dict[str, Any]) -> None:
         p = call.params
         done = self._signal(-1, p["caller"])
         if p["caller"] != self.me:
             # stay in the group until the caller has timed out: leaving would be a peer failure
             wait_for(self.signals, [done], self.op_timeout + float(p["seconds"]))
             return
+        start = time.monotonic()
         try:
             self._timeout_call(group, call)
         finally:
+            record["seconds"] = time.monotonic() - start  # how long the call took to give up
             self.signals.set(done, "1")
 
     def _timeout_call(self, group: ProcessGroup, call: Call) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from ..backend import DTYPES, Capabilities
 from ..ops import COLLECTIVE_OPS, RedOpType
+from ..tags import TagMap
 from .cases import Call, Example, Lane, dtype_name
 from .rank import BAD_INPUTS
 from .values import MESSAGE_COLLECTIVES
@@ -34,7 +35,10 @@ __all__ = ["Target", "examples_for"]
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
 _FACTORS = (2.0, 0.5, -1.5, 3.0)
-_TAGS = (0, 1, 7, 2**40)
+#: User tags worth drawing, where the declared range has them: small ones, both sides of 2**31
+#: and 2**32 (a backend that keeps 32 bits of a tag aliases them), far out, and the top of the
+#: range (see :meth:`Target.tags`).
+_TAGS = (0, 1, 7, 2**31 - 1, 2**31, 2**32 + 1, 2**40)
 _LAYOUTS = ("contig", "strided", "transposed")
 #: A "large" piece is past the default algorithms' small-message threshold (64 KiB).
 _LARGE_BYTES = (66 * 1024, 200 * 1024)
@@ -77,6 +81,13 @@ class Target:
             else:
                 pairs.append((dtype, None))
         return pairs
+
+    def tags(self, device: str) -> list[int]:
+        """The user tags drawn on ``device``: those of ``_TAGS`` within the declared range,
+        and the range's two highest (just ``[0]`` for a backend without tags)."""
+        limit = TagMap(self.caps[device].max_tag, "").limit  # user tags are 0 .. limit - 1
+        wanted = [*_TAGS, limit - 2, limit - 1]
+        return sorted({t for t in wanted if 0 <= t < limit}, key=wanted.index)
 
     def p2p_dtypes(self, device: str) -> list[torch.dtype]:
         caps = self.caps[device]
@@ -178,7 +189,7 @@ def _p2p(draw: Any, target: Target, device: str, n: int) -> Call:
         src = draw(st.integers(0, n - 1))
         dst = draw(st.integers(0, n - 2))
         dst = dst if dst < src else dst + 1
-        tag = draw(st.sampled_from(_TAGS))
+        tag = draw(st.sampled_from(target.tags(device)))
         dtype = draw(st.sampled_from(dtypes))
         shape = _piece(draw, dtype, allow_large=False)
         messages.append([src, dst, tag, list(shape), dtype_name(dtype)])
@@ -324,7 +335,7 @@ def _messages(draw: Any, target: Target, device: str, n: int, kinds: Sequence[st
         src = draw(st.integers(0, n - 1))
         dst = draw(st.integers(0, n - 2))
         dst = dst if dst < src else dst + 1
-        tag = draw(st.sampled_from(_TAGS))
+        tag = draw(st.sampled_from(target.tags(device)))
         kind = draw(st.sampled_from(usable))
         if kind == "object":
             spec, recv_as = draw(_object_spec(dtypes)), "recv_object"
@@ -636,5 +647,11 @@ def _timeout(draw: Any, target: Target, device: str, n: int) -> Call:
         dtypes = [d for d in dtypes if caps.supports("all_reduce", d, RedOpType.SUM)] or dtypes
     dtype = draw(st.sampled_from(sorted(set(dtypes), key=str)))
     seconds = draw(st.sampled_from([0.3, 0.8]))
-    params = {"target": op, "caller": caller, "peer": peer, "seconds": seconds, "tag": draw(st.sampled_from(_TAGS))}
+    params = {
+        "target": op,
+        "caller": caller,
+        "peer": peer,
+        "seconds": seconds,
+        "tag": draw(st.sampled_from(target.tags(device))),
+    }
     return Call("timeout", dtype_name(dtype), (), "contig", False, None, params)
