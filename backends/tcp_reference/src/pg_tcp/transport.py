@@ -401,6 +401,8 @@ _STORE_SLICE_S: Final = 0.25  # store waits in slices, so that abort() is notice
 _SHUTDOWN_HELLOS_S: Final = 1.0  # at shutdown: how long to wait for the hellos of connections never read
 _FLUSH_POLL_S: Final = 0.01  # at shutdown: how often to look whether the kernel has delivered what was sent
 _TIOCOUTQ: Final = getattr(termios, "TIOCOUTQ", None)  # bytes a socket has sent that its peer has not acknowledged
+_TCP_INFO: Final = getattr(socket, "TCP_INFO", None)  # its first byte is the connection's state
+_TCP_CLOSE: Final = 7  # that state once the connection is over (a reset, both sides closed)
 _CONTROL_TIMEOUT: Final = 30.0
 
 
@@ -1761,9 +1763,16 @@ class Transport:
 
 def _unacknowledged(sock: socket.socket) -> int:
     """Bytes written to ``sock`` that its peer's kernel has not acknowledged yet (0 where the
-    platform cannot say, or the socket is gone)."""
+    platform cannot say, or the connection is over: after a reset, Linux goes on counting
+    what was in flight, though nothing will ever acknowledge it)."""
     if _TIOCOUTQ is None:
         return 0
+    if _TCP_INFO is not None:
+        try:
+            if sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0] == _TCP_CLOSE:
+                return 0
+        except (OSError, ValueError):
+            return 0
     buf = array.array("i", [0])
     try:
         fcntl.ioctl(sock.fileno(), _TIOCOUTQ, buf, True)
