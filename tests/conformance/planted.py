@@ -88,6 +88,8 @@ Buffer lifetime, order and tags, with the full declaration:
     differ above bit 31 meet.
 44. RECV_BYTES_SHARED_BUFFER: recv_bytes returns a view of one receive buffer per peer, reused for the next
     message, so a value received earlier changes under the receiver.
+45. RECV_BYTES_READ_ONLY: recv_bytes returns an immutable ``bytes`` ("a copy is safer"), so received tensors
+    would be views of memory nobody may write.
 """
 
 from __future__ import annotations
@@ -732,6 +734,11 @@ class RecvBytesSharedBuffer(TCPBackend):
         return view  # type: ignore[return-value]
 
 
+class RecvBytesReadOnly(TCPBackend):
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        return bytes(super().recv_bytes(src, tag, timeout=timeout))  # type: ignore[return-value]  # bug
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -778,6 +785,7 @@ ISEND_COMPLETES_EARLY = _spec("isend-completes-early", IsendCompletesEarly)
 IRECV_FILLS_LATE = _spec("irecv-fills-late", IrecvFillsLate)
 TAGS_TRUNCATED_32 = _spec("tags-truncated-32", TagsTruncated32)
 RECV_BYTES_SHARED_BUFFER = _spec("recv-bytes-shared-buffer", RecvBytesSharedBuffer)
+RECV_BYTES_READ_ONLY = _spec("recv-bytes-read-only", RecvBytesReadOnly)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 

@@ -513,7 +513,17 @@ class Endpoint:
         """Receive a message that is one ``recv_bytes`` (the group sends no separate tensors)."""
         if self._broken:
             self._refuse_broken(("recv", peer, tag), op)
-        return self.backend.recv_bytes(peer, tag, timeout=seconds)
+        return self._owned(self.backend.recv_bytes(peer, tag, timeout=seconds))
+
+    def _owned(self, data: Received) -> Received:
+        """What ``recv_bytes`` returned, held to the contract: a writable buffer the receiver
+        owns (received tensors are views into it, and a user may write to them)."""
+        if memoryview(data).readonly:
+            raise TypeError(
+                f"{type(self.backend).__name__}.recv_bytes returned a read-only {type(data).__name__}; the contract "
+                "asks for a writable buffer that the receiver owns (a bytearray, or an mmap)"
+            )
+        return data
 
     def _refuse_broken(self, key: tuple[str, int, int], op: str) -> None:
         why = self._broken.get(key)
@@ -549,7 +559,7 @@ class Endpoint:
 
     def recv(self, peer: int, tag: int, deadline: Deadline, progress: Progress | None = None) -> Received:
         if self.native:
-            data = self.backend.recv_bytes(peer, tag, timeout=deadline.left())
+            data = self._owned(self.backend.recv_bytes(peer, tag, timeout=deadline.left()))
             if progress is not None:
                 progress.started = True
             return data
