@@ -663,14 +663,12 @@ class CachedWakeupPipe(TCPBackend):
             _WAKEUP_PIPES[ctx.group_name] = os.pipe()
 
 
-_UNTIL_PARENT_EXITS = "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent:\n    time.sleep(0.2)\n"
-
-
 class HelperProcessLeft(TCPBackend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        # bug: shutdown() never terminates it (it ends with its parent, so the test leaves no orphan)
-        self._helper = subprocess.Popen([sys.executable, "-c", _UNTIL_PARENT_EXITS])
+        # bug: shutdown() never terminates it. It reads its stdin to the end: the pipe closes when its
+        # parent exits, so the test leaves no orphan.
+        self._helper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
 
 
 # -- 41-44: buffer lifetime, order and tags ---------------------------------------------------------------
