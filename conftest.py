@@ -17,6 +17,7 @@ from pg_core.testing.pool import RankPool
 #: backend name -> the in-repo distribution that provides it (and the folder it lives in)
 IN_REPO_BACKENDS = {
     "tcp": ("pg-tcp", "backends/tcp_reference"),
+    "gloo": ("pg-gloo", "backends/gloo"),
     "storecomm": ("pg-storecomm", "examples/third_party_plugin"),
 }
 

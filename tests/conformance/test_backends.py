@@ -20,6 +20,7 @@ HERE = Path(__file__).parent
 #: backend name -> the in-repo distribution that provides it
 IN_REPO = {
     "tcp": "pg-tcp",
+    "gloo": "pg-gloo",
     "storecomm": "pg-storecomm",  # examples/third_party_plugin: written from the README alone
 }
 

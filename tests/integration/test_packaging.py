@@ -36,6 +36,7 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 DISTS = {
     "pg-core": ("core", "pg_core"),
     "pg-tcp": ("backends/tcp_reference", "pg_tcp"),
+    "pg-gloo": ("backends/gloo", "pg_gloo"),
     "pg-storecomm": ("examples/third_party_plugin", "pg_storecomm"),
 }
 
@@ -94,7 +95,8 @@ def venv(built: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFac
     wheels = {dist: str(paths["wheel"]) for dist, paths in built.items()}
     cmd: list[str | Path] = [BIN / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # pg-core with its extras resolves pg-tcp to the wheel beside it: `pip install pg-core[tcp]` works
-    cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,testing]", wheels["pg-tcp"], wheels["pg-storecomm"]]
+    cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,gloo,testing]", wheels["pg-tcp"], wheels["pg-gloo"]]
+    cmd += [wheels["pg-storecomm"]]
     _run(cmd, cwd=ROOT, env=_outside_env(), timeout=900)
     return tmp_path_factory.mktemp("user")
 
@@ -189,37 +191,39 @@ print(json.dumps(out))
         assert Path(info["file"]).is_relative_to(VENV), (dist, info)  # not the repository's sources
 
 
-def test_pg_core_backends_lists_tcp_and_storecomm_as_available(venv: Path) -> None:
+def test_pg_core_backends_lists_every_in_repo_backend_as_available(venv: Path) -> None:
     table = _run([BIN / "pg-core", "backends"], cwd=venv, env=_outside_env(), timeout=120).stdout
     rows = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
-    for name, dist in (("tcp", "pg-tcp"), ("storecomm", "pg-storecomm")):
+    for name, dist in (("tcp", "pg-tcp"), ("gloo", "pg-gloo"), ("storecomm", "pg-storecomm")):
         assert name in rows, table
         assert f"{dist}=={_declared_version(dist)}" in rows[name] and rows[name].rstrip().endswith("available"), table
     entries = json.loads(
         _run([BIN / "pg-core", "backends", "--json"], cwd=venv, env=_outside_env(), timeout=120).stdout
     )
-    assert {e["name"]: e["status"] for e in entries} == {"tcp": "available", "storecomm": "available"}, entries
+    statuses = {e["name"]: e["status"] for e in entries}
+    assert statuses == {"tcp": "available", "gloo": "available", "storecomm": "available"}, entries
 
 
 ALL_REDUCE = '''
-"""Two processes all_reduce over tcp, with only the installed packages."""
+"""Two processes all_reduce over the backend named in argv[1], with only the installed packages."""
 import json, subprocess, sys
 from datetime import timedelta
 
 import torch
 from pg_core import ProcessGroup, TCPStore
 
-if len(sys.argv) == 1:  # the launcher: hosts the store on a free port, starts rank 0 and rank 1
+if len(sys.argv) == 2:  # the launcher: hosts the store on a free port, starts rank 0 and rank 1
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(store.port)], stdout=subprocess.PIPE, text=True)
+    ranks = [subprocess.Popen([sys.executable, __file__, sys.argv[1], str(r), str(store.port)],
+                              stdout=subprocess.PIPE, text=True)
              for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], outs
     print(json.dumps([json.loads(o) for o in outs]))
 else:
-    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    backend, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    group = ProcessGroup(store, rank=rank, size=2, backends="tcp", timeout=60)
+    group = ProcessGroup(store, rank=rank, size=2, backends=backend, timeout=60)
     t = torch.arange(4, dtype=torch.float32) + 10 * rank
     group.all_reduce(t)
     backends = dict(group.backends)
@@ -228,15 +232,16 @@ else:
 '''
 
 
-def test_two_ranks_all_reduce_over_the_installed_tcp_backend(venv: Path) -> None:
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_two_ranks_all_reduce_over_an_installed_backend(venv: Path, backend: str) -> None:
     script = venv / "all_reduce.py"
     script.write_text(ALL_REDUCE)
-    out = _run([BIN / "python", script], cwd=venv, env=_outside_env(), timeout=180).stdout
+    out = _run([BIN / "python", script, backend], cwd=venv, env=_outside_env(), timeout=180).stdout
     results = json.loads(out)
     assert [r["rank"] for r in results] == [0, 1], results
     for r in results:
         assert r["value"] == [10.0, 12.0, 14.0, 16.0], results
-        assert r["backends"] == {"cpu": "tcp"}, results
+        assert r["backends"] == {"cpu": backend}, results
 
 
 def test_the_shipped_conformance_suite_runs_from_the_installed_packages(venv: Path) -> None:

@@ -42,7 +42,6 @@ BATCH = 24
 #: The large piece of every op: past 4 MiB, by one element.
 HUGE_BYTES = 4 * 1024 * 1024
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
-_TAGS = (0, 3, 2**40)
 
 
 def sizes(dtype: torch.dtype) -> list[tuple[int, ...]]:
@@ -98,9 +97,15 @@ def _call(
 
 
 def _p2p(
-    dtype: torch.dtype, pairs: list[tuple[int, int]], shape: tuple[int, ...], *, async_op: bool, extreme: bool
+    dtype: torch.dtype,
+    pairs: list[tuple[int, int]],
+    shape: tuple[int, ...],
+    tags: tuple[int, ...],
+    *,
+    async_op: bool,
+    extreme: bool,
 ) -> Call:
-    messages = [[src, dst, _TAGS[m % len(_TAGS)], list(shape), dtype_name(dtype)] for m, (src, dst) in enumerate(pairs)]
+    messages = [[src, dst, tags[m % len(tags)], list(shape), dtype_name(dtype)] for m, (src, dst) in enumerate(pairs)]
     params: dict[str, object] = {
         "messages": messages,
         "mode": "async" if async_op else "blocking",
@@ -126,6 +131,8 @@ def _combinations(target: Target, device: str) -> Iterator[tuple[str, torch.dtyp
 def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
     """Every coverage call on ``device``, by the world size it runs at."""
     first, second = world_sizes(target.world_sizes)
+    top = max(target.tags(device))  # the highest user tag the backend carries (0: no tags)
+    tags = tuple(dict.fromkeys(t for t in (0, 3, top) if t <= top))
     calls: dict[int, list[Call]] = {}
     for i, (op, dtype, kind) in enumerate(_combinations(target, device)):
         shapes = sizes(dtype)
@@ -134,7 +141,7 @@ def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
             if op == "p2p":
                 if n < 2:
                     continue
-                call = _p2p(dtype, _ring(n), shape, async_op=async_op, extreme=extreme)
+                call = _p2p(dtype, _ring(n), shape, tags, async_op=async_op, extreme=extreme)
             else:
                 call = _call(op, dtype, kind, n, shape, async_op=async_op, extreme=extreme, root=i % n)
             calls.setdefault(n, []).append(call)
@@ -160,7 +167,7 @@ def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
             p2p = target.p2p_dtypes(device)
             if p2p:
                 star = [(k, j) for j in range(n) if j != k] + [(j, k) for j in range(n) if j != k]
-                calls[n].append(_p2p(p2p[k % len(p2p)], star, (4,), async_op=k % 2 == 0, extreme=False))
+                calls[n].append(_p2p(p2p[k % len(p2p)], star, (4,), tags, async_op=k % 2 == 0, extreme=False))
     for n in target.world_sizes:
         if n >= 2:
             calls[n].extend(lifetime_calls(target, device, n))
@@ -173,7 +180,7 @@ def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
         elements = HUGE_BYTES // torch.empty((), dtype=dtype).element_size() + 1
         if op == "p2p":
             if first >= 2:
-                big.append(_p2p(dtype, [(0, first - 1)], (elements,), async_op=False, extreme=False))
+                big.append(_p2p(dtype, [(0, first - 1)], (elements,), tags, async_op=False, extreme=False))
             continue
         splits = [[1] * first for _ in range(first)]
         big.append(

@@ -1,0 +1,456 @@
+"""``GlooBackend``: a group's operations on one ``torch.distributed.ProcessGroupGloo``.
+
+The Gloo object is built from the group's own prefixed store, with the group's rank and
+size: no ``init_process_group``, no default group, nothing global. What the wrapper adds
+is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
+
+* **Collectives are Gloo's own**, each with the call's timeout in its options and waited
+  for in the calling thread (asynchronous ones run on the group's progress thread, one per
+  group, never a thread per operation). A dtype Gloo cannot move (``int16``, complex, in
+  the copying collectives) travels as its bytes, which is exact.
+* **Point to point.** Gloo's ``send`` completes only once the receiver has posted its
+  receive, and a receive whose buffer is smaller than the message aborts the whole
+  process (``op.preamble.length <= op.nbytes``; larger is a silent truncation). So every
+  message is a 16-byte header (size, dtype) then its payload, both on the caller's tag:
+  the receiver reads the header first and refuses a message of the wrong size or dtype
+  with :class:`~pg_core.errors.CollectiveMismatchError` (after draining it, so the stream
+  stays in step). ``send`` copies the tensor into a buffer of the message's own and
+  returns at once (the contract's "send never waits for its receiver"); one reaper
+  thread per backend waits for Gloo's sends in order and releases their buffers.
+* **Errors are pg-core's.** Gloo's timeout becomes
+  :class:`~pg_core.errors.CollectiveTimeout`; a closed or reset connection,
+  :class:`~pg_core.errors.PeerFailureError`. Gloo closes its connections on a timeout
+  (both sides see it), so after one this backend refuses everything at once with a
+  ``PeerFailureError`` that says so: form a new group.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Final
+
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+from pg_core.backend import Backend, BackendContext, tensor_bytes
+from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
+from pg_core.ops import RedOpType, ReduceOp
+from pg_core.store import PrefixStore, advertise_address
+from pg_core.work import Work
+from torch.distributed import ProcessGroupGloo
+
+__all__ = ["GlooBackend"]
+
+_REDUCE: Final[dict[RedOpType, Any]] = {
+    RedOpType.SUM: dist.ReduceOp.SUM,
+    RedOpType.PRODUCT: dist.ReduceOp.PRODUCT,
+    RedOpType.MIN: dist.ReduceOp.MIN,
+    RedOpType.MAX: dist.ReduceOp.MAX,
+    RedOpType.AVG: dist.ReduceOp.AVG,
+    RedOpType.BAND: dist.ReduceOp.BAND,
+    RedOpType.BOR: dist.ReduceOp.BOR,
+    RedOpType.BXOR: dist.ReduceOp.BXOR,
+}
+
+#: Dtypes Gloo's copying collectives take as they are; the others travel as bytes.
+_GLOO_DTYPES: Final = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+    }
+)
+
+#: The header's dtype field for a ``send_bytes`` message.
+_BYTES: Final = -1
+
+#: Gloo's words for a connection that is gone (its pair.cc messages).
+_PEER_GONE: Final = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "Write error",
+    "Broken pipe",
+    "Connection refused",
+    "Socket closed",
+)
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if Gloo moves its dtype, else a view of its bytes with the same dim 0
+    (so dim-0 split sizes still count rows)."""
+    if t.dtype in _GLOO_DTYPES:
+        return t
+    if t.dim() == 0:
+        t = t.reshape(1)
+    rows = t.shape[0]
+    return t.reshape(rows, math.prod(t.shape[1:])).view(torch.uint8)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a 1-D ``uint8`` view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _seconds(timeout: float) -> timedelta:
+    return timedelta(seconds=max(timeout, 0.001))
+
+
+class GlooBackend(Backend):
+    """One ``ProcessGroupGloo`` per group formation and device type."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        #: why this backend cannot communicate any more (Gloo closed its connections), or None
+        self._broken: str | None = None
+        self._sends: queue.SimpleQueue[tuple[Any, tuple[torch.Tensor, ...], int, float] | None] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+        self._lock = threading.Lock()
+        #: a send the reaper saw fail, per destination: raised by that peer's next operation
+        self._send_errors: dict[int, BaseException] = {}
+        store = ctx.store
+        # Gloo's rendezvous holds its store client in blocking waits, so it gets a client of
+        # its own: groups forming at once on other threads keep theirs.
+        try:
+            rendezvous = store.clone()  # type: ignore[attr-defined]
+        except (RuntimeError, NotImplementedError):  # a store that cannot open a second client
+            rendezvous = store
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        host = str(ctx.options.get("addr") or advertise_address(store))
+        options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = _seconds(ctx.timeout)
+        options._threads = int(ctx.options.get("threads", 2))
+        try:
+            self._pg: Any = ProcessGroupGloo(PrefixStore("gloo", rendezvous), ctx.rank, ctx.size, options)
+        except RuntimeError as exc:
+            raise self._error(exc, "connect", ctx.timeout) from exc
+
+    @property
+    def gloo(self) -> Any:
+        """The ``ProcessGroupGloo`` itself (what ``ProcessGroup.to_torch()`` registers)."""
+        pg = self._pg
+        if pg is None:
+            raise PeerFailureError(f"backend 'gloo' of group {self.ctx.group_name!r} is closed")
+        return pg
+
+    # -- errors -------------------------------------------------------------------------
+    def _check(self, what: str, peers: Sequence[int] = ()) -> Any:
+        """The Gloo object, or the error this backend's state calls for, before anything is sent."""
+        if self._broken is not None:
+            raise PeerFailureError(
+                f"{what}: backend 'gloo' of group {self.ctx.group_name!r} cannot communicate any more: {self._broken}. "
+                "Gloo closes its connections after a timeout; form a new group",
+                peers=peers,
+            )
+        for peer in peers:
+            failed = self._send_errors.get(peer)
+            if failed is not None:
+                raise PeerFailureError(f"{what}: an earlier send to rank {peer} failed: {failed}", peers=[peer])
+        return self.gloo
+
+    def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
+        """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Timed out" in text or "timed out" in text:
+            self._broken = f"{what} timed out after {timeout:g} s"
+            return CollectiveTimeout(
+                f"{what}: Gloo gave up after {timeout:g} s ({text}); Gloo closes its connections on a timeout, "
+                "so this group's gloo backend refuses every later operation: form a new group",
+                op=what,
+                peers=peers,
+            )
+        if "Application timeout caused pair closure" in text:
+            self._broken = self._broken or "Gloo closed its connections after a timeout"
+            return PeerFailureError(
+                f"{what}: Gloo's connection was closed by an earlier timeout ({text}); form a new group", peers=peers
+            )
+        if any(words in text for words in _PEER_GONE):
+            return PeerFailureError(f"{what}: a peer closed its Gloo connection ({text})", peers=peers)
+        return exc
+
+    def _wait(
+        self, post: Callable[[], Any], what: str, timeout: float, peers: Sequence[int] = (), *, bounded: bool = False
+    ) -> None:
+        """Post an operation (``post()`` returns Gloo's work) and wait for it, in pg-core's errors."""
+        try:
+            work = post()
+            if bounded:  # point to point: Gloo's wait takes the bound (a collective carries it in its options)
+                work.wait(_seconds(timeout))
+            else:
+                work.wait()
+        except RuntimeError as exc:
+            raise self._error(exc, what, timeout, peers) from exc
+
+    # -- collectives: Gloo's own ------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        pg = self._check("all_reduce")
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = _REDUCE[op.type]
+        opts.timeout = _seconds(timeout)
+        self._wait(lambda: pg.allreduce([tensor], opts), "all_reduce", timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+        pg = self._check("broadcast")
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = _seconds(timeout)
+        self._wait(lambda: pg.broadcast([_copyable(tensor)], opts), "broadcast", timeout)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+        pg = self._check("reduce")
+        opts = c10d.ReduceOptions()
+        opts.reduceOp = _REDUCE[op.type]
+        opts.rootRank = dst
+        opts.rootTensor = 0
+        opts.timeout = _seconds(timeout)
+        if dst != self.rank:
+            tensor = tensor.clone()  # Gloo uses every rank's buffer as scratch; off the root it must not change
+        self._wait(lambda: pg.reduce([tensor], opts), "reduce", timeout)
+
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+        pg = self._check("all_gather")
+        opts = c10d.AllgatherOptions()
+        opts.timeout = _seconds(timeout)
+        outs = [_copyable(t) for t in output_list]
+        self._wait(lambda: pg.allgather([outs], [_copyable(tensor)], opts), "all_gather", timeout)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+        pg = self._check("all_gather_into_tensor")
+        opts = c10d.AllgatherOptions()
+        opts.timeout = _seconds(timeout)
+        # flat: Gloo wants the output in rows shaped like the input, the core allows (size, *shape) too
+        if input.dtype in _GLOO_DTYPES:
+            out, inp = output.reshape(-1), input.reshape(-1)
+        else:
+            out, inp = _flat_bytes(output), _flat_bytes(input)
+        self._wait(lambda: pg._allgather_base(out, inp, opts), "all_gather_into_tensor", timeout)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
+    ) -> None:
+        pg = self._check("reduce_scatter")
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = _REDUCE[op.type]
+        opts.timeout = _seconds(timeout)
+        self._wait(lambda: pg.reduce_scatter([output], [input_list], opts), "reduce_scatter", timeout)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        pg = self._check("reduce_scatter_tensor")
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = _REDUCE[op.type]
+        opts.timeout = _seconds(timeout)
+        self._wait(
+            lambda: pg._reduce_scatter_base(output.reshape(-1), input.reshape(-1), opts),
+            "reduce_scatter_tensor",
+            timeout,
+        )
+
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+        pg = self._check("all_to_all")
+        opts = c10d.AllToAllOptions()
+        opts.timeout = _seconds(timeout)
+        outs = [_flat_bytes(t) for t in output_list]
+        ins = [_flat_bytes(t) for t in input_list]
+        sizes = {t.numel() for t in outs} | {t.numel() for t in ins}
+        if len(sizes) == 1:  # Gloo's own alltoall takes equal sizes only
+            self._wait(lambda: pg.alltoall(outs, ins, opts), "all_to_all", timeout)
+            return
+        # pieces of different sizes: one alltoall_base over the bytes, then the pieces copied out
+        joined = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8)
+        received = torch.empty(sum(t.numel() for t in outs), dtype=torch.uint8)
+        out_sizes, in_sizes = [t.numel() for t in outs], [t.numel() for t in ins]
+        self._wait(lambda: pg.alltoall_base(received, joined, out_sizes, in_sizes, opts), "all_to_all", timeout)
+        for out, piece in zip(outs, received.split(out_sizes), strict=True):
+            out.copy_(piece)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        *,
+        timeout: float,
+    ) -> None:
+        pg = self._check("all_to_all_single")
+        opts = c10d.AllToAllOptions()
+        opts.timeout = _seconds(timeout)
+        out, inp = _copyable(output), _copyable(input)
+        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
+        self._wait(lambda: pg.alltoall_base(out, inp, out_splits, in_splits, opts), "all_to_all_single", timeout)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
+        pg = self._check("gather")
+        opts = c10d.GatherOptions()
+        opts.rootRank = dst
+        opts.timeout = _seconds(timeout)
+        outs = [[_copyable(t) for t in gather_list]] if gather_list is not None else []
+        self._wait(lambda: pg.gather(outs, [_copyable(tensor)], opts), "gather", timeout)
+
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
+    ) -> None:
+        pg = self._check("scatter")
+        opts = c10d.ScatterOptions()
+        opts.rootRank = src
+        opts.timeout = _seconds(timeout)
+        ins = [[_copyable(t) for t in scatter_list]] if scatter_list is not None else []
+        self._wait(lambda: pg.scatter([_copyable(tensor)], ins, opts), "scatter", timeout)
+
+    def barrier(self, *, timeout: float) -> None:
+        pg = self._check("barrier")
+        opts = c10d.BarrierOptions()
+        opts.timeout = _seconds(timeout)
+        self._wait(lambda: pg.barrier(opts), "barrier", timeout)
+
+    # -- point to point: header, then payload, on the caller's tag --------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        code = dtype_code(tensor.dtype)
+        assert code is not None  # the core passes declared dtypes only
+        payload = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)
+        payload.copy_(_flat_bytes(tensor))
+        self._post(payload, code, dst, tag, timeout=timeout, what="send")
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        """The message is Gloo's (in a buffer of its own) when this returns: the work is done."""
+        self.send(tensor, dst, tag, timeout=timeout)
+        return Work.completed("isend")
+
+    def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) or not isinstance(data, Sequence) else data
+        views = [memoryview(p).cast("B") for p in parts]
+        payload = torch.empty(sum(v.nbytes for v in views), dtype=torch.uint8)
+        target, offset = tensor_bytes(payload), 0
+        for view in views:
+            target[offset : offset + view.nbytes] = view
+            offset += view.nbytes
+        self._post(payload, _BYTES, dst, tag, timeout=timeout, what="send_bytes")
+
+    def _post(self, payload: torch.Tensor, code: int, dst: int, tag: int, *, timeout: float, what: str) -> None:
+        pg = self._check(what, [dst])
+        header = torch.tensor([payload.numel(), code], dtype=torch.int64)
+        deadline = time.monotonic() + timeout
+        try:
+            works = [(pg.send([header], dst, tag), (header,))]
+            if payload.numel():
+                works.append((pg.send([payload], dst, tag), (payload,)))
+        except RuntimeError as exc:
+            raise self._error(exc, what, timeout, [dst]) from exc
+        with self._lock:
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name=f"pg-gloo-{self.ctx.group_name}-sends", daemon=True
+                )
+                self._reaper.start()
+        for work, keep in works:
+            self._sends.put((work, keep, dst, deadline))
+
+    def _reap(self) -> None:
+        """Wait for Gloo's sends in order (a Gloo send completes only once received) and drop
+        their buffers; a failure is recorded for the destination's next operation."""
+        while (item := self._sends.get()) is not None:
+            work, _keep, dst, deadline = item
+            try:
+                work.wait(_seconds(deadline - time.monotonic()))
+            except RuntimeError as exc:
+                self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
+            del item, work, _keep
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        nbytes, code = self._header(src, tag, timeout, "recv")
+        want = tensor.numel() * tensor.element_size()
+        if nbytes != want or code != dtype_code(tensor.dtype):
+            self._discard(nbytes, src, tag, deadline, "recv")
+            sent = "a send_bytes message" if code == _BYTES else _describe(nbytes, code)
+            raise CollectiveMismatchError(
+                f"recv from rank {src} (tag {tag}): the message is {sent}, the receiving tensor "
+                f"{_describe(want, dtype_code(tensor.dtype))}",
+                peers=[src],
+            )
+        if nbytes:
+            pg = self.gloo
+            self._wait(
+                lambda: pg.recv([_flat_bytes(tensor)], src, tag),
+                "recv",
+                deadline - time.monotonic(),
+                [src],
+                bounded=True,
+            )
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        deadline = time.monotonic() + timeout
+        nbytes, code = self._header(src, tag, timeout, "recv_bytes")
+        if code != _BYTES:
+            self._discard(nbytes, src, tag, deadline, "recv_bytes")
+            raise CollectiveMismatchError(
+                f"recv_bytes from rank {src} (tag {tag}): the message is {_describe(nbytes, code)} sent with send, "
+                "not send_bytes",
+                peers=[src],
+            )
+        buffer = bytearray(nbytes)
+        if nbytes:
+            pg = self.gloo
+            target = torch.frombuffer(buffer, dtype=torch.uint8)
+            self._wait(
+                lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True
+            )
+        return buffer
+
+    def _header(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int]:
+        pg = self._check(what, [src])
+        header = torch.empty(2, dtype=torch.int64)
+        self._wait(lambda: pg.recv([header], src, tag), what, timeout, [src], bounded=True)
+        nbytes, code = header.tolist()
+        return int(nbytes), int(code)
+
+    def _discard(self, nbytes: int, src: int, tag: int, deadline: float, what: str) -> None:
+        """Receive a refused message's payload, so the next receive on its stream reads the next message."""
+        if nbytes:
+            scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._wait(
+                lambda: self.gloo.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
+            )
+
+    # -- life ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._stop_reaper(self.ctx.timeout + 1.0)
+        self._close("shutdown")
+
+    def abort(self) -> None:
+        self._broken = self._broken or "the group was aborted"
+        self._close("abort")
+        self._stop_reaper(5.0)
+
+    def _stop_reaper(self, bound: float) -> None:
+        with self._lock:
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            self._sends.put(None)
+            reaper.join(timeout=bound)
+
+    def _close(self, how: str) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            getattr(pg, how)()
+
+
+def _describe(nbytes: int, code: int | None) -> str:
+    dtype = dtype_from_code(code) if code is not None and code > 0 else None
+    if dtype is None:
+        return f"{nbytes} bytes"
+    size = torch.empty((), dtype=dtype).element_size()
+    return f"{nbytes // size} x {dtype_name(dtype)} ({nbytes} bytes)"

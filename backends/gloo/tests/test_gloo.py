@@ -1,0 +1,167 @@
+"""pg-gloo across real processes: what the wrapper adds to Gloo, and the gaps it declares.
+
+The conformance suite (``tests/conformance/test_backends.py``) certifies the backend; these
+tests pin down the behaviour this wrapper exists for: sends that do not wait for their
+receiver, a wrong-size receive that is an error instead of Gloo's process abort, Gloo's
+timeout and what it leaves behind, and that every declared gap really is one in Gloo.
+The rank pool fails a call whose ranks leave threads, sockets or processes behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+from pg_core import ProcessGroup
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, NotSupportedError, PeerFailureError
+from pg_core.ops import ReduceOp
+from pg_core.store import HashStore, wait_for
+from pg_core.testing.pool import RankContext, RankPool
+from pg_gloo.plugin import CAPABILITIES, MAX_TAG
+
+pytestmark = pytest.mark.requires_backend("gloo")
+
+Pools = Callable[[int], RankPool]
+
+
+def _group(ctx: RankContext, timeout: float | None = None) -> ProcessGroup:
+    return ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=timeout or ctx.timeout)
+
+
+# -- the declared gaps are Gloo's ---------------------------------------------------------------
+
+
+def _raw_gloo() -> Any:
+    return dist.ProcessGroupGloo(HashStore(), 0, 1, timedelta(seconds=10))
+
+
+def _raw_all_reduce(pg: Any, tensor: torch.Tensor, op: Any) -> None:
+    opts = c10d.AllreduceOptions()
+    opts.reduceOp = op
+    pg.allreduce([tensor], opts).wait()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "op", "reduce_op"),
+    [
+        (torch.float32, dist._make_nccl_premul_sum(2.0), ReduceOp.premul_sum(2.0)),
+        (torch.int16, dist.ReduceOp.SUM, ReduceOp.SUM),
+        (torch.complex64, dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT),
+    ],
+    ids=["premul_sum", "int16-sum", "complex-product"],
+)
+def test_every_undeclared_reduction_is_one_gloo_refuses(dtype: torch.dtype, op: Any, reduce_op: ReduceOp) -> None:
+    """If a torch release teaches Gloo one of these, this fails: declare it then."""
+    assert not CAPABILITIES.supports("all_reduce", dtype, reduce_op)
+    pg = _raw_gloo()
+    with pytest.raises(RuntimeError):
+        _raw_all_reduce(pg, torch.ones(4, dtype=dtype), op)
+
+
+def test_the_declared_tag_range_is_gloos_and_no_wider() -> None:
+    pg = _raw_gloo()
+    tensor = torch.ones(1)
+    with pytest.raises(TypeError):  # Gloo's tag is a C int
+        pg.send([tensor], 0, MAX_TAG + 1)
+    assert CAPABILITIES.max_tag == MAX_TAG == 2**31 - 1
+
+
+def test_an_undeclared_reduction_is_refused_before_anything_is_sent() -> None:
+    with ProcessGroup(HashStore(), 0, 1, backends="gloo", timeout=10) as group:
+        with pytest.raises(NotSupportedError, match="PREMUL_SUM"):
+            group.all_reduce(torch.ones(2), ReduceOp.premul_sum(2.0))
+        t = torch.arange(4, dtype=torch.int16)
+        group.broadcast(t, 0)  # int16 moves (as bytes), it just does not reduce
+        assert t.tolist() == [0, 1, 2, 3]
+
+
+# -- point to point ---------------------------------------------------------------------------------
+
+
+def exchange_large_sends_first(ctx: RankContext) -> list[float]:
+    """Both ranks send 16 MiB before either receives: Gloo's own send would wait for the receiver."""
+    with _group(ctx) as group:
+        peer = 1 - ctx.rank
+        out = torch.full((4 << 20,), float(ctx.rank + 1))
+        group.send(out, peer, tag=5)
+        out.fill_(-1.0)  # the message was taken when send returned
+        got = torch.empty(4 << 20)
+        group.recv(got, peer, tag=5)
+        return [float(got.min()), float(got.max())]
+
+
+def test_send_returns_before_the_receiver_posts(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(exchange_large_sends_first, timeout=120)
+    assert got == [[2.0, 2.0], [1.0, 1.0]]
+
+
+def wrong_size_then_right(ctx: RankContext) -> str:
+    with _group(ctx) as group:
+        if ctx.rank == 0:
+            group.send(torch.arange(8, dtype=torch.float32), 1)
+            group.send(torch.arange(4, dtype=torch.float32) + 100, 1)
+            group.send(torch.arange(4, dtype=torch.int32), 1)
+            return "sent"
+        small = torch.empty(4)
+        with pytest.raises(CollectiveMismatchError, match=r"8 x float32 \(32 bytes\).*4 x float32") as err:
+            group.recv(small, 0)
+        assert err.value.peers == (0,)
+        group.recv(small, 0)  # the refused message was drained: the stream is in step
+        assert small.tolist() == [100.0, 101.0, 102.0, 103.0]
+        with pytest.raises(CollectiveMismatchError, match="int32"):
+            group.recv(small, 0)  # same size, other dtype
+        return "refused"
+
+
+def test_a_receive_of_the_wrong_size_is_an_error_not_gloos_abort(rank_pools: Pools) -> None:
+    assert rank_pools(2).run(wrong_size_then_right, timeout=120) == ["sent", "refused"]
+
+
+# -- Gloo's timeout ---------------------------------------------------------------------------------
+
+
+def timeout_then_anything(ctx: RankContext) -> list[str]:
+    group = _group(ctx, timeout=30)
+    said = []
+    try:
+        group.barrier()  # the group is up on both ranks
+        if ctx.rank == 0:
+            with pytest.raises(CollectiveTimeout) as err:
+                group.all_reduce(torch.ones(2), timeout=0.5)
+            said.append(str(err.value))
+            ctx.store.set("timed_out", "1")
+            with pytest.raises(PeerFailureError) as gone:
+                group.send(torch.ones(2), 1)  # refused at once: Gloo's connections are closed
+            said.append(str(gone.value))
+        else:
+            wait_for(ctx.store, ["timed_out"], 30)
+            with pytest.raises(PeerFailureError) as gone:
+                group.recv(torch.ones(2), 0, timeout=10)
+            said.append(str(gone.value))
+    finally:
+        group.shutdown()
+    return said
+
+
+def test_a_timeout_is_a_collective_timeout_and_the_backend_then_refuses_with_the_reason(rank_pools: Pools) -> None:
+    (timed_out, refused), (peer_side,) = rank_pools(2).run(timeout_then_anything, timeout=120)
+    assert "after 0.5 s" in timed_out and "form a new group" in timed_out
+    assert "all_reduce timed out" in refused and "form a new group" in refused
+    assert "closed" in peer_side  # the other rank sees Gloo close the connection: a PeerFailureError
+
+
+# -- helpers for the tests above ---------------------------------------------------------------------
+
+
+def test_the_raw_gloo_probe_helper_reduces() -> None:
+    """The probe of the gap tests reaches Gloo for real: a declared reduction goes through it."""
+    pg = _raw_gloo()
+    t = torch.arange(3, dtype=torch.float32)
+    _raw_all_reduce(pg, t, dist.ReduceOp.SUM)
+    assert t.tolist() == [0.0, 1.0, 2.0]
+    assert CAPABILITIES.supports("all_reduce", torch.float32, ReduceOp.SUM)
