@@ -41,7 +41,7 @@ from pg_core.backend import Backend, BackendContext, tensor_bytes
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from pg_core.ops import RedOpType, ReduceOp
-from pg_core.store import PrefixStore, advertise_address
+from pg_core.store import PrefixStore, Store, advertise_address, wait_for
 from pg_core.work import Work
 from torch.distributed import ProcessGroupGloo
 
@@ -88,6 +88,33 @@ _PEER_GONE: Final = (
 )
 
 
+class _PolledStore(dist.Store):
+    """The store as Gloo's rendezvous sees it: its blocking ``wait`` and ``get`` become polls
+    (:func:`pg_core.store.wait_for`), so Gloo never holds the client the group shares with
+    other groups forming at once on other threads (a ``TCPStore`` client serves one request at
+    a time, and two Gloo groups forming at once would otherwise stall each other)."""
+
+    def __init__(self, inner: Store, timeout: float) -> None:
+        super().__init__()
+        self._inner, self._timeout = inner, timeout
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        wait_for(self._inner, [key], self._timeout, what=f"Gloo rendezvous (key {key!r})")
+        return self._inner.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        wait_for(self._inner, list(keys), self._timeout, what="Gloo rendezvous")
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+
 def _copyable(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if Gloo moves its dtype, else a view of its bytes with the same dim 0
     (so dim-0 split sizes still count rows)."""
@@ -121,19 +148,13 @@ class GlooBackend(Backend):
         #: a send the reaper saw fail, per destination: raised by that peer's next operation
         self._send_errors: dict[int, BaseException] = {}
         store = ctx.store
-        # Gloo's rendezvous holds its store client in blocking waits, so it gets a client of
-        # its own: groups forming at once on other threads keep theirs.
-        try:
-            rendezvous = store.clone()  # type: ignore[attr-defined]
-        except (RuntimeError, NotImplementedError):  # a store that cannot open a second client
-            rendezvous = store
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         host = str(ctx.options.get("addr") or advertise_address(store))
         options._devices = [ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = _seconds(ctx.timeout)
         options._threads = int(ctx.options.get("threads", 2))
         try:
-            self._pg: Any = ProcessGroupGloo(PrefixStore("gloo", rendezvous), ctx.rank, ctx.size, options)
+            self._pg: Any = ProcessGroupGloo(_PolledStore(PrefixStore("gloo", store), ctx.timeout), ctx.rank, ctx.size, options)
         except RuntimeError as exc:
             raise self._error(exc, "connect", ctx.timeout) from exc
 
