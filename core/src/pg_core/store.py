@@ -12,7 +12,8 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from datetime import timedelta
+from typing import Any, TypeVar
 
 from torch.distributed import FileStore, HashStore, PrefixStore, Store, TCPStore
 
@@ -22,6 +23,7 @@ from .timeouts import Deadline
 __all__ = [
     "FileStore",
     "HashStore",
+    "PolledStore",
     "PrefixStore",
     "Store",
     "TCPStore",
@@ -98,6 +100,33 @@ def wait_for(store: Store, keys: list[str], timeout: float, *, what: str = "a st
             "member running, with the same group name and store?",
             op=what,
         )
+
+
+class PolledStore(Store):
+    """A store as a torch C++ backend's rendezvous (Gloo's, NCCL's) should see it: ``wait``
+    and ``get`` poll through :func:`wait_for` instead of blocking the client, so a backend
+    built on a store the group shares with groups forming at once on other threads never
+    stalls them. ``timeout`` (seconds) bounds every wait, with ``what`` in its error."""
+
+    def __init__(self, inner: Store, timeout: float, what: str = "a backend's rendezvous") -> None:
+        super().__init__()
+        self._inner, self._timeout, self._what = inner, timeout, what
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        wait_for(self._inner, [key], self._timeout, what=self._what)
+        return self._inner.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        wait_for(self._inner, list(keys), self._timeout, what=self._what)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
 
 
 def wait_any(store: Store, keys: list[str], timeout: float) -> str | None:

@@ -30,33 +30,21 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Final
 
 import torch
-import torch._C._distributed_c10d as c10d
-import torch.distributed as dist
-from pg_core.backend import Backend, BackendContext, tensor_bytes
+from pg_core.backend import BackendContext, tensor_bytes
+from pg_core.c10d import C10dBackend
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
-from pg_core.ops import RedOpType, ReduceOp
-from pg_core.store import PrefixStore, Store, advertise_address, wait_for
+from pg_core.ops import ReduceOp
+from pg_core.store import PolledStore, PrefixStore, advertise_address
 from pg_core.work import Work
 from torch.distributed import ProcessGroupGloo
 
 __all__ = ["GlooBackend"]
-
-_REDUCE: Final[dict[RedOpType, Any]] = {
-    RedOpType.SUM: dist.ReduceOp.SUM,
-    RedOpType.PRODUCT: dist.ReduceOp.PRODUCT,
-    RedOpType.MIN: dist.ReduceOp.MIN,
-    RedOpType.MAX: dist.ReduceOp.MAX,
-    RedOpType.AVG: dist.ReduceOp.AVG,
-    RedOpType.BAND: dist.ReduceOp.BAND,
-    RedOpType.BOR: dist.ReduceOp.BOR,
-    RedOpType.BXOR: dist.ReduceOp.BXOR,
-}
 
 #: Dtypes Gloo's copying collectives take as they are; the others travel as bytes.
 _GLOO_DTYPES: Final = frozenset(
@@ -88,33 +76,6 @@ _PEER_GONE: Final = (
 )
 
 
-class _PolledStore(dist.Store):
-    """The store as Gloo's rendezvous sees it: its blocking ``wait`` and ``get`` become polls
-    (:func:`pg_core.store.wait_for`), so Gloo never holds the client the group shares with
-    other groups forming at once on other threads (a ``TCPStore`` client serves one request at
-    a time, and two Gloo groups forming at once would otherwise stall each other)."""
-
-    def __init__(self, inner: Store, timeout: float) -> None:
-        super().__init__()
-        self._inner, self._timeout = inner, timeout
-
-    def set(self, key: str, value: Any) -> None:
-        self._inner.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        wait_for(self._inner, [key], self._timeout, what=f"Gloo rendezvous (key {key!r})")
-        return self._inner.get(key)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        wait_for(self._inner, list(keys), self._timeout, what="Gloo rendezvous")
-
-    def check(self, keys: list[str]) -> bool:
-        return self._inner.check(keys)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._inner.add(key, amount)
-
-
 def _copyable(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if Gloo moves its dtype, else a view of its bytes with the same dim 0
     (so dim-0 split sizes still count rows)."""
@@ -135,7 +96,7 @@ def _seconds(timeout: float) -> timedelta:
     return timedelta(seconds=max(timeout, 0.001))
 
 
-class GlooBackend(Backend):
+class GlooBackend(C10dBackend):
     """One ``ProcessGroupGloo`` per group formation and device type."""
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -154,12 +115,13 @@ class GlooBackend(Backend):
         options._timeout = _seconds(ctx.timeout)
         options._threads = int(ctx.options.get("threads", 2))
         try:
-            self._pg: Any = ProcessGroupGloo(_PolledStore(PrefixStore("gloo", store), ctx.timeout), ctx.rank, ctx.size, options)
+            rendezvous = PolledStore(PrefixStore("gloo", store), ctx.timeout, f"group {ctx.group_name!r}: Gloo connect")
+            self._pg: Any = ProcessGroupGloo(rendezvous, ctx.rank, ctx.size, options)
         except RuntimeError as exc:
             raise self._error(exc, "connect", ctx.timeout) from exc
 
     @property
-    def gloo(self) -> Any:
+    def c10d(self) -> Any:
         """The ``ProcessGroupGloo`` itself (what ``ProcessGroup.to_torch()`` registers)."""
         pg = self._pg
         if pg is None:
@@ -167,7 +129,7 @@ class GlooBackend(Backend):
         return pg
 
     # -- errors -------------------------------------------------------------------------
-    def _check(self, what: str, peers: Sequence[int] = ()) -> Any:
+    def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
         """The Gloo object, or the error this backend's state calls for, before anything is sent."""
         if self._broken is not None:
             raise PeerFailureError(
@@ -179,7 +141,7 @@ class GlooBackend(Backend):
             failed = self._send_errors.get(peer)
             if failed is not None:
                 raise PeerFailureError(f"{what}: an earlier send to rank {peer} failed: {failed}", peers=[peer])
-        return self.gloo
+        return self.c10d
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
         """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
@@ -201,141 +163,30 @@ class GlooBackend(Backend):
             return PeerFailureError(f"{what}: a peer closed its Gloo connection ({text})", peers=peers)
         return exc
 
-    def _wait(
-        self, post: Callable[[], Any], what: str, timeout: float, peers: Sequence[int] = (), *, bounded: bool = False
-    ) -> None:
-        """Post an operation (``post()`` returns Gloo's work) and wait for it, in pg-core's errors."""
-        try:
-            work = post()
-            if bounded:  # point to point: Gloo's wait takes the bound (a collective carries it in its options)
-                work.wait(_seconds(timeout))
-            else:
-                work.wait()
-        except RuntimeError as exc:
-            raise self._error(exc, what, timeout, peers) from exc
+    def _movable(self, t: torch.Tensor) -> torch.Tensor:
+        return _copyable(t)
 
-    # -- collectives: Gloo's own ------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
-        pg = self._check("all_reduce")
-        opts = c10d.AllreduceOptions()
-        opts.reduceOp = _REDUCE[op.type]
-        opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.allreduce([tensor], opts), "all_reduce", timeout)
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1) if t.dtype in _GLOO_DTYPES else _flat_bytes(t)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
-        pg = self._check("broadcast")
-        opts = c10d.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.broadcast([_copyable(tensor)], opts), "broadcast", timeout)
-
+    # -- collectives: where Gloo differs ------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
-        pg = self._check("reduce")
-        opts = c10d.ReduceOptions()
-        opts.reduceOp = _REDUCE[op.type]
-        opts.rootRank = dst
-        opts.rootTensor = 0
-        opts.timeout = _seconds(timeout)
-        if dst != self.rank:
-            tensor = tensor.clone()  # Gloo uses every rank's buffer as scratch; off the root it must not change
-        self._wait(lambda: pg.reduce([tensor], opts), "reduce", timeout)
-
-    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
-        pg = self._check("all_gather")
-        opts = c10d.AllgatherOptions()
-        opts.timeout = _seconds(timeout)
-        outs = [_copyable(t) for t in output_list]
-        self._wait(lambda: pg.allgather([outs], [_copyable(tensor)], opts), "all_gather", timeout)
-
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
-        pg = self._check("all_gather_into_tensor")
-        opts = c10d.AllgatherOptions()
-        opts.timeout = _seconds(timeout)
-        # flat: Gloo wants the output in rows shaped like the input, the core allows (size, *shape) too
-        if input.dtype in _GLOO_DTYPES:
-            out, inp = output.reshape(-1), input.reshape(-1)
-        else:
-            out, inp = _flat_bytes(output), _flat_bytes(input)
-        self._wait(lambda: pg._allgather_base(out, inp, opts), "all_gather_into_tensor", timeout)
-
-    def reduce_scatter(
-        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
-    ) -> None:
-        pg = self._check("reduce_scatter")
-        opts = c10d.ReduceScatterOptions()
-        opts.reduceOp = _REDUCE[op.type]
-        opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.reduce_scatter([output], [input_list], opts), "reduce_scatter", timeout)
-
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
-        pg = self._check("reduce_scatter_tensor")
-        opts = c10d.ReduceScatterOptions()
-        opts.reduceOp = _REDUCE[op.type]
-        opts.timeout = _seconds(timeout)
-        self._wait(
-            lambda: pg._reduce_scatter_base(output.reshape(-1), input.reshape(-1), opts),
-            "reduce_scatter_tensor",
-            timeout,
-        )
+        # Gloo uses every rank's buffer as scratch: off the root, the input must not change
+        super().reduce(tensor if dst == self.rank else tensor.clone(), dst, op, timeout=timeout)
 
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
-        pg = self._check("all_to_all")
-        opts = c10d.AllToAllOptions()
-        opts.timeout = _seconds(timeout)
         outs = [_flat_bytes(t) for t in output_list]
         ins = [_flat_bytes(t) for t in input_list]
-        sizes = {t.numel() for t in outs} | {t.numel() for t in ins}
-        if len(sizes) == 1:  # Gloo's own alltoall takes equal sizes only
-            self._wait(lambda: pg.alltoall(outs, ins, opts), "all_to_all", timeout)
+        if len({t.numel() for t in outs} | {t.numel() for t in ins}) == 1:  # Gloo's alltoall: equal sizes only
+            super().all_to_all(outs, ins, timeout=timeout)
             return
         # pieces of different sizes: one alltoall_base over the bytes, then the pieces copied out
         joined = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8)
         received = torch.empty(sum(t.numel() for t in outs), dtype=torch.uint8)
         out_sizes, in_sizes = [t.numel() for t in outs], [t.numel() for t in ins]
-        self._wait(lambda: pg.alltoall_base(received, joined, out_sizes, in_sizes, opts), "all_to_all", timeout)
+        super().all_to_all_single(received, joined, out_sizes, in_sizes, timeout=timeout)
         for out, piece in zip(outs, received.split(out_sizes), strict=True):
             out.copy_(piece)
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        *,
-        timeout: float,
-    ) -> None:
-        pg = self._check("all_to_all_single")
-        opts = c10d.AllToAllOptions()
-        opts.timeout = _seconds(timeout)
-        out, inp = _copyable(output), _copyable(input)
-        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
-        self._wait(lambda: pg.alltoall_base(out, inp, out_splits, in_splits, opts), "all_to_all_single", timeout)
-
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
-        pg = self._check("gather")
-        opts = c10d.GatherOptions()
-        opts.rootRank = dst
-        opts.timeout = _seconds(timeout)
-        outs = [[_copyable(t) for t in gather_list]] if gather_list is not None else []
-        self._wait(lambda: pg.gather(outs, [_copyable(tensor)], opts), "gather", timeout)
-
-    def scatter(
-        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
-    ) -> None:
-        pg = self._check("scatter")
-        opts = c10d.ScatterOptions()
-        opts.rootRank = src
-        opts.timeout = _seconds(timeout)
-        ins = [[_copyable(t) for t in scatter_list]] if scatter_list is not None else []
-        self._wait(lambda: pg.scatter([_copyable(tensor)], ins, opts), "scatter", timeout)
-
-    def barrier(self, *, timeout: float) -> None:
-        pg = self._check("barrier")
-        opts = c10d.BarrierOptions()
-        opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.barrier(opts), "barrier", timeout)
 
     # -- point to point: header, then payload, on the caller's tag --------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
@@ -361,7 +212,7 @@ class GlooBackend(Backend):
         self._post(payload, _BYTES, dst, tag, timeout=timeout, what="send_bytes")
 
     def _post(self, payload: torch.Tensor, code: int, dst: int, tag: int, *, timeout: float, what: str) -> None:
-        pg = self._check(what, [dst])
+        pg = self._ready(what, [dst])
         header = torch.tensor([payload.numel(), code], dtype=torch.int64)
         deadline = time.monotonic() + timeout
         try:
@@ -403,7 +254,7 @@ class GlooBackend(Backend):
                 peers=[src],
             )
         if nbytes:
-            pg = self.gloo
+            pg = self.c10d
             self._wait(
                 lambda: pg.recv([_flat_bytes(tensor)], src, tag),
                 "recv",
@@ -424,7 +275,7 @@ class GlooBackend(Backend):
             )
         buffer = bytearray(nbytes)
         if nbytes:
-            pg = self.gloo
+            pg = self.c10d
             target = torch.frombuffer(buffer, dtype=torch.uint8)
             self._wait(
                 lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True
@@ -432,7 +283,7 @@ class GlooBackend(Backend):
         return buffer
 
     def _header(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int]:
-        pg = self._check(what, [src])
+        pg = self._ready(what, [src])
         header = torch.empty(2, dtype=torch.int64)
         self._wait(lambda: pg.recv([header], src, tag), what, timeout, [src], bounded=True)
         nbytes, code = header.tolist()
@@ -443,7 +294,7 @@ class GlooBackend(Backend):
         if nbytes:
             scratch = torch.empty(nbytes, dtype=torch.uint8)
             self._wait(
-                lambda: self.gloo.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
+                lambda: self.c10d.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
             )
 
     # -- life ---------------------------------------------------------------------------------
