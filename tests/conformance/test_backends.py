@@ -3,7 +3,9 @@ third party would: ``pg-core conformance NAME --profile ci`` in a fresh process.
 
 Every in-repo backend is required: one whose distribution is not installed, or that
 cannot run here, fails its certification with the reason (the root conftest's
-``requires_backend`` marker), never skips. Its known gaps, if any, are listed in
+``requires_backend`` marker), never skips. The one exception is hardware: pg-nccl needs a
+GPU, so where ``is_available()`` says there is none (or no CUDA/NCCL in torch) its
+certification skips with that reason; it is still installed and listed either way. Its known gaps, if any, are listed in
 ``xfail/<name>.txt`` (strict: a gap that closes fails the run until the line goes).
 """
 
@@ -28,7 +30,24 @@ IN_REPO = {
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.requires_backend(n)) for n in sorted(IN_REPO)])
 def test_certified(name: str) -> None:
-    cmd = [sys.executable, "-m", "pg_core", "conformance", name, "--profile", "ci"]
+    _certify(name, [])
+
+
+def test_nccl_certified_on_the_gpus_of_this_machine() -> None:
+    """World sizes 1 .. the visible GPUs (one rank per GPU); skipped, saying why, without one."""
+    from pg_nccl.plugin import is_available  # installed by make test on every machine
+
+    reason = is_available()
+    if reason is not None:
+        pytest.skip(f"pg-nccl cannot run here: {reason}")
+    import torch
+
+    sizes = ",".join(str(n) for n in range(1, min(torch.cuda.device_count(), 4) + 1))
+    _certify("nccl", ["--world-sizes", sizes, "--device", "cuda"])
+
+
+def _certify(name: str, extra: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pg_core", "conformance", name, "--profile", "ci", *extra]
     xfail = HERE / "xfail" / f"{name}.txt"
     if xfail.exists():
         cmd += ["--xfail", str(xfail)]

@@ -37,6 +37,7 @@ DISTS = {
     "pg-core": ("core", "pg_core"),
     "pg-tcp": ("backends/tcp_reference", "pg_tcp"),
     "pg-gloo": ("backends/gloo", "pg_gloo"),
+    "pg-nccl": ("backends/nccl", "pg_nccl"),
     "pg-storecomm": ("examples/third_party_plugin", "pg_storecomm"),
 }
 
@@ -95,8 +96,8 @@ def venv(built: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFac
     wheels = {dist: str(paths["wheel"]) for dist, paths in built.items()}
     cmd: list[str | Path] = [BIN / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # pg-core with its extras resolves pg-tcp to the wheel beside it: `pip install pg-core[tcp]` works
-    cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,gloo,testing]", wheels["pg-tcp"], wheels["pg-gloo"]]
-    cmd += [wheels["pg-storecomm"]]
+    cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,gloo,nccl,testing]", wheels["pg-tcp"], wheels["pg-gloo"]]
+    cmd += [wheels["pg-nccl"], wheels["pg-storecomm"]]
     _run(cmd, cwd=ROOT, env=_outside_env(), timeout=900)
     return tmp_path_factory.mktemp("user")
 
@@ -201,7 +202,12 @@ def test_pg_core_backends_lists_every_in_repo_backend_as_available(venv: Path) -
         _run([BIN / "pg-core", "backends", "--json"], cwd=venv, env=_outside_env(), timeout=120).stdout
     )
     statuses = {e["name"]: e["status"] for e in entries}
-    assert statuses == {"tcp": "available", "gloo": "available", "storecomm": "available"}, entries
+    nccl = (
+        "available"
+        if _python(venv, "import pg_nccl.plugin as p; print(p.is_available())").strip() == "None"
+        else "unavailable"
+    )
+    assert statuses == {"tcp": "available", "gloo": "available", "nccl": nccl, "storecomm": "available"}, entries
 
 
 ALL_REDUCE = '''

@@ -14,6 +14,7 @@ torch-side calls (DDP's) reach that very object with no Python in between.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Final
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from .backend import Backend
 from .ops import RedOpType, ReduceOp
 
-__all__ = ["REDUCE_OPS", "C10dBackend"]
+__all__ = ["REDUCE_OPS", "C10dBackend", "flat_bytes", "torch_reduce_op"]
 
 #: pg-core's reduce ops as torch's (``PREMUL_SUM`` carries a factor: see :func:`torch_reduce_op`).
 REDUCE_OPS: Final[dict[RedOpType, Any]] = {
@@ -47,12 +48,21 @@ def torch_reduce_op(op: ReduceOp) -> Any:
     return REDUCE_OPS[op.type]
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a 1-D ``uint8`` view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _seconds(timeout: float) -> timedelta:
     return timedelta(seconds=max(timeout, 0.001))
 
 
 class C10dBackend(Backend):
     """A pg-core backend whose operations are a torch C++ backend's (see the module docstring)."""
+
+    #: dtypes the torch backend cannot move: the copying collectives (broadcast, the gathers,
+    #: scatters and all-to-alls) hand it their bytes instead, which is exact
+    as_bytes: frozenset[torch.dtype] = frozenset()
 
     @property
     def c10d(self) -> Any:
@@ -68,12 +78,18 @@ class C10dBackend(Backend):
         return exc
 
     def _movable(self, t: torch.Tensor) -> torch.Tensor:
-        """What a copying collective hands the torch backend for ``t`` (``t`` itself here)."""
-        return t
+        """What a copying collective hands the torch backend for ``t``: ``t`` itself, or for a
+        dtype in :attr:`as_bytes` a view of its bytes with the same dim 0 (split sizes still
+        count rows)."""
+        if t.dtype not in self.as_bytes:
+            return t
+        if t.dim() == 0:
+            t = t.reshape(1)
+        return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as one flat run of elements (a view: the core's tensors are dense)."""
-        return t.reshape(-1)
+        """``t`` as one flat run of elements (of bytes for a dtype in :attr:`as_bytes`)."""
+        return flat_bytes(t) if t.dtype in self.as_bytes else t.reshape(-1)
 
     def _wait(
         self, post: Callable[[], Any], what: str, timeout: float, peers: Sequence[int] = (), *, bounded: bool = False

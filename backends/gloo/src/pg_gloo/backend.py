@@ -26,7 +26,6 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import Any, Final
 
 import torch
 from pg_core.backend import BackendContext, tensor_bytes
-from pg_core.c10d import C10dBackend
+from pg_core.c10d import C10dBackend, flat_bytes
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from pg_core.ops import ReduceOp
@@ -45,21 +44,6 @@ from pg_core.work import Work
 from torch.distributed import ProcessGroupGloo
 
 __all__ = ["GlooBackend"]
-
-#: Dtypes Gloo's copying collectives take as they are; the others travel as bytes.
-_GLOO_DTYPES: Final = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-    }
-)
 
 #: The header's dtype field for a ``send_bytes`` message.
 _BYTES: Final = -1
@@ -74,22 +58,6 @@ _PEER_GONE: Final = (
     "Connection refused",
     "Socket closed",
 )
-
-
-def _copyable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if Gloo moves its dtype, else a view of its bytes with the same dim 0
-    (so dim-0 split sizes still count rows)."""
-    if t.dtype in _GLOO_DTYPES:
-        return t
-    if t.dim() == 0:
-        t = t.reshape(1)
-    rows = t.shape[0]
-    return t.reshape(rows, math.prod(t.shape[1:])).view(torch.uint8)
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's memory as a 1-D ``uint8`` view."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 def _seconds(timeout: float) -> timedelta:
@@ -163,11 +131,8 @@ class GlooBackend(C10dBackend):
             return PeerFailureError(f"{what}: a peer closed its Gloo connection ({text})", peers=peers)
         return exc
 
-    def _movable(self, t: torch.Tensor) -> torch.Tensor:
-        return _copyable(t)
-
-    def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(-1) if t.dtype in _GLOO_DTYPES else _flat_bytes(t)
+    #: what Gloo's copying collectives refuse ("Invalid scalar type"): moved as bytes
+    as_bytes = frozenset({torch.int16, torch.complex64, torch.complex128})
 
     # -- collectives: where Gloo differs ------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
@@ -175,8 +140,8 @@ class GlooBackend(C10dBackend):
         super().reduce(tensor if dst == self.rank else tensor.clone(), dst, op, timeout=timeout)
 
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
-        outs = [_flat_bytes(t) for t in output_list]
-        ins = [_flat_bytes(t) for t in input_list]
+        outs = [flat_bytes(t) for t in output_list]
+        ins = [flat_bytes(t) for t in input_list]
         if len({t.numel() for t in outs} | {t.numel() for t in ins}) == 1:  # Gloo's alltoall: equal sizes only
             super().all_to_all(outs, ins, timeout=timeout)
             return
@@ -193,7 +158,7 @@ class GlooBackend(C10dBackend):
         code = dtype_code(tensor.dtype)
         assert code is not None  # the core passes declared dtypes only
         payload = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)
-        payload.copy_(_flat_bytes(tensor))
+        payload.copy_(flat_bytes(tensor))
         self._post(payload, code, dst, tag, timeout=timeout, what="send")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
@@ -256,7 +221,7 @@ class GlooBackend(C10dBackend):
         if nbytes:
             pg = self.c10d
             self._wait(
-                lambda: pg.recv([_flat_bytes(tensor)], src, tag),
+                lambda: pg.recv([flat_bytes(tensor)], src, tag),
                 "recv",
                 deadline - time.monotonic(),
                 [src],

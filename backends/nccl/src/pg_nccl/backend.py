@@ -1,0 +1,88 @@
+"""``NCCLBackend``: a group's cuda operations on one ``torch.distributed.ProcessGroupNCCL``.
+
+Built from the group's own prefixed store (seen through :class:`pg_core.store.PolledStore`,
+so NCCL's rendezvous never blocks the client other groups share), with the group's rank and
+size; no ``init_process_group``, nothing global. ``ProcessGroupNCCL`` makes one communicator
+per device on first use, and runs every operation on NCCL's own streams.
+
+Every collective is NCCL's (:class:`pg_core.c10d.C10dBackend`), with the call's timeout in
+its options. A blocking call returns as torch's do: once the *current stream* waits for the
+operation (``Work.wait()``), with no host synchronisation; outputs hold their values in
+stream order. Point to point is NCCL's ``send``/``recv``, untagged (the core keeps order per
+peer). NCCL cannot see a message's size: a receive of the wrong size is not detected before
+the watchdog's timeout, as in torch. Timeouts are found by torch's NCCL watchdog, which (with
+torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``) aborts the communicators; the next call
+raises, translated to :class:`~pg_core.errors.CollectiveTimeout` or
+:class:`~pg_core.errors.PeerFailureError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from pg_core.backend import BackendContext
+from pg_core.c10d import C10dBackend
+from pg_core.errors import CollectiveTimeout, PeerFailureError
+from pg_core.store import PolledStore, PrefixStore
+from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds
+
+__all__ = ["NCCLBackend"]
+
+_TIMED_OUT = ("timed out", "Timed out", "timeout", "Timeout")
+_PEER_GONE = ("remote process exited", "ncclRemoteError", "Connection closed", "Connection reset", "aborted")
+
+
+class NCCLBackend(C10dBackend):
+    """One ``ProcessGroupNCCL`` per group formation (communicators per device inside it)."""
+
+    #: NCCL has no 16-bit integer type; complex moves as its bytes (exact)
+    as_bytes = frozenset({torch.int16, torch.complex64, torch.complex128})
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        if ctx.device.type != "cuda":
+            raise ValueError(f"backend 'nccl' serves cuda tensors, not {ctx.device}")
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=ctx.timeout)
+        options.is_high_priority_stream = bool(ctx.options.get("high_priority_stream", False))
+        rendezvous = PolledStore(PrefixStore("nccl", ctx.store), ctx.timeout, f"group {ctx.group_name!r}: NCCL")
+        self._pg: Any = ProcessGroupNCCL(rendezvous, ctx.rank, ctx.size, options)
+
+    @property
+    def c10d(self) -> Any:
+        """The ``ProcessGroupNCCL`` itself (what ``ProcessGroup.to_torch()`` registers)."""
+        if self._pg is None:
+            raise PeerFailureError(f"backend 'nccl' of group {self.ctx.group_name!r} is closed")
+        return self._pg
+
+    def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if any(words in text for words in _TIMED_OUT):
+            return CollectiveTimeout(f"{what}: NCCL timed out after {timeout:g} s ({text})", op=what, peers=peers)
+        if any(words in text for words in _PEER_GONE):
+            return PeerFailureError(f"{what}: NCCL lost a peer ({text}); form a new group", peers=peers)
+        return exc
+
+    # -- point to point: NCCL's, untagged ----------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        pg = self._ready("send", [dst])
+        self._wait(lambda: pg.send([tensor], dst, 0), "send", timeout, [dst])
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        pg = self._ready("recv", [src])
+        self._wait(lambda: pg.recv([tensor], src, 0), "recv", timeout, [src])
+
+    # -- life ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._close("shutdown")
+
+    def abort(self) -> None:
+        self._close("abort")
+
+    def _close(self, how: str) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            getattr(pg, how)()

@@ -1,0 +1,67 @@
+"""pg-nccl on any machine: listed with the reason it cannot run, refused with that reason,
+and its capabilities what NCCL has. Its certification on a GPU is in
+``tests/conformance/test_backends.py`` (it skips, naming the reason, where none is visible).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from pg_core import ProcessGroup
+from pg_core.errors import BackendUnavailableError
+from pg_core.ops import RedOpType
+from pg_core.registry import default_registry
+from pg_core.store import HashStore
+from pg_nccl.plugin import CAPABILITIES, is_available
+
+REASON = is_available()
+
+
+def test_the_backend_is_registered_whatever_the_machine() -> None:
+    (entry,) = [e for e in default_registry().entries() if e.name == "nccl"]
+    assert entry.distribution == "pg-nccl"
+    if REASON is None:
+        assert entry.status == "available"
+    else:
+        assert entry.status == "unavailable" and entry.reason == REASON
+
+
+def test_pg_core_backends_prints_why_it_cannot_run_here() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pg_core", "backends", "--json"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    (entry,) = [e for e in json.loads(out) if e["name"] == "nccl"]
+    assert entry["status"] == ("available" if REASON is None else "unavailable")
+    if REASON is not None:
+        assert REASON in json.dumps(entry)
+
+
+@pytest.mark.skipif(REASON is None, reason="NCCL can run here: the refusal is for machines where it cannot")
+def test_a_group_on_nccl_is_refused_with_the_reason_before_anything_starts() -> None:
+    with pytest.raises(BackendUnavailableError) as err:
+        ProcessGroup(HashStore(), 0, 1, backends={"cpu": "gloo", "cuda": "nccl"})
+    assert REASON is not None and REASON in str(err.value)
+
+
+def test_the_reason_names_exactly_what_is_missing() -> None:
+    if torch.version.cuda is None:
+        assert REASON is not None and "without CUDA" in REASON and torch.__version__ in REASON
+    elif not torch.distributed.is_nccl_available():
+        assert REASON is not None and "without NCCL" in REASON
+    elif torch.cuda.device_count() == 0:
+        assert REASON is not None and "no GPU is visible" in REASON
+    else:
+        assert REASON is None
+
+
+def test_the_declared_capabilities_are_what_nccl_has() -> None:
+    assert CAPABILITIES.max_tag is None  # NCCL's point to point is untagged
+    for dtype in CAPABILITIES.dtypes:
+        ops = CAPABILITIES.reduce_ops_for(dtype)
+        assert not ops & {RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}, dtype  # NCCL has no bitwise reductions
+    assert CAPABILITIES.reduce_ops_for(torch.int16) == frozenset()
+    assert RedOpType.PREMUL_SUM in CAPABILITIES.reduce_ops_for(torch.bfloat16)
