@@ -23,6 +23,7 @@ import torch
 from . import messages
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends
 from .executor import Executor
+from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, check_name, form
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
@@ -153,6 +154,7 @@ class ProcessGroup:
             executor=self._executor,
         )
         self._subgroups = Subgroups(f)
+        self._torch_group: torch.distributed.ProcessGroup | None = None  # to_torch(), made on first call
 
     # -- properties -------------------------------------------------------------
     @property
@@ -792,6 +794,19 @@ class ProcessGroup:
         return self._timeout if timeout is None else seconds(timeout, self._timeout)
 
     # -- subgroups ------------------------------------------------------------------------------
+    def to_torch(self) -> torch.distributed.ProcessGroup:
+        """This group as a ``torch.distributed.ProcessGroup``, for ``DistributedDataParallel(model,
+        process_group=group.to_torch())`` and the ``torch.distributed`` calls that take ``group=``
+        (with ``group_src=``/``group_dst=``); nothing global is initialised. Torch C++ backends
+        (Gloo, NCCL) are registered on it as they are; other backends go through this group.
+        Collective the first time (it creates the group's backends on every rank); the same
+        object afterwards. See :mod:`pg_core.interop` for what needs torch's global registry."""
+        torch_group = self._torch_group
+        if torch_group is None:
+            self._executor.check_open()
+            torch_group = self._torch_group = to_torch(self)
+        return torch_group
+
     def new_group(
         self,
         ranks: Sequence[int],

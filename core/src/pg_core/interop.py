@@ -1,0 +1,302 @@
+"""``ProcessGroup.to_torch()``: one of our groups as a ``torch.distributed.ProcessGroup``, for
+``DistributedDataParallel(model, process_group=...)`` and the ``torch.distributed`` calls that
+take ``group=``, with no ``init_process_group`` (``torch.distributed.is_initialized()`` stays
+False) and nothing registered in torch's global tables.
+
+Two shapes, chosen per group:
+
+* **Native.** Where every backend of the group wraps a torch C++ backend
+  (:class:`pg_core.c10d.C10dBackend`: pg-gloo, pg-nccl), torch's ``ProcessGroup`` gets those
+  very objects registered per device type (``_register_backend``). Torch-side calls (DDP's
+  bucketed all-reduces) then go straight to Gloo or NCCL with no Python in between, and share
+  the group's connections and communicators.
+* **Adapter.** Otherwise, a ``ProcessGroup`` subclass whose methods call the group's own
+  (``async_op=True``), so they keep the group's order, sequence numbers, validation and
+  failure handling; a tensor on a device whose backend is native goes to that backend's torch
+  object directly.
+
+What needs torch's global registry does not work with either (and cannot, without the global
+state this library exists to avoid): ``torch.distributed.get_rank(group)`` (it reads the
+default group; use ``group.rank`` or ``torch_group.rank()``), the ``src=``/``dst=`` forms that
+take *global* ranks (use ``group_src=``/``group_dst=``, torch >= 2.6), functional collectives
+(``torch.distributed._functional_collectives``, which resolve groups by registered name), and
+FSDP2 / DeviceMesh (built on both).
+"""
+
+from __future__ import annotations
+
+import weakref
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+
+from .c10d import C10dBackend
+from .ops import ReduceOp, as_reduce_op
+from .work import Work
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+__all__ = ["to_torch"]
+
+#: torch's backend types for the torch C++ backends pg-core's plugins wrap
+_TYPES = {"gloo": "GLOO", "nccl": "NCCL", "mpi": "MPI", "ucc": "UCC", "xccl": "XCCL"}
+
+
+def to_torch(group: ProcessGroup) -> dist.ProcessGroup:
+    """``group`` as a torch ``ProcessGroup`` (see the module docstring). Collective for a group
+    with native backends: their instances are created now, on every rank."""
+    natives = {}
+    for device_type in group.backends:
+        backend = group._dispatch.instance(group._dispatch.device(device_type), "to_torch").backend
+        if isinstance(backend, C10dBackend):
+            natives[device_type] = backend
+    if len(natives) == len(group.backends):
+        pg = dist.ProcessGroup(group.rank, group.size)  # type: ignore[call-arg]
+        for device_type, backend in natives.items():
+            kind = getattr(dist.ProcessGroup.BackendType, _TYPES.get(backend.ctx.backend_name, "CUSTOM"))
+            pg._register_backend(torch.device(device_type), kind, backend.c10d)
+        first = natives.get("cpu") or next(iter(natives.values()))
+        pg._set_default_backend(getattr(dist.ProcessGroup.BackendType, _TYPES.get(first.ctx.backend_name, "CUSTOM")))
+    else:
+        pg = _Adapter(group, {d: b.c10d for d, b in natives.items()})
+    pg._set_group_name(f"pg_core:{group.uid}")  # type: ignore[arg-type]
+    return pg
+
+
+def _timeout(opts: Any) -> float | None:
+    """The call's timeout from torch's options, if it set one."""
+    value = getattr(opts, "timeout", None)
+    if isinstance(value, timedelta) and value.total_seconds() > 0:
+        return value.total_seconds()
+    return None
+
+
+def _reduce_op(opts: Any) -> ReduceOp:
+    """Torch's reduce op as ours (its factor of ``PREMUL_SUM`` is not readable from Python)."""
+    kind = getattr(opts.reduceOp, "op", opts.reduceOp)  # torch's ReduceOp wraps its RedOpType
+    if getattr(kind, "name", None) == "PREMUL_SUM":
+        raise NotImplementedError("PREMUL_SUM through to_torch(): call group.all_reduce(t, ReduceOp.premul_sum(f))")
+    return as_reduce_op(opts.reduceOp)
+
+
+class _TorchWork(c10d.Work):
+    """Our :class:`~pg_core.work.Work` as torch's: ``wait`` re-raises its error, and
+    ``get_future`` completes with ``value`` when it does (as torch's do for DDP's hooks)."""
+
+    def __init__(self, work: Work | None, value: Any) -> None:
+        super().__init__()
+        self._work = work
+        self._future: torch.futures.Future[Any] = torch.futures.Future()
+        future = self._future
+
+        def done(w: Work) -> None:
+            exc = w.exception(0)
+            if exc is None:
+                future.set_result(value)
+            else:
+                future.set_exception(exc)
+
+        if work is None:
+            future.set_result(value)
+        else:
+            work.add_done_callback(done)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._work is not None:
+            seconds = (
+                timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
+            )
+            self._work.wait(seconds)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and (self._work is None or self._work.exception(0) is None)
+
+    def exception(self) -> Any:
+        return None if self._work is None else self._work.exception(0)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        value = self._future.value()
+        return value if isinstance(value, list) else []
+
+
+class _Adapter(dist.ProcessGroup):
+    """A torch ``ProcessGroup`` whose operations are the pg-core group's (see the module
+    docstring). Holds the group weakly: it never keeps a dropped group alive."""
+
+    def __init__(self, group: ProcessGroup, natives: dict[str, Any]) -> None:
+        super().__init__(group.rank, group.size)  # type: ignore[call-arg]
+        self._group_ref = weakref.ref(group)
+        self._natives = natives
+        self._name = f"pg_core:{group.uid}"
+
+    @property
+    def _g(self) -> ProcessGroup:
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError(f"the pg-core group behind torch group {self._name!r} is gone")
+        return group
+
+    def _native(self, tensors: list[torch.Tensor]) -> Any:
+        return self._natives.get(tensors[0].device.type) if tensors else None
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "pg_core"
+
+    def size(self) -> int:
+        return self._g.size
+
+    def rank(self) -> int:
+        return self._g.rank
+
+    # -- collectives ----------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
+        opts = opts or c10d.AllreduceOptions()
+        native = self._native(tensors)
+        if native is not None:
+            return native.allreduce(tensors, opts)
+        op = _reduce_op(opts)
+        works = [self._g.all_reduce(t, op, async_op=True, timeout=_timeout(opts)) for t in tensors]
+        return _TorchWork(works[-1] if works else None, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
+        opts = opts or c10d.BroadcastOptions()
+        native = self._native(tensors)
+        if native is not None:
+            return native.broadcast(tensors, opts)
+        works = [self._g.broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in tensors]
+        return _TorchWork(works[-1] if works else None, tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
+        opts = opts or c10d.ReduceOptions()
+        native = self._native(tensors)
+        if native is not None:
+            return native.reduce(tensors, opts)
+        op = _reduce_op(opts)
+        work = self._g.reduce(tensors[0], opts.rootRank, op, async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, tensors)
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.AllgatherOptions()
+        native = self._native(input_tensors)
+        if native is not None:
+            return native.allgather(output_tensors, input_tensors, opts)
+        work = self._g.all_gather(output_tensors[0], input_tensors[0], async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, output_tensors)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> c10d.Work:
+        opts = opts or c10d.AllgatherOptions()
+        native = self._native([input])
+        if native is not None:
+            return native._allgather_base(output, input, opts)
+        work = self._g.all_gather_into_tensor(output, input, async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, [output])
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.ReduceScatterOptions()
+        native = self._native(output_tensors)
+        if native is not None:
+            return native.reduce_scatter(output_tensors, input_tensors, opts)
+        work = self._g.reduce_scatter(
+            output_tensors[0], input_tensors[0], _reduce_op(opts), async_op=True, timeout=_timeout(opts)
+        )
+        return _TorchWork(work, output_tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> c10d.Work:
+        opts = opts or c10d.ReduceScatterOptions()
+        native = self._native([input])
+        if native is not None:
+            return native._reduce_scatter_base(output, input, opts)
+        work = self._g.reduce_scatter_tensor(output, input, _reduce_op(opts), async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, [output])
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> c10d.Work:
+        opts = opts or c10d.AllToAllOptions()
+        native = self._native([input])
+        if native is not None:
+            return native.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+        work = self._g.all_to_all_single(
+            output,
+            input,
+            list(output_split_sizes) or None,
+            list(input_split_sizes) or None,
+            async_op=True,
+            timeout=_timeout(opts),
+        )
+        return _TorchWork(work, [output])
+
+    def alltoall(
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.AllToAllOptions()
+        native = self._native(input_tensors)
+        if native is not None:
+            return native.alltoall(output_tensors, input_tensors, opts)
+        work = self._g.all_to_all(output_tensors, input_tensors, async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, output_tensors)
+
+    def gather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.GatherOptions()
+        native = self._native(input_tensors)
+        if native is not None:
+            return native.gather(output_tensors, input_tensors, opts)
+        outs = output_tensors[0] if output_tensors else None
+        work = self._g.gather(input_tensors[0], outs, opts.rootRank, async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, output_tensors)
+
+    def scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.ScatterOptions()
+        native = self._native(output_tensors)
+        if native is not None:
+            return native.scatter(output_tensors, input_tensors, opts)
+        ins = input_tensors[0] if input_tensors else None
+        work = self._g.scatter(output_tensors[0], ins, opts.rootRank, async_op=True, timeout=_timeout(opts))
+        return _TorchWork(work, output_tensors)
+
+    def barrier(self, opts: Any = None) -> c10d.Work:
+        opts = opts or c10d.BarrierOptions()
+        return _TorchWork(self._g.barrier(async_op=True, timeout=_timeout(opts)), [])
+
+    # torch 2.13 renamed three of them; both names are kept for torch >= 2.6
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_to_all_single = alltoall_base
+
+    # -- point to point -----------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> c10d.Work:
+        native = self._native(tensors)
+        if native is not None:
+            return native.send(tensors, dst, tag)
+        return _TorchWork(self._g.isend(tensors[0], dst, tag), tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> c10d.Work:
+        native = self._native(tensors)
+        if native is not None:
+            return native.recv(tensors, src, tag)
+        return _TorchWork(self._g.irecv(tensors[0], src, tag), tensors)
