@@ -285,8 +285,8 @@ class _Adapter(dist.ProcessGroup):
 
     # torch 2.13 renamed three of them; both names are kept for torch >= 2.6
     all_gather_single = _allgather_base
-    reduce_scatter_single = _reduce_scatter_base
-    all_to_all_single = alltoall_base
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     # -- point to point -----------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> c10d.Work:
