@@ -122,3 +122,21 @@ def test_cpu_on_a_real_backend_and_meta_on_another(rank_pools: Pools, cpu_backen
             assert calls[2] == ("recv", (4, 2), 0)
         assert calls[-1] == ("all_reduce", (1,), "SUM")
         assert len(calls) == (4 if rank in (0, 1) else 3)
+
+
+def test_the_readme_capability_table_is_the_generated_one() -> None:
+    """README's table is `pg-core backends --capabilities tcp gloo nccl`, not written by hand."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    shown = readme.split("<!-- capabilities:begin -->\n", 1)[1].split("\n<!-- capabilities:end -->", 1)[0]
+    generated = subprocess.run(
+        [sys.executable, "-m", "pg_core", "backends", "--capabilities", "tcp", "gloo", "nccl"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout.strip()
+    assert shown == generated, f"README's table is stale; paste this in:\n{generated}"

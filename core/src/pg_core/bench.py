@@ -651,12 +651,13 @@ class _Config:
     time_budget: float
     timeout: float
     pin_ranks: bool = False
+    to_torch: bool = False
     port: int = 0
     results: str = ""
     parent_pid: int = 0
 
     def runners(self) -> int:
-        return len(self.backends) + int(self.baseline)
+        return len(self.backends) * (2 if self.to_torch else 1) + int(self.baseline)
 
 
 # -- the ranks -------------------------------------------------------------------------------------
@@ -795,9 +796,8 @@ class _TorchGlooRunner:
     def __init__(self, store: Any, rank: int, size: int, timeout: float, *, objects: bool = False) -> None:
         import torch.distributed as dist
 
-        self._dist = dist
-        self.pg: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("bench-torch-gloo", store), rank, size, timedelta(seconds=timeout)
+        self._options(
+            dist.ProcessGroupGloo(dist.PrefixStore("bench-torch-gloo", store), rank, size, timedelta(seconds=timeout))
         )
         self._default_group = objects and not dist.is_initialized()
         if self._default_group:
@@ -808,6 +808,13 @@ class _TorchGlooRunner:
                 world_size=size,
                 timeout=timedelta(seconds=timeout),
             )
+
+    def _options(self, pg: Any) -> None:
+        """Use ``pg`` (torch's API), with the options each call passes made once."""
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.pg: Any = pg
         sum_op: Any = dist.ReduceOp.SUM  # torch's stubs type it as RedOpType; the options want a ReduceOp
         self._bcast = dist.BroadcastOptions()
         self._bcast.rootRank = _ROOT
@@ -891,6 +898,26 @@ class _TorchGlooRunner:
         self.pg = None
         if self._default_group:
             self._dist.destroy_process_group()
+
+
+class _ToTorchRunner(_TorchGlooRunner):
+    """A pg-core group's ``to_torch()``, through torch's ``ProcessGroup`` API: the calls the
+    torch-gloo baseline makes, so the two rows compare the group's torch face with raw Gloo."""
+
+    is_baseline = False
+
+    def __init__(self, of: _PgCoreRunner) -> None:
+        self._options(of.group.to_torch())
+        self.label = f"{of.label}.to_torch"
+        self._default_group = False
+
+    def why_not(self, op: str, dtype: torch.dtype) -> str | None:
+        if op in OBJECT_OPS or op == "send_tensor":
+            return f"{op} is a pg-core group method, not a torch ProcessGroup one"
+        return None
+
+    def close(self) -> None:
+        self.pg = None  # the group's own runner shuts the group down
 
 
 @dataclasses.dataclass
@@ -1028,7 +1055,10 @@ class _Rank:
             objects = any(op in OBJECT_OPS for op in cfg.ops)
             self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
         for spec, label in zip(cfg.backends, cfg.labels, strict=True):
-            self.runners.append(_PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout))
+            runner = _PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout)
+            self.runners.append(runner)
+            if cfg.to_torch:
+                self.runners.append(_ToTorchRunner(runner))
         self.results: TextIO | None = open(cfg.results, "a", buffering=1) if rank == 0 else None  # noqa: SIM115
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -1391,6 +1421,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin rank r to the r-th CPU this process may run on (modulo their number), as MPI's --bind-to core "
         "does: steadier times, where the scheduler's placement of the ranks would otherwise decide them (Linux)",
     )
+    parser.add_argument(
+        "--to-torch",
+        action="store_true",
+        help="also time each pg-core backend through its group's to_torch(), with torch's ProcessGroup API "
+        "(rows labelled BACKEND.to_torch): pg-gloo's is Gloo itself, registered natively",
+    )
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
@@ -1477,6 +1513,7 @@ def _config(args: argparse.Namespace) -> _Config:
         time_budget=args.time_budget,
         timeout=args.timeout,
         pin_ranks=args.pin_ranks,
+        to_torch=args.to_torch,
     )
 
 

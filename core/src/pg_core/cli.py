@@ -62,12 +62,29 @@ def _add_backends(subparsers: _Subparsers) -> None:
         ),
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list of objects instead of a table")
+    parser.add_argument(
+        "--capabilities",
+        action="store_true",
+        help="print what each backend declares, per device: ops, tags, and per dtype its reduce ops (a Markdown "
+        "table, generated from the declared Capabilities: the README's comes from here)",
+    )
+    parser.add_argument("names", nargs="*", help="with --capabilities: only these backends, in this order")
     parser.set_defaults(handler=_backends)
 
 
 def _backends(args: argparse.Namespace) -> int:
     out = sys.stdout
     entries = default_registry().entries()
+    if args.capabilities:
+        if args.names:
+            by_name = {e.name: e for e in entries}
+            missing = [n for n in args.names if n not in by_name]
+            if missing:
+                sys.stderr.write(f"pg-core backends: no backend named {', '.join(missing)}\n")
+                return 2
+            entries = [by_name[n] for n in args.names]
+        out.write(capabilities_table(entries) + "\n")
+        return 0
     if args.json:
         json.dump([entry.as_dict() for entry in entries], out, indent=2)
         out.write("\n")
@@ -85,6 +102,47 @@ def _backends(args: argparse.Namespace) -> int:
         hint = "" if any(entry.distribution == "pg-tcp" for entry in entries) else _PIP_TCP
         out.write(f"\nNo backend is available here.{hint}\n")
     return 0
+
+
+_SHORT = {"PRODUCT": "PROD", "PREMUL_SUM": "PREMUL"}
+
+
+def capabilities_table(entries: Sequence[PluginEntry]) -> str:
+    """What every backend with a spec declares, one column per (backend, device), as Markdown:
+    the ops it lacks, its tag range, and per dtype the reduce ops (``copies`` where the dtype
+    moves but does not reduce, ``-`` where it is not declared)."""
+    from .backend import DTYPES
+    from .dtypes import dtype_name
+    from .ops import OPS, RedOpType
+
+    columns = [(e, d) for e in entries if e.spec is not None for d in e.spec.devices]
+    if not columns:
+        return _NOTHING_INSTALLED
+    header = ["", *(f"{e.name} ({d})" for e, d in columns)]
+    rows = [header, ["---"] * len(header)]
+    caps = [e.spec.capabilities_for(d) for e, d in columns if e.spec is not None]
+    rows.append(
+        ["ops", *(("all" if c.ops == set(OPS) else "no " + ", ".join(o for o in OPS if o not in c.ops)) for c in caps)]
+    )
+    rows.append(["tags", *(_tags(c.max_tag) for c in caps)])
+    for dtype in DTYPES:
+        cells = []
+        for c in caps:
+            if dtype not in c.dtypes:
+                cells.append("-")
+                continue
+            ops = [t for t in RedOpType if t in c.reduce_ops_for(dtype)]
+            cells.append(" ".join(_SHORT.get(t.name, t.name) for t in ops) or "copies")
+        rows.append([dtype_name(dtype), *cells])
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def _tags(max_tag: int | None) -> str:
+    if max_tag is None:
+        return "none (order per peer)"
+    if (max_tag + 1) & max_tag == 0:  # 2**k - 1
+        return f"0 .. 2**{(max_tag + 1).bit_length() - 1} - 1"
+    return f"0 .. {max_tag}"
 
 
 def _table(entries: Sequence[PluginEntry]) -> str:
