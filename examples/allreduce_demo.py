@@ -11,11 +11,10 @@ Nothing here touches torch.distributed's default group.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 
 import torch
+from launch import run_ranks
 from pg_core import ProcessGroup, ReduceOp, TCPStore
 
 
@@ -61,34 +60,7 @@ def main() -> int:
         rank_main(args.rank, args.world_size, args.port)
         return 0
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: a free port
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--world-size",
-                str(args.world_size),
-                "--rank",
-                str(r),
-                "--port",
-                str(store.port),
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for r in range(args.world_size)
-    ]
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=120))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            print("demo: a rank did not finish within 120 s", file=sys.stderr)
-            return 1
-    if any(codes):
-        print(f"demo: rank exit codes {codes}", file=sys.stderr)
+    if not run_ranks(__file__, args.world_size, ["--world-size", str(args.world_size)], name="demo"):
         return 1
     print(f"demo: {args.world_size} ranks finished OK")
     return 0

@@ -14,12 +14,11 @@ checks that its parameters equal single-process training on the whole batch, and
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 
 import torch
 import torch.distributed as dist
+from launch import run_ranks
 from pg_core import ProcessGroup, TCPStore
 
 STEPS, BATCH, LR = 20, 24, 0.05
@@ -76,29 +75,8 @@ def main() -> int:
     if args.rank is not None:
         rank_main(args.rank, args.world_size, args.port, args.backend)
         return 0
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: a free port
-
-    def rank_args(r: int) -> list[str]:
-        return ["--rank", str(r), "--port", str(store.port)]
-
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--world-size", str(args.world_size), "--backend", args.backend, *rank_args(r)],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for r in range(args.world_size)
-    ]
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=120))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            print("ddp_train: a rank did not finish within 120 s", file=sys.stderr)
-            return 1
-    if any(codes):
-        print(f"ddp_train: rank exit codes {codes}", file=sys.stderr)
+    rank_args = ["--world-size", str(args.world_size), "--backend", args.backend]
+    if not run_ranks(__file__, args.world_size, rank_args, name="ddp_train"):
         return 1
     print(f"ddp_train: {args.world_size} ranks trained with DDP over pg-core backend {args.backend!r}")
     return 0
