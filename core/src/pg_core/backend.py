@@ -94,6 +94,15 @@ stalling every other user of that client. Wait for keys with
 ``ctx.group_uid`` is unique to the formation across jobs and hosts: name host-wide
 resources (shared memory, sockets' paths) with it.
 
+**Launching collectives (API 1.2).** A backend whose library runs collectives on its own
+threads or streams (a torch C++ backend: Gloo, NCCL) sets the class attribute
+``launches = True``. Its collectives then also take ``async_op``: with ``False`` they behave
+as above; with ``True`` they only *launch* the operation and return a
+:class:`~pg_core.work.Work` that completes with it (failing with pg-core's errors). The core
+launches in the caller's thread, in the group's call order (no progress thread: a CUDA
+backend sees the caller's current stream), hands the work to the user, and copies staged
+outputs back and latches a failure when it completes.
+
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.
@@ -148,7 +157,7 @@ __all__ = [
 
 #: The version of this contract, ``"MAJOR.MINOR"``. A plugin declaring another
 #: major version is refused with :class:`~pg_core.errors.PluginVersionError`.
-API_VERSION: Final[str] = "1.1"
+API_VERSION: Final[str] = "1.2"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -383,6 +392,8 @@ class Backend:
     ctx: BackendContext
     rank: int
     size: int
+    #: collectives take ``async_op`` and, with ``True``, launch and return a Work (API 1.2; see the module docstring)
+    launches: bool = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -461,31 +472,44 @@ class Backend:
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
 
     # -- collectives: defaults from pg_core.algorithms --------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+    # (they return None: done; a backend with ``launches = True`` returns a Work for async_op=True)
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> Work | None:
         algorithms.all_reduce(_channel(self, timeout), tensor, op)
+        return None
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> Work | None:
         algorithms.broadcast(_channel(self, timeout), tensor, src)
+        return None
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> Work | None:
         algorithms.reduce(_channel(self, timeout), tensor, dst, op)
+        return None
 
-    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> Work | None:
         algorithms.all_gather(_channel(self, timeout), output_list, tensor)
+        return None
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> Work | None:
         algorithms.all_gather_into_tensor(_channel(self, timeout), output, input)
+        return None
 
     def reduce_scatter(
         self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
-    ) -> None:
+    ) -> Work | None:
         algorithms.reduce_scatter(_channel(self, timeout), output, input_list, op)
+        return None
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float
+    ) -> Work | None:
         algorithms.reduce_scatter_tensor(_channel(self, timeout), output, input, op)
+        return None
 
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+    def all_to_all(
+        self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float
+    ) -> Work | None:
         algorithms.all_to_all(_channel(self, timeout), output_list, input_list)
+        return None
 
     def all_to_all_single(
         self,
@@ -495,22 +519,28 @@ class Backend:
         input_split_sizes: list[int],
         *,
         timeout: float,
-    ) -> None:
+    ) -> Work | None:
         """``*_split_sizes`` are always explicit lists of dim-0 sizes (the core fills them in)."""
         algorithms.all_to_all_single(_channel(self, timeout), output, input, output_split_sizes, input_split_sizes)
+        return None
 
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
+    def gather(
+        self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float
+    ) -> Work | None:
         """``gather_list`` is a list on ``dst`` and ``None`` elsewhere."""
         algorithms.gather(_channel(self, timeout), tensor, gather_list, dst)
+        return None
 
     def scatter(
         self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
-    ) -> None:
+    ) -> Work | None:
         """``scatter_list`` is a list on ``src`` and ``None`` elsewhere."""
         algorithms.scatter(_channel(self, timeout), tensor, scatter_list, src)
+        return None
 
-    def barrier(self, *, timeout: float) -> None:
+    def barrier(self, *, timeout: float) -> Work | None:
         algorithms.barrier(_channel(self, timeout))
+        return None
 
     # -- life --------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -15,6 +15,7 @@ torch-side calls (DDP's) reach that very object with no Python in between.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Final
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from .backend import Backend
 from .ops import RedOpType, ReduceOp
+from .work import Work
 
 __all__ = ["REDUCE_OPS", "C10dBackend", "flat_bytes", "torch_reduce_op"]
 
@@ -60,6 +62,11 @@ def _seconds(timeout: float) -> timedelta:
 class C10dBackend(Backend):
     """A pg-core backend whose operations are a torch C++ backend's (see the module docstring)."""
 
+    #: collectives launch with ``async_op=True`` (API 1.2): torch's work becomes the user's
+    launches = True
+    #: torch's work completes on the host (Gloo); ``False`` for stream-ordered backends (NCCL)
+    host_completion = True
+
     #: dtypes the torch backend cannot move: the copying collectives (broadcast, the gathers,
     #: scatters and all-to-alls) hand it their bytes instead, which is exact
     as_bytes: frozenset[torch.dtype] = frozenset()
@@ -92,85 +99,150 @@ class C10dBackend(Backend):
         return flat_bytes(t) if t.dtype in self.as_bytes else t.reshape(-1)
 
     def _wait(
-        self, post: Callable[[], Any], what: str, timeout: float, peers: Sequence[int] = (), *, bounded: bool = False
-    ) -> None:
-        """Post an operation (``post()`` returns the torch backend's work) and wait for it, in pg-core's errors."""
+        self,
+        post: Callable[[], Any],
+        what: str,
+        timeout: float,
+        peers: Sequence[int] = (),
+        *,
+        bounded: bool = False,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Post an operation (``post()`` returns the torch backend's work) and wait for it, in
+        pg-core's errors; with ``async_op``, return a :class:`~pg_core.work.Work` for it instead
+        (no thread: whoever waits on it, or polls it, drives torch's work)."""
         try:
             work = post()
+            if async_op:
+                return self._launched(work, what, timeout, peers)
             if bounded:  # point to point: the work's wait takes the bound (a collective carries it in its options)
                 work.wait(_seconds(timeout))
             else:
                 work.wait()
         except RuntimeError as exc:
             raise self._error(exc, what, timeout, peers) from exc
+        return None
+
+    def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
+        """Torch's work as ours, with no thread of our own. Where the operation completes on the
+        host (:attr:`host_completion`: Gloo's worker threads), torch's future tells an event, and
+        ``wait(timeout)`` waits for that event at most ``timeout``; otherwise (a CUDA backend)
+        ``wait()`` is torch's ``Work.wait()``: the caller's current stream waits, the host does not."""
+        done: threading.Event | None = None
+        if self.host_completion:
+            try:
+                future = torch_work.get_future()
+            except RuntimeError:  # a work without a future: is_completed(), and wait() in full (see pg-gloo)
+                future = None
+            if future is not None:
+                done = threading.Event()
+                future.add_done_callback(lambda _future: done.set())
+
+        def drive(work: Work, budget: float) -> None:
+            if done is not None:
+                if not done.wait(max(budget, 0.0)):
+                    return
+            elif budget <= 0 and not torch_work.is_completed():
+                return
+            try:
+                torch_work.wait()
+            except RuntimeError as exc:
+                work.set_exception(self._error(exc, what, timeout, peers))
+            else:
+                work.set_result(None)
+
+        return Work(what, driver=drive)
 
     # -- collectives: the torch backend's own ------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
         pg = self._ready("all_reduce")
         opts = c10d.AllreduceOptions()
         opts.reduceOp = torch_reduce_op(op)
         opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.allreduce([tensor], opts), "all_reduce", timeout)
+        return self._wait(lambda: pg.allreduce([tensor], opts), "all_reduce", timeout, async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
         pg = self._ready("broadcast")
         opts = c10d.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.broadcast([self._movable(tensor)], opts), "broadcast", timeout)
+        return self._wait(lambda: pg.broadcast([self._movable(tensor)], opts), "broadcast", timeout, async_op=async_op)
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         pg = self._ready("reduce")
         opts = c10d.ReduceOptions()
         opts.reduceOp = torch_reduce_op(op)
         opts.rootRank = dst
         opts.rootTensor = 0
         opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.reduce([tensor], opts), "reduce", timeout)
+        return self._wait(lambda: pg.reduce([tensor], opts), "reduce", timeout, async_op=async_op)
 
-    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
+    def all_gather(
+        self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         pg = self._ready("all_gather")
         opts = c10d.AllgatherOptions()
         opts.timeout = _seconds(timeout)
         outs = [self._movable(t) for t in output_list]
-        self._wait(lambda: pg.allgather([outs], [self._movable(tensor)], opts), "all_gather", timeout)
+        return self._wait(
+            lambda: pg.allgather([outs], [self._movable(tensor)], opts), "all_gather", timeout, async_op=async_op
+        )
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         pg = self._ready("all_gather_into_tensor")
         opts = c10d.AllgatherOptions()
         opts.timeout = _seconds(timeout)
         # flat: torch's backends want the output in rows shaped like the input, the core allows (size, *shape) too
         out, inp = self._flat(output), self._flat(input)
-        self._wait(lambda: pg._allgather_base(out, inp, opts), "all_gather_into_tensor", timeout)
+        return self._wait(
+            lambda: pg._allgather_base(out, inp, opts), "all_gather_into_tensor", timeout, async_op=async_op
+        )
 
     def reduce_scatter(
-        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
-    ) -> None:
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
         pg = self._ready("reduce_scatter")
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = torch_reduce_op(op)
         opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.reduce_scatter([output], [input_list], opts), "reduce_scatter", timeout)
+        return self._wait(
+            lambda: pg.reduce_scatter([output], [input_list], opts), "reduce_scatter", timeout, async_op=async_op
+        )
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         pg = self._ready("reduce_scatter_tensor")
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = torch_reduce_op(op)
         opts.timeout = _seconds(timeout)
-        self._wait(
+        return self._wait(
             lambda: pg._reduce_scatter_base(output.reshape(-1), input.reshape(-1), opts),
             "reduce_scatter_tensor",
             timeout,
+            async_op=async_op,
         )
 
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+    def all_to_all(
+        self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         pg = self._ready("all_to_all")
         opts = c10d.AllToAllOptions()
         opts.timeout = _seconds(timeout)
         outs = [self._flat(t) for t in output_list]
         ins = [self._flat(t) for t in input_list]
-        self._wait(lambda: pg.alltoall(outs, ins, opts), "all_to_all", timeout)
+        return self._wait(lambda: pg.alltoall(outs, ins, opts), "all_to_all", timeout, async_op=async_op)
 
     def all_to_all_single(
         self,
@@ -180,34 +252,54 @@ class C10dBackend(Backend):
         input_split_sizes: list[int],
         *,
         timeout: float,
-    ) -> None:
+        async_op: bool = False,
+    ) -> Work | None:
         pg = self._ready("all_to_all_single")
         opts = c10d.AllToAllOptions()
         opts.timeout = _seconds(timeout)
         out, inp = self._movable(output), self._movable(input)
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
-        self._wait(lambda: pg.alltoall_base(out, inp, out_splits, in_splits, opts), "all_to_all_single", timeout)
+        return self._wait(
+            lambda: pg.alltoall_base(out, inp, out_splits, in_splits, opts),
+            "all_to_all_single",
+            timeout,
+            async_op=async_op,
+        )
 
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list[torch.Tensor] | None,
+        dst: int,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
         pg = self._ready("gather")
         opts = c10d.GatherOptions()
         opts.rootRank = dst
         opts.timeout = _seconds(timeout)
         outs = [[self._movable(t) for t in gather_list]] if gather_list is not None else []
-        self._wait(lambda: pg.gather(outs, [self._movable(tensor)], opts), "gather", timeout)
+        return self._wait(lambda: pg.gather(outs, [self._movable(tensor)], opts), "gather", timeout, async_op=async_op)
 
     def scatter(
-        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
-    ) -> None:
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list[torch.Tensor] | None,
+        src: int,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
         pg = self._ready("scatter")
         opts = c10d.ScatterOptions()
         opts.rootRank = src
         opts.timeout = _seconds(timeout)
         ins = [[self._movable(t) for t in scatter_list]] if scatter_list is not None else []
-        self._wait(lambda: pg.scatter([self._movable(tensor)], ins, opts), "scatter", timeout)
+        return self._wait(lambda: pg.scatter([self._movable(tensor)], ins, opts), "scatter", timeout, async_op=async_op)
 
-    def barrier(self, *, timeout: float) -> None:
+    def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
         pg = self._ready("barrier")
         opts = c10d.BarrierOptions()
         opts.timeout = _seconds(timeout)
-        self._wait(lambda: pg.barrier(opts), "barrier", timeout)
+        return self._wait(lambda: pg.barrier(opts), "barrier", timeout, async_op=async_op)

@@ -169,6 +169,14 @@ class Dispatcher:
         inst = self._instances.get(device_type)
         return inst.device if inst is not None else torch.device(device_type)
 
+    def launches(self, device: torch.device) -> bool:
+        """Whether ``device``'s backend exists and launches its collectives (``Backend.launches``,
+        API 1.2). Before it exists, an asynchronous collective goes to the progress thread like any
+        other: creating a backend may wait for every member (Gloo's does), which the caller of
+        an ``async_op=True`` call must not."""
+        inst = self._by_device.get(device) or self._instances.get(device.type)
+        return inst is not None and inst.launches
+
     def instance(self, device: torch.device, op: str | None = None) -> Instance:
         """The instance for ``device``'s type, created on first use (the caller checked that
         the group has a backend for it). A timeout while it is created names ``op``, the

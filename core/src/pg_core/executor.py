@@ -123,6 +123,15 @@ class Executor:
             self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
             raise
 
+    def latch(self, op: str, seq: int, exc: BaseException) -> None:
+        """Record a failure found after the call returned (a launched collective's work): later
+        collectives are refused as if it had failed inline."""
+        if isinstance(exc, (CollectiveTimeout, PeerFailureError, CollectiveMismatchError)):
+            if isinstance(exc, CollectiveTimeout):
+                exc.op, exc.seq = op, seq
+            if self._broken is None:
+                self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
+
     def _run_queued(self, work: Work, op: str, fn: Callable[[int], Any]) -> None:
         try:
             with self._exec_lock:

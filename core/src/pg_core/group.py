@@ -11,23 +11,25 @@ group's formation (subgroups and rendezvous included) to :mod:`pg_core.membershi
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from . import messages
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends
+from .errors import CollectiveTimeout
 from .executor import Executor
 from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, check_name, form
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
-from .store import PrefixStore, Store
+from .store import PrefixStore, Store, wait_for
 from .tags import check_tag
 from .timeouts import DEFAULT_TIMEOUT, seconds
 from .validation import (
@@ -43,7 +45,7 @@ from .validation import (
     same_numel,
     split_sizes,
 )
-from .work import Work
+from .work import Work, then
 
 if TYPE_CHECKING:
     from .backend import Backend, BackendSpec
@@ -155,6 +157,7 @@ class ProcessGroup:
         )
         self._subgroups = Subgroups(f)
         self._torch_group: torch.distributed.ProcessGroup | None = None  # to_torch(), made on first call
+        self._monitored = 0  # monitored_barrier() rounds so far (their store keys)
 
     # -- properties -------------------------------------------------------------
     @property
@@ -236,6 +239,9 @@ class ProcessGroup:
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         dispatch = self._dispatch
 
+        if async_op and dispatch.launches(device):
+            return self._launch(op, device, staging, call, budget)
+
         def run(_seq: int) -> Any:
             result = call(dispatch.instance(device).backend, budget)
             if staging is not None and staging.back:
@@ -243,6 +249,36 @@ class ProcessGroup:
             return result
 
         return self._executor.run(op, run, async_op=async_op)
+
+    def _launch(
+        self,
+        op: str,
+        device: torch.device,
+        staging: Staging | None,
+        call: Callable[[Backend, float], Any],
+        budget: float,
+    ) -> Work:
+        """An asynchronous collective on a backend that launches (API 1.2): launched here, in
+        the executor's order, returning the backend's work; staged outputs are copied back and
+        a failure latched when it completes."""
+        executor = self._executor
+        launched: list[int] = []
+
+        def launch(seq: int) -> Work:
+            launched.append(seq)
+            backend = self._dispatch.instance(device, op).backend
+            work: Work = call(cast("Backend", _Launching(backend)), budget)
+            return work
+
+        inner: Work = executor.run(op, launch, async_op=False)
+
+        def finished(w: Work) -> None:
+            exc = w.exception(0)
+            if exc is not None:
+                executor.latch(op, launched[0], exc)
+
+        inner.add_done_callback(finished)
+        return then(inner, staging.finish) if staging is not None and staging.back else inner
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(
@@ -547,6 +583,49 @@ class ProcessGroup:
             "barrier", None, lambda b, s: b.barrier(timeout=s), reduce_op=None, async_op=async_op, timeout=timeout
         )
 
+    def monitored_barrier(self, *, timeout: float | timedelta | None = None, wait_all_ranks: bool = True) -> None:
+        """A barrier that names the ranks that did not arrive, as ``torch.distributed.monitored_barrier``.
+
+        Every rank reports to rank 0 through the group's store; rank 0 waits at most ``timeout``
+        for them, then every rank returns, or raises :class:`~pg_core.errors.CollectiveTimeout`
+        whose ``peers`` (and message) are the ranks that did not arrive (if rank 0 itself does
+        not answer, the others name it). It uses the store, not a backend, so it works whatever
+        the backends are doing, also after a collective failed: a debugging tool for hangs.
+        Every missing rank is named whatever ``wait_all_ranks`` says (kept for torch's spelling).
+        """
+        self._executor.check_open()
+        budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
+        self._monitored += 1
+        key = f"monitored_barrier/{self._monitored}"
+        self._store.set(f"{key}/{self._rank}", "1")
+        if self._rank == 0:
+            arrivals = [f"{key}/{r}" for r in range(self._size)]
+            try:
+                wait_for(self._store, arrivals, budget, what="monitored_barrier")
+                missing: list[int] = []
+            except CollectiveTimeout:
+                missing = [r for r, k in enumerate(arrivals) if not self._store.check([k])]
+            self._store.set(f"{key}/verdict", ",".join(map(str, missing)))
+        else:
+            try:  # rank 0 decides within its budget; the slack covers its store round trips
+                wait_for(self._store, [f"{key}/verdict"], budget + 5.0, what="monitored_barrier")
+            except CollectiveTimeout:
+                raise CollectiveTimeout(
+                    f"monitored_barrier of group {self._name!r}: rank 0, which runs it, did not answer within "
+                    f"{budget + 5.0:g} s",
+                    op="monitored_barrier",
+                    peers=[0],
+                ) from None
+            verdict = self._store.get(f"{key}/verdict").decode()
+            missing = [int(r) for r in verdict.split(",")] if verdict else []
+        if missing:
+            raise CollectiveTimeout(
+                f"monitored_barrier of group {self._name!r}: rank(s) {', '.join(map(str, missing))} did not arrive "
+                f"within {budget:g} s",
+                op="monitored_barrier",
+                peers=missing,
+            )
+
     # -- point to point -----------------------------------------------------------
     def _p2p(
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
@@ -583,7 +662,7 @@ class ProcessGroup:
         """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes."""
         inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inner: Work = inst.p2p("recv", t, src, tag, budget, async_op=True)
-        return _then(inner, st.finish) if st.back else inner
+        return then(inner, st.finish) if st.back else inner
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of the list; returns one ``Work`` per op, in order."""
@@ -925,26 +1004,17 @@ class ProcessGroup:
                 self.abort()
 
 
-def _then(inner: Work, fn: Callable[[], None]) -> Work:
-    def drive(_: Work, timeout: float) -> None:
-        inner._wait_done(timeout)
+class _Launching:
+    """A launching backend as the collective lambdas see it: each method called with
+    ``async_op=True``, so one lambda per op serves both paths."""
 
-    outer = Work(inner.op, driver=drive)
+    __slots__ = ("_backend",)
 
-    def done(w: Work) -> None:
-        exc = w._exc
-        if exc is None:
-            try:
-                fn()
-            except BaseException as e:
-                exc = e
-        if exc is None:
-            outer.set_result(w._result)
-        else:
-            outer.set_exception(exc)
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
 
-    inner.add_done_callback(done)
-    return outer
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._backend, name), async_op=True)
 
 
 def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:

@@ -40,6 +40,7 @@ class Instance:
         "_streams",
         "backend",
         "device",
+        "launches",
         "native_bytes",
         "native_irecv",
         "native_isend",
@@ -60,6 +61,8 @@ class Instance:
         self.spec = spec
         self.device: torch.device = ctx.device
         self.tags = TagMap(spec.capabilities_for(ctx.device.type).max_tag, spec.name)
+        #: collectives launch with ``async_op=True`` and return a Work (API 1.2)
+        self.launches = getattr(backend, "launches", False) is True
         self.native_isend = cls.isend is not Backend.isend
         self.native_irecv = cls.irecv is not Backend.irecv
         self.native_bytes = cls.send_bytes is not Backend.send_bytes and cls.recv_bytes is not Backend.recv_bytes

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import CollectiveTimeout
 
-__all__ = ["Work"]
+__all__ = ["Work", "then"]
 
 #: ``driver(work, timeout)`` makes progress on ``work`` for at most ``timeout``
 #: seconds (``0``: only what is ready now) and returns; it never raises for the
@@ -146,3 +146,32 @@ class Work:
         else:
             state = "completed"
         return f"<Work {self.op} {state}>"
+
+
+def then(inner: Work, fn: Callable[[], None]) -> Work:
+    """A work that completes after ``inner`` does and ``fn()`` (run only if ``inner`` succeeded:
+    copies of staged outputs, say) has returned, with ``inner``'s result or the first error.
+    Waiting on it, or polling it, drives ``inner``."""
+
+    def drive(_: Work, timeout: float) -> None:
+        if timeout <= 0:
+            inner.is_completed()
+        else:
+            inner._wait_done(timeout)
+
+    outer = Work(inner.op, driver=drive)
+
+    def done(w: Work) -> None:
+        exc = w._exc
+        if exc is None:
+            try:
+                fn()
+            except BaseException as e:
+                exc = e
+        if exc is None:
+            outer.set_result(w._result)
+        else:
+            outer.set_exception(exc)
+
+    inner.add_done_callback(done)
+    return outer

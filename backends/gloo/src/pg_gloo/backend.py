@@ -40,7 +40,7 @@ from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from pg_core.ops import ReduceOp
 from pg_core.store import PolledStore, PrefixStore, advertise_address
-from pg_core.work import Work
+from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
 __all__ = ["GlooBackend"]
@@ -135,23 +135,68 @@ class GlooBackend(C10dBackend):
     as_bytes = frozenset({torch.int16, torch.complex64, torch.complex128})
 
     # -- collectives: where Gloo differs ------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         # Gloo uses every rank's buffer as scratch: off the root, the input must not change
-        super().reduce(tensor if dst == self.rank else tensor.clone(), dst, op, timeout=timeout)
+        return super().reduce(
+            tensor if dst == self.rank else tensor.clone(), dst, op, timeout=timeout, async_op=async_op
+        )
 
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        return self._reduce_then_slice(output, torch.cat([t.reshape(-1) for t in input_list]), op, timeout, async_op)
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        return self._reduce_then_slice(output, input.reshape(-1).clone(), op, timeout, async_op)
+
+    def _reduce_then_slice(
+        self, output: torch.Tensor, whole: torch.Tensor, op: ReduceOp, timeout: float, async_op: bool
+    ) -> Work | None:
+        """Gloo's reduce-scatter is an all-reduce of the whole input and a slice of it (what
+        ``ProcessGroupGloo`` does itself), but its work has no future, so it could not complete an
+        asynchronous call without a thread: the all-reduce is posted here instead, on a copy."""
+        piece = output.numel()
+
+        def copy_out() -> None:
+            output.reshape(-1).copy_(whole[self.rank * piece : (self.rank + 1) * piece])
+
+        work = super().all_reduce(whole, op, timeout=timeout, async_op=async_op)
+        if work is None:
+            copy_out()
+            return None
+        return then(work, copy_out)
+
+    def all_to_all(
+        self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float, async_op: bool = False
+    ) -> Work | None:
         outs = [flat_bytes(t) for t in output_list]
         ins = [flat_bytes(t) for t in input_list]
         if len({t.numel() for t in outs} | {t.numel() for t in ins}) == 1:  # Gloo's alltoall: equal sizes only
-            super().all_to_all(outs, ins, timeout=timeout)
-            return
+            return super().all_to_all(outs, ins, timeout=timeout, async_op=async_op)
         # pieces of different sizes: one alltoall_base over the bytes, then the pieces copied out
         joined = torch.cat(ins) if ins else torch.empty(0, dtype=torch.uint8)
         received = torch.empty(sum(t.numel() for t in outs), dtype=torch.uint8)
         out_sizes, in_sizes = [t.numel() for t in outs], [t.numel() for t in ins]
-        super().all_to_all_single(received, joined, out_sizes, in_sizes, timeout=timeout)
-        for out, piece in zip(outs, received.split(out_sizes), strict=True):
-            out.copy_(piece)
+
+        def copy_out() -> None:
+            for out, piece in zip(outs, received.split(out_sizes), strict=True):
+                out.copy_(piece)
+
+        work = super().all_to_all_single(received, joined, out_sizes, in_sizes, timeout=timeout, async_op=async_op)
+        if work is None:
+            copy_out()
+            return None
+        return then(work, copy_out)
 
     # -- point to point: header, then payload, on the caller's tag --------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:

@@ -87,6 +87,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=devices,
             capabilities={d: capabilities[d] for d in devices},
             priority=5,
+            api_version="1.2",  # collectives launch (Backend.launches)
             is_available=is_available,
             description="torch's C++ Gloo (ProcessGroupGloo), one per group, built from the group's store",
         )

@@ -40,6 +40,8 @@ class NCCLBackend(C10dBackend):
 
     #: NCCL has no 16-bit integer type; complex moves as its bytes (exact)
     as_bytes = frozenset({torch.int16, torch.complex64, torch.complex128})
+    #: a work's wait() makes the caller's current stream wait for NCCL's, as torch's does
+    host_completion = False
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)

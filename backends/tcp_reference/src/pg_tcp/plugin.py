@@ -33,6 +33,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=("cpu",),
             capabilities=CAPABILITIES,
             priority=10,
+            api_version="1.1",  # send_bytes with a list of parts; it does not launch (1.2)
             description="pure Python over TCP sockets: the reference backend, no dependencies beyond pg-core",
         )
     ]
