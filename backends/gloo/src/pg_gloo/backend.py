@@ -99,6 +99,9 @@ class GlooBackend(C10dBackend):
     # -- errors -------------------------------------------------------------------------
     def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
         """The Gloo object, or the error this backend's state calls for, before anything is sent."""
+        pg = self._pg
+        if pg is not None and self._broken is None and not (peers and self._send_errors):
+            return pg  # the common case, first
         if self._broken is not None:
             raise PeerFailureError(
                 f"{what}: backend 'gloo' of group {self.ctx.group_name!r} cannot communicate any more: {self._broken}. "
