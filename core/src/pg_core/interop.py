@@ -11,7 +11,7 @@ Two shapes, chosen per group:
   bucketed all-reduces) then go straight to Gloo or NCCL with no Python in between, and share
   the group's connections and communicators.
 * **Adapter.** Otherwise, a ``ProcessGroup`` subclass whose methods call the group's own
-  (``async_op=True``), so they keep the group's order, sequence numbers, validation and
+  (asynchronous where torch's ``opts.asyncOp`` asks, as DDP's calls do), so they keep the group's order, sequence numbers, validation and
   failure handling; a tensor on a device whose backend is native goes to that backend's torch
   object directly.
 
@@ -73,6 +73,13 @@ def _timeout(opts: Any) -> float | None:
     if isinstance(value, timedelta) and value.total_seconds() > 0:
         return value.total_seconds()
     return None
+
+
+def _async(opts: Any) -> bool:
+    """Whether torch asked for an asynchronous call (``opts.asyncOp``: ``torch.distributed``'s
+    functions set it from their ``async_op``; DDP leaves it True). A blocking one runs in the
+    caller's thread, as the group's blocking calls do, and returns a completed work."""
+    return bool(getattr(opts, "asyncOp", True))
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
@@ -167,7 +174,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.allreduce(tensors, opts)
         op = _reduce_op(opts)
-        works = [self._g.all_reduce(t, op, async_op=True, timeout=_timeout(opts)) for t in tensors]
+        works = [self._g.all_reduce(t, op, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
         return _TorchWork(works[-1] if works else None, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
@@ -175,7 +182,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(tensors)
         if native is not None:
             return native.broadcast(tensors, opts)
-        works = [self._g.broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in tensors]
+        works = [self._g.broadcast(t, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
         return _TorchWork(works[-1] if works else None, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
@@ -184,7 +191,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.reduce(tensors, opts)
         op = _reduce_op(opts)
-        work = self._g.reduce(tensors[0], opts.rootRank, op, async_op=True, timeout=_timeout(opts))
+        work = self._g.reduce(tensors[0], opts.rootRank, op, async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, tensors)
 
     def allgather(  # type: ignore[override]
@@ -194,7 +201,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(input_tensors)
         if native is not None:
             return native.allgather(output_tensors, input_tensors, opts)
-        work = self._g.all_gather(output_tensors[0], input_tensors[0], async_op=True, timeout=_timeout(opts))
+        work = self._g.all_gather(output_tensors[0], input_tensors[0], async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, output_tensors)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> c10d.Work:
@@ -202,7 +209,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._native([input])
         if native is not None:
             return native._allgather_base(output, input, opts)
-        work = self._g.all_gather_into_tensor(output, input, async_op=True, timeout=_timeout(opts))
+        work = self._g.all_gather_into_tensor(output, input, async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, [output])
 
     def reduce_scatter(  # type: ignore[override]
@@ -213,7 +220,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.reduce_scatter(output_tensors, input_tensors, opts)
         work = self._g.reduce_scatter(
-            output_tensors[0], input_tensors[0], _reduce_op(opts), async_op=True, timeout=_timeout(opts)
+            output_tensors[0], input_tensors[0], _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
         )
         return _TorchWork(work, output_tensors)
 
@@ -222,7 +229,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._native([input])
         if native is not None:
             return native._reduce_scatter_base(output, input, opts)
-        work = self._g.reduce_scatter_tensor(output, input, _reduce_op(opts), async_op=True, timeout=_timeout(opts))
+        work = self._g.reduce_scatter_tensor(output, input, _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, [output])
 
     def alltoall_base(
@@ -242,7 +249,7 @@ class _Adapter(dist.ProcessGroup):
             input,
             list(output_split_sizes) or None,
             list(input_split_sizes) or None,
-            async_op=True,
+            async_op=_async(opts),
             timeout=_timeout(opts),
         )
         return _TorchWork(work, [output])
@@ -254,7 +261,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(input_tensors)
         if native is not None:
             return native.alltoall(output_tensors, input_tensors, opts)
-        work = self._g.all_to_all(output_tensors, input_tensors, async_op=True, timeout=_timeout(opts))
+        work = self._g.all_to_all(output_tensors, input_tensors, async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, output_tensors)
 
     def gather(  # type: ignore[override]
@@ -265,7 +272,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.gather(output_tensors, input_tensors, opts)
         outs = output_tensors[0] if output_tensors else None
-        work = self._g.gather(input_tensors[0], outs, opts.rootRank, async_op=True, timeout=_timeout(opts))
+        work = self._g.gather(input_tensors[0], outs, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, output_tensors)
 
     def scatter(  # type: ignore[override]
@@ -276,12 +283,12 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.scatter(output_tensors, input_tensors, opts)
         ins = input_tensors[0] if input_tensors else None
-        work = self._g.scatter(output_tensors[0], ins, opts.rootRank, async_op=True, timeout=_timeout(opts))
+        work = self._g.scatter(output_tensors[0], ins, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
         return _TorchWork(work, output_tensors)
 
     def barrier(self, opts: Any = None) -> c10d.Work:
         opts = opts or c10d.BarrierOptions()
-        return _TorchWork(self._g.barrier(async_op=True, timeout=_timeout(opts)), [])
+        return _TorchWork(self._g.barrier(async_op=_async(opts), timeout=_timeout(opts)), [])
 
     # torch 2.13 renamed three of them; both names are kept for torch >= 2.6
     all_gather_single = _allgather_base
