@@ -229,7 +229,9 @@ class _Adapter(dist.ProcessGroup):
         native = self._native([input])
         if native is not None:
             return native._reduce_scatter_base(output, input, opts)
-        work = self._g.reduce_scatter_tensor(output, input, _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts))
+        work = self._g.reduce_scatter_tensor(
+            output, input, _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
+        )
         return _TorchWork(work, [output])
 
     def alltoall_base(
