@@ -4,9 +4,10 @@
 Every collective is the torch backend's own call, with the call's timeout in its options,
 waited for in the calling thread; torch's ``RuntimeError`` goes through the subclass's
 :meth:`C10dBackend._error` into pg-core's errors. A subclass builds the torch object in its
-constructor (from ``ctx.store``, seen through :class:`pg_core.store.PolledStore`), returns it
-from :attr:`C10dBackend.c10d`, and overrides what its library does differently (pg-gloo:
-dtypes moved as bytes, ``reduce`` off the root on a copy, uneven ``all_to_all``).
+constructor (from ``ctx.store``, seen through :class:`pg_core.store.PolledStore`), after
+``super().__init__(ctx)``, and assigns it to ``self._pg``; ``shutdown``/``abort`` call the
+torch object's own. It overrides what its library does differently (pg-gloo: dtypes moved as
+bytes, ``reduce`` off the root on a copy, uneven ``all_to_all``).
 
 ``c10d`` is also what ``ProcessGroup.to_torch()`` registers on a torch ``ProcessGroup``, so
 torch-side calls (DDP's) reach that very object with no Python in between.
@@ -24,11 +25,12 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from .backend import Backend
+from .backend import Backend, BackendContext
+from .errors import PeerFailureError
 from .ops import RedOpType, ReduceOp
 from .work import Work
 
-__all__ = ["REDUCE_OPS", "C10dBackend", "flat_bytes", "torch_reduce_op"]
+__all__ = ["REDUCE_OPS", "C10dBackend", "first_line", "flat_bytes", "timeout_delta", "torch_reduce_op"]
 
 #: pg-core's reduce ops as torch's (``PREMUL_SUM`` carries a factor: see :func:`torch_reduce_op`).
 REDUCE_OPS: Final[dict[RedOpType, Any]] = {
@@ -68,8 +70,16 @@ _OPTIONS: Final[dict[str, Any]] = {
 }
 
 
-def _seconds(timeout: float) -> timedelta:
+def timeout_delta(timeout: float) -> timedelta:
+    """Seconds as the ``timedelta`` torch's options and waits take (at least 1 ms: torch reads
+    zero as "no timeout")."""
     return timedelta(seconds=max(timeout, 0.001))
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of a torch error's message (the rest is C++ context), or its type's name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class C10dBackend(Backend):
@@ -84,10 +94,32 @@ class C10dBackend(Backend):
     #: scatters and all-to-alls) hand it their bytes instead, which is exact
     as_bytes: frozenset[torch.dtype] = frozenset()
 
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        #: the torch backend object, set by the subclass's constructor; None once closed
+        self._pg: Any = None
+        #: torch's options objects by (kind, timeout, reduce op, root): see :meth:`_opts`
+        self._options_cache: dict[tuple[Any, ...], Any] = {}
+
     @property
     def c10d(self) -> Any:
-        """The torch backend object (``torch._C._distributed_c10d.Backend``)."""
-        raise NotImplementedError(f"{type(self).__name__} must return its torch backend from c10d")
+        """The torch backend object (what ``ProcessGroup.to_torch()`` registers)."""
+        pg = self._pg
+        if pg is None:
+            raise PeerFailureError(f"backend {self.ctx.backend_name!r} of group {self.ctx.group_name!r} is closed")
+        return pg
+
+    def shutdown(self) -> None:
+        self._close("shutdown")
+
+    def abort(self) -> None:
+        self._close("abort")
+
+    def _close(self, how: str) -> None:
+        """The torch object's ``shutdown`` or ``abort``, once."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            getattr(pg, how)()
 
     def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
         """The torch object, or the error this backend's state calls for, before anything is sent."""
@@ -129,7 +161,7 @@ class C10dBackend(Backend):
             if async_op:
                 return self._launched(work, what, timeout, peers)
             if bounded:  # point to point: the work's wait takes the bound (a collective carries it in its options)
-                work.wait(_seconds(timeout))
+                work.wait(timeout_delta(timeout))
             else:
                 work.wait()
         except RuntimeError as exc:
@@ -171,7 +203,7 @@ class C10dBackend(Backend):
         reused: the torch backend reads it when the call is posted (building one costs about
         1.5 us, a fifth of this wrapper's cost per call)."""
         key = (kind, timeout, None if op is None else op.type, root)
-        cache = self.__dict__.setdefault("_options_cache", {})
+        cache = self._options_cache
         opts = cache.get(key)
         if opts is None:
             opts = _OPTIONS[kind]()
@@ -181,7 +213,7 @@ class C10dBackend(Backend):
                 opts.rootRank = root
                 if kind in ("broadcast", "reduce"):
                     opts.rootTensor = 0
-            opts.timeout = _seconds(timeout)
+            opts.timeout = timeout_delta(timeout)
             if op is None or op.type is not RedOpType.PREMUL_SUM:  # a factor is not part of the key
                 if len(cache) >= 512:
                     cache.clear()

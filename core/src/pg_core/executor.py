@@ -118,16 +118,15 @@ class Executor:
         try:
             return fn(seq)
         except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
-            if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
-                exc.op, exc.seq = op, seq
-            self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
+            self.latch(op, seq, exc)
             raise
 
-    def latch(self, op: str, seq: int, exc: BaseException) -> None:
-        """Record a failure found after the call returned (a launched collective's work): later
-        collectives are refused as if it had failed inline."""
+    def latch(self, op: str, seq: int, exc: BaseException | None) -> None:
+        """Refuse later collectives if collective ``op`` number ``seq`` failed with ``exc`` in a way
+        that can leave ranks out of step (inline, or a launched collective's work later); the
+        first such failure is the one named."""
         if isinstance(exc, (CollectiveTimeout, PeerFailureError, CollectiveMismatchError)):
-            if isinstance(exc, CollectiveTimeout):
+            if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
                 exc.op, exc.seq = op, seq
             if self._broken is None:
                 self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")

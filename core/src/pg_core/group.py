@@ -262,22 +262,14 @@ class ProcessGroup:
         the executor's order, returning the backend's work; staged outputs are copied back and
         a failure latched when it completes."""
         executor = self._executor
-        launched: list[int] = []
 
         def launch(seq: int) -> Work:
-            launched.append(seq)
             backend = self._dispatch.instance(device, op).backend
             work: Work = call(cast("Backend", _Launching(backend)), budget)
+            work.add_done_callback(lambda done: executor.latch(op, seq, done.exception(0)))
             return work
 
         inner: Work = executor.run(op, launch, async_op=False)
-
-        def finished(w: Work) -> None:
-            exc = w.exception(0)
-            if exc is not None:
-                executor.latch(op, launched[0], exc)
-
-        inner.add_done_callback(finished)
         return then(inner, staging.finish) if staging is not None and staging.back else inner
 
     # -- collectives ------------------------------------------------------------

@@ -4,9 +4,9 @@ The Gloo object is built from the group's own prefixed store, with the group's r
 size: no ``init_process_group``, no default group, nothing global. What the wrapper adds
 is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 
-* **Collectives are Gloo's own**, each with the call's timeout in its options and waited
-  for in the calling thread (asynchronous ones run on the group's progress thread, one per
-  group, never a thread per operation). A dtype Gloo cannot move (``int16``, complex, in
+* **Collectives are Gloo's own** (:class:`pg_core.c10d.C10dBackend`), each with the call's
+  timeout in its options: a blocking one waited for in the calling thread, an asynchronous
+  one launched there, Gloo's work becoming the user's (no thread per operation). A dtype Gloo cannot move (``int16``, complex, in
   the copying collectives) travels as its bytes, which is exact.
 * **Point to point.** Gloo's ``send`` completes only once the receiver has posted its
   receive, and a receive whose buffer is smaller than the message aborts the whole
@@ -30,12 +30,11 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any, Final
 
 import torch
 from pg_core.backend import BackendContext, tensor_bytes
-from pg_core.c10d import C10dBackend, flat_bytes
+from pg_core.c10d import C10dBackend, first_line, flat_bytes, timeout_delta
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from pg_core.ops import ReduceOp
@@ -60,10 +59,6 @@ _PEER_GONE: Final = (
 )
 
 
-def _seconds(timeout: float) -> timedelta:
-    return timedelta(seconds=max(timeout, 0.001))
-
-
 class GlooBackend(C10dBackend):
     """One ``ProcessGroupGloo`` per group formation and device type."""
 
@@ -80,21 +75,13 @@ class GlooBackend(C10dBackend):
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         host = str(ctx.options.get("addr") or advertise_address(store))
         options._devices = [ProcessGroupGloo.create_device(hostname=host)]
-        options._timeout = _seconds(ctx.timeout)
+        options._timeout = timeout_delta(ctx.timeout)
         options._threads = int(ctx.options.get("threads", 2))
         try:
             rendezvous = PolledStore(PrefixStore("gloo", store), ctx.timeout, f"group {ctx.group_name!r}: Gloo connect")
-            self._pg: Any = ProcessGroupGloo(rendezvous, ctx.rank, ctx.size, options)
+            self._pg = ProcessGroupGloo(rendezvous, ctx.rank, ctx.size, options)
         except RuntimeError as exc:
             raise self._error(exc, "connect", ctx.timeout) from exc
-
-    @property
-    def c10d(self) -> Any:
-        """The ``ProcessGroupGloo`` itself (what ``ProcessGroup.to_torch()`` registers)."""
-        pg = self._pg
-        if pg is None:
-            raise PeerFailureError(f"backend 'gloo' of group {self.ctx.group_name!r} is closed")
-        return pg
 
     # -- errors -------------------------------------------------------------------------
     def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
@@ -116,7 +103,7 @@ class GlooBackend(C10dBackend):
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
         """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = first_line(exc)
         if "Timed out" in text or "timed out" in text:
             self._broken = f"{what} timed out after {timeout:g} s"
             return CollectiveTimeout(
@@ -215,8 +202,7 @@ class GlooBackend(C10dBackend):
         return Work.completed("isend")
 
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
-        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) or not isinstance(data, Sequence) else data
-        views = [memoryview(p).cast("B") for p in parts]
+        views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
         payload = torch.empty(sum(v.nbytes for v in views), dtype=torch.uint8)
         target, offset = tensor_bytes(payload), 0
         for view in views:
@@ -249,7 +235,7 @@ class GlooBackend(C10dBackend):
         while (item := self._sends.get()) is not None:
             work, _keep, dst, deadline = item
             try:
-                work.wait(_seconds(deadline - time.monotonic()))
+                work.wait(timeout_delta(deadline - time.monotonic()))
             except RuntimeError as exc:
                 self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
             del item, work, _keep
@@ -312,12 +298,12 @@ class GlooBackend(C10dBackend):
 
     # -- life ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self._stop_reaper(self.ctx.timeout + 1.0)
-        self._close("shutdown")
+        self._stop_reaper(self.ctx.timeout + 1.0)  # the sends in flight first
+        super().shutdown()
 
     def abort(self) -> None:
         self._broken = self._broken or "the group was aborted"
-        self._close("abort")
+        super().abort()  # Gloo's sends fail at once, so the reaper ends
         self._stop_reaper(5.0)
 
     def _stop_reaper(self, bound: float) -> None:
@@ -326,11 +312,6 @@ class GlooBackend(C10dBackend):
         if reaper is not None:
             self._sends.put(None)
             reaper.join(timeout=bound)
-
-    def _close(self, how: str) -> None:
-        pg, self._pg = self._pg, None
-        if pg is not None:
-            getattr(pg, how)()
 
 
 def _describe(nbytes: int, code: int | None) -> str:

@@ -19,12 +19,10 @@ raises, translated to :class:`~pg_core.errors.CollectiveTimeout` or
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any
 
 import torch
 from pg_core.backend import BackendContext
-from pg_core.c10d import C10dBackend
+from pg_core.c10d import C10dBackend, first_line, timeout_delta
 from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.store import PolledStore, PrefixStore
 from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds
@@ -48,20 +46,13 @@ class NCCLBackend(C10dBackend):
         if ctx.device.type != "cuda":
             raise ValueError(f"backend 'nccl' serves cuda tensors, not {ctx.device}")
         options = ProcessGroupNCCL.Options()
-        options._timeout = timedelta(seconds=ctx.timeout)
+        options._timeout = timeout_delta(ctx.timeout)
         options.is_high_priority_stream = bool(ctx.options.get("high_priority_stream", False))
         rendezvous = PolledStore(PrefixStore("nccl", ctx.store), ctx.timeout, f"group {ctx.group_name!r}: NCCL")
-        self._pg: Any = ProcessGroupNCCL(rendezvous, ctx.rank, ctx.size, options)
-
-    @property
-    def c10d(self) -> Any:
-        """The ``ProcessGroupNCCL`` itself (what ``ProcessGroup.to_torch()`` registers)."""
-        if self._pg is None:
-            raise PeerFailureError(f"backend 'nccl' of group {self.ctx.group_name!r} is closed")
-        return self._pg
+        self._pg = ProcessGroupNCCL(rendezvous, ctx.rank, ctx.size, options)
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = first_line(exc)
         if any(words in text for words in _TIMED_OUT):
             return CollectiveTimeout(f"{what}: NCCL timed out after {timeout:g} s ({text})", op=what, peers=peers)
         if any(words in text for words in _PEER_GONE):
@@ -76,15 +67,3 @@ class NCCLBackend(C10dBackend):
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         pg = self._ready("recv", [src])
         self._wait(lambda: pg.recv([tensor], src, 0), "recv", timeout, [src])
-
-    # -- life ---------------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        self._close("shutdown")
-
-    def abort(self) -> None:
-        self._close("abort")
-
-    def _close(self, how: str) -> None:
-        pg, self._pg = self._pg, None
-        if pg is not None:
-            getattr(pg, how)()
