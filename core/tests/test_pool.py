@@ -70,3 +70,35 @@ def test_deaths_are_reported_unless_expected(rank_pools):
 def test_leaked_threads_fail_the_call(rank_pools):
     with pytest.raises(RanksFailed, match="leaked threads"):
         rank_pools(2).run(leak_a_thread)
+
+
+_PROCESS_WIDE: list = []  # what a library starts once per process and keeps (NCCL's RAS service, say)
+
+
+def start_a_process_wide_listener(ctx):
+    """Once per process, as a library's service would: a listening socket kept for good."""
+    if not _PROCESS_WIDE:
+        import socket
+
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        _PROCESS_WIDE.append(listener)
+
+
+def test_a_leaked_socket_is_named_by_what_it_is(rank_pools):
+    from pg_core.testing.pool import RankPool
+
+    with RankPool(1) as pool, pytest.raises(RanksFailed, match=r"socket:\[\d+\] \(tcp 0100007F:[0-9A-F]{4} -> "):
+        pool.run(start_a_process_wide_listener)
+
+
+def test_a_prelude_starts_process_wide_services_before_the_leak_check_and_again_after_a_restart():
+    from pg_core.testing.pool import RankPool
+
+    with RankPool(2, prelude=(start_a_process_wide_listener, ())) as pool:
+        assert pool.run(start_a_process_wide_listener) == [None, None]  # started by the prelude: no leak
+        assert pool.run(exit_on_rank_1, may_exit=[1]) == [None, None]  # the workers restart on the next call
+        assert pool.run(start_a_process_wide_listener) == [None, None]  # the prelude ran again in the new ones
+        with pytest.raises(RanksFailed, match="leaked threads"):
+            pool.run(leak_a_thread)  # anything else a call leaves is still found

@@ -4,9 +4,9 @@
 Every collective is the torch backend's own call, with the call's timeout in its options,
 waited for in the calling thread; torch's ``RuntimeError`` goes through the subclass's
 :meth:`C10dBackend._error` into pg-core's errors. A subclass builds the torch object in its
-constructor (from ``ctx.store``, seen through :class:`pg_core.store.PolledStore`), after
-``super().__init__(ctx)``, and assigns it to ``self._pg``; ``shutdown``/``abort`` call the
-torch object's own. It overrides what its library does differently (pg-gloo: dtypes moved as
+constructor, after ``super().__init__(ctx)``, from :meth:`C10dBackend.rendezvous` (the
+group's store as a torch backend must see it), and assigns it to ``self._pg``;
+``shutdown``/``abort`` call the torch object's own. It overrides what its library does differently (pg-gloo: dtypes moved as
 bytes, ``reduce`` off the root on a copy, uneven ``all_to_all``).
 
 ``c10d`` is also what ``ProcessGroup.to_torch()`` registers on a torch ``ProcessGroup``, so
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .backend import Backend, BackendContext
 from .errors import PeerFailureError
 from .ops import RedOpType, ReduceOp
+from .store import PolledStore, PrefixStore
 from .work import Work
 
 __all__ = ["REDUCE_OPS", "C10dBackend", "first_line", "flat_bytes", "timeout_delta", "torch_reduce_op"]
@@ -100,6 +101,20 @@ class C10dBackend(Backend):
         self._pg: Any = None
         #: torch's options objects by (kind, timeout, reduce op, root): see :meth:`_opts`
         self._options_cache: dict[tuple[Any, ...], Any] = {}
+        self._rendezvous: PolledStore | None = None
+
+    def rendezvous(self, what: str) -> PolledStore:
+        """The store to build the torch object from: the group's, under this backend's name,
+        seen through :class:`~pg_core.store.PolledStore` (its waits never block the client
+        other groups share). The backend keeps it as long as itself: a C++ backend calls back
+        into this Python object after construction (NCCL at its first collective, to share
+        its unique id), and torch fails with ``PythonStore::set ... Not implemented`` once the
+        Python object behind a store is gone."""
+        ctx = self.ctx
+        self._rendezvous = PolledStore(
+            PrefixStore(ctx.backend_name, ctx.store), ctx.timeout, f"group {ctx.group_name!r}: {what}"
+        )
+        return self._rendezvous
 
     @property
     def c10d(self) -> Any:

@@ -38,7 +38,7 @@ from pg_core.c10d import C10dBackend, first_line, flat_bytes, timeout_delta
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from pg_core.ops import ReduceOp
-from pg_core.store import PolledStore, PrefixStore, advertise_address
+from pg_core.store import advertise_address
 from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
@@ -71,15 +71,13 @@ class GlooBackend(C10dBackend):
         self._lock = threading.Lock()
         #: a send the reaper saw fail, per destination: raised by that peer's next operation
         self._send_errors: dict[int, BaseException] = {}
-        store = ctx.store
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        host = str(ctx.options.get("addr") or advertise_address(store))
+        host = str(ctx.options.get("addr") or advertise_address(ctx.store))
         options._devices = [ProcessGroupGloo.create_device(hostname=host)]
         options._timeout = timeout_delta(ctx.timeout)
         options._threads = int(ctx.options.get("threads", 2))
         try:
-            rendezvous = PolledStore(PrefixStore("gloo", store), ctx.timeout, f"group {ctx.group_name!r}: Gloo connect")
-            self._pg = ProcessGroupGloo(rendezvous, ctx.rank, ctx.size, options)
+            self._pg = ProcessGroupGloo(self.rendezvous("Gloo connect"), ctx.rank, ctx.size, options)
         except RuntimeError as exc:
             raise self._error(exc, "connect", ctx.timeout) from exc
 

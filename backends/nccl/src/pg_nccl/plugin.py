@@ -1,9 +1,8 @@
 """pg-nccl's entry point: what the registry reads without importing the backend (or CUDA).
 
-The capabilities are those NCCL and torch's ``ProcessGroupNCCL`` document; they have not been
-certified on a GPU yet (this project's CI machines have none): run
-``pg-core conformance nccl --world-sizes 1`` on one, which will fail on anything declared
-here that NCCL does not do. What NCCL lacks is left undeclared, so the core refuses it before
+The capabilities are those NCCL and torch's ``ProcessGroupNCCL`` document, certified at world
+size 1 on an H100 (``pg-core conformance nccl --world-sizes 1 --device cuda``; see the
+project's docs/gpu.md); a machine with more GPUs certifies more world sizes. What NCCL lacks is left undeclared, so the core refuses it before
 anything is sent:
 
 * ``BAND``/``BOR``/``BXOR``: NCCL has no bitwise reductions.

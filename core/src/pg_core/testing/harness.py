@@ -60,7 +60,7 @@ from ..ops import COLLECTIVE_OPS, RedOpType
 from ..registry import absolute_backend_ref, resolve_backend_ref
 from .cases import VALUE_OPS, Call, Example, Expected, dtype_name, dtype_of, expected, input_bases
 from .pool import RankPool, RanksFailed
-from .rank import run_dead_peer, run_example
+from .rank import run_dead_peer, run_example, run_warm_up
 from .values import collective_input, collective_result, difference, message_value, observe
 
 __all__ = ["PROFILES", "TESTS", "Conformance", "ConformanceFailure", "Profile"]
@@ -190,7 +190,13 @@ class Conformance:
         if self._pools is not None:
             return self._pools(world_size)
         if world_size not in self._own_pools:
-            self._own_pools[world_size] = RankPool(world_size, op_timeout=self.profile.op_timeout)
+            accelerators = [d for d in self.devices if d != "cpu"]
+            self._own_pools[world_size] = RankPool(
+                world_size,
+                op_timeout=self.profile.op_timeout,
+                devices=accelerators,
+                prelude=(run_warm_up, (self.rank_ref, accelerators, self.profile.op_timeout)) if accelerators else None,
+            )
         return self._own_pools[world_size]
 
     def close(self) -> None:

@@ -100,12 +100,30 @@ def _resolve(ref: tuple[str, str, str | None]) -> Callable[..., Any]:
 class RankPool:
     """``world_size`` persistent worker processes; see the module docstring."""
 
-    def __init__(self, world_size: int, *, op_timeout: float = 30.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        op_timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+        devices: Iterable[str] = (),
+        prelude: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
+    ) -> None:
+        """``devices``: accelerator types (``"cuda"``) each worker binds (device ``rank % count``)
+        and initialises at start, before any call: a device's context belongs to the process,
+        so its threads and file descriptors are not counted as a call's leaks. ``prelude``:
+        ``(fn, args)`` run on every rank each time the workers (re)start, before any call and
+        without the leak check: what a library starts once per process (NCCL's RAS service,
+        say) is started there."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.op_timeout = op_timeout
-        self._env = env or {}
+        self._env = dict(env or {})
+        self._prelude = prelude
+        accelerators = sorted(set(devices) - {"cpu"})
+        if accelerators:
+            self._env["PG_CORE_POOL_DEVICES"] = ",".join(accelerators)
         self._ranks: RankProcesses | None = None
         self._conns: list[Connection] = []
         self._logs: list[Path] = []
@@ -199,65 +217,73 @@ class RankPool:
         check_leaks: bool = True,
     ) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every rank; return the per-rank results."""
-        may_exit = set(may_exit)
         with self._lock:
             if self._ranks is None:
                 self._start()
-            ranks = self._ranks
-            assert ranks is not None
-            self._jobs += 1
-            job = self._jobs
-            ranks.truncate_logs()  # each job's output starts clean
-            payload = pickle.dumps(("run", job, _fn_ref(fn), args, self.op_timeout, check_leaks))
-            try:
-                for conn in self._conns:
-                    conn.send_bytes(payload)
-            except OSError:
-                self._kill()  # a worker is gone: the next call starts a fresh pool
-                raise
-            results: dict[int, Any] = {}
-            outcomes: dict[int, str] = {}
-            pending = dict(enumerate(self._conns))
-            deadline = time.monotonic() + timeout
-            while pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                for ready in wait(list(pending.values()), timeout=remaining):
-                    rank = next(r for r, c in pending.items() if c is ready)
-                    conn = pending[rank]
-                    del pending[rank]
-                    try:
-                        status, value = pickle.loads(conn.recv_bytes())
-                    except (EOFError, OSError):
-                        # its sockets close before it is reaped: wait for the exit itself
-                        code = ranks.wait(rank, timeout=10)
-                        if rank in may_exit:
-                            results[rank] = None
-                        else:
-                            said = "unknown: it closed its connection but is still running" if code is None else code
-                            outcomes[rank] = f"died (exit code {said})"
-                        continue
-                    if status == "ok":
-                        results[rank] = value
+                if self._prelude is not None:
+                    fn_, args_ = self._prelude
+                    self._run(fn_, args_, timeout, set(), check_leaks=False)
+            return self._run(fn, args, timeout, set(may_exit), check_leaks=check_leaks)
+
+    def _run(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], timeout: float, may_exit: set[int], *, check_leaks: bool
+    ) -> list[Any]:
+        """Run a job on the started workers (the lock held)."""
+        ranks = self._ranks
+        assert ranks is not None
+        self._jobs += 1
+        job = self._jobs
+        ranks.truncate_logs()  # each job's output starts clean
+        payload = pickle.dumps(("run", job, _fn_ref(fn), args, self.op_timeout, check_leaks))
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError:
+            self._kill()  # a worker is gone: the next call starts a fresh pool
+            raise
+        results: dict[int, Any] = {}
+        outcomes: dict[int, str] = {}
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for ready in wait(list(pending.values()), timeout=remaining):
+                rank = next(r for r, c in pending.items() if c is ready)
+                conn = pending[rank]
+                del pending[rank]
+                try:
+                    status, value = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    # its sockets close before it is reaped: wait for the exit itself
+                    code = ranks.wait(rank, timeout=10)
+                    if rank in may_exit:
+                        results[rank] = None
                     else:
-                        outcomes[rank] = value
-            died = len(ranks.running()) < self.world_size
-            if pending:
-                stacks = ranks.dump_stacks(list(pending))
-                for rank in pending:
-                    outcomes[rank] = f"did not finish within {timeout:g} s; its stacks:\n{stacks.get(rank, '')}"
-                self._kill()
-            elif died:
-                self._kill()  # a rank is gone: the next call starts a fresh pool
-            if outcomes:
-                lines = [f"{fn.__qualname__} failed on {len(outcomes)} of {self.world_size} ranks (job {job}):"]
-                for rank in sorted(outcomes):
-                    lines.append(f"=== rank {rank}: {outcomes[rank]}")
-                told = set(pending)  # a hung rank's output tail is the stack dump already shown
-                tails = self._tails(sorted(set(outcomes) - told)) if self._logs else ""
-                raise RanksFailed("\n".join(lines) + ("\n" + tails if tails else ""), outcomes)
-            return [results.get(r) for r in range(self.world_size)]
+                        said = "unknown: it closed its connection but is still running" if code is None else code
+                        outcomes[rank] = f"died (exit code {said})"
+                    continue
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    outcomes[rank] = value
+        died = len(ranks.running()) < self.world_size
+        if pending:
+            stacks = ranks.dump_stacks(list(pending))
+            for rank in pending:
+                outcomes[rank] = f"did not finish within {timeout:g} s; its stacks:\n{stacks.get(rank, '')}"
+            self._kill()
+        elif died:
+            self._kill()  # a rank is gone: the next call starts a fresh pool
+        if outcomes:
+            lines = [f"{fn.__qualname__} failed on {len(outcomes)} of {self.world_size} ranks (job {job}):"]
+            for rank in sorted(outcomes):
+                lines.append(f"=== rank {rank}: {outcomes[rank]}")
+            told = set(pending)  # a hung rank's output tail is the stack dump already shown
+            tails = self._tails(sorted(set(outcomes) - told)) if self._logs else ""
+            raise RanksFailed("\n".join(lines) + ("\n" + tails if tails else ""), outcomes)
+        return [results.get(r) for r in range(self.world_size)]
 
 
 # -- the worker side ---------------------------------------------------------------
@@ -284,6 +310,23 @@ def resources() -> Resources:
     return set(threading.enumerate()), fds, children
 
 
+def _described(fd: str) -> str:
+    """``"7->socket:[1234]"`` with what the socket is (protocol, local and remote address or
+    path, read from ``/proc/net``), so a leak report says whose it is."""
+    if "socket:[" not in fd:
+        return fd
+    inode = fd.rsplit("[", 1)[1].rstrip("]")
+    for table, inode_column in (("tcp", 9), ("tcp6", 9), ("udp", 9), ("udp6", 9), ("unix", 6)):
+        with contextlib.suppress(OSError), open(f"/proc/net/{table}") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > inode_column and fields[inode_column] == inode:
+                    where = fields[7] if table == "unix" and len(fields) > 7 else " -> ".join(fields[1:3])
+                    return f"{fd} ({table} {where})"
+    return fd
+
+
 def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
     """Threads, file descriptors and child processes left behind since ``before`` (a
     :func:`resources` reading), or ``None``. Garbage in reference cycles (an exception's
@@ -307,7 +350,7 @@ def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
             if extra:
                 parts.append(f"threads {[t.name for t in extra]}")
             if opened:
-                parts.append(f"file descriptors {sorted(opened)}")
+                parts.append(f"file descriptors {[_described(fd) for fd in sorted(opened)]}")
             if started:
                 parts.append(f"child processes {sorted(started)}")
             return "leaked " + " and ".join(parts)
@@ -317,10 +360,21 @@ def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
             time.sleep(0.05)  # a socket closing in the kernel, a child exiting: no event to wait on
 
 
+def _bind_devices(rank: int) -> None:
+    """Bind and initialise the accelerators the pool was made for (``RankPool(devices=)``)."""
+    import torch
+
+    for device_type in filter(None, os.environ.get("PG_CORE_POOL_DEVICES", "").split(",")):
+        module = getattr(torch, device_type)
+        module.set_device(rank % max(module.device_count(), 1))
+        torch.empty(1, device=device_type)  # the context exists now, not during the first call
+
+
 def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None:
     from torch.distributed import PrefixStore, TCPStore
 
     prepare_rank()  # stacks on SIGUSR1 for the parent's dump_stacks; one intra-op thread
+    _bind_devices(rank)
     conn = Client((host, port), authkey=bytes.fromhex(os.environ["PG_CORE_POOL_AUTHKEY"]))
     conn.send(rank)
     base = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))

@@ -750,15 +750,33 @@ def run_dead_peer(
         timeout=op_timeout,
     )
     device = _device(device_type, ctx.rank)
-    use_barrier = group.supports("barrier", device=device_type)
+    # the exchange: the first declared of barrier, send/recv, broadcast, all_reduce
+    dtypes = (torch.float32, torch.int64, torch.uint8, torch.float16, torch.bfloat16)
+    if group.supports("barrier", device=device_type):
+        op = "barrier"
+    elif any(group.supports("send", device_type, d) and group.supports("recv", device_type, d) for d in dtypes):
+        op = "recv"
+    else:
+        op = "broadcast" if any(group.supports("broadcast", device_type, d) for d in dtypes) else "all_reduce"
     dtype = next(
-        (d for d in (torch.float32, torch.int64, torch.uint8) if group.supports("send", device_type, d)), torch.float32
+        (
+            d
+            for d in dtypes
+            if group.supports(
+                "send" if op == "recv" else op, device_type, d, ReduceOp.MAX if op == "all_reduce" else None
+            )
+        ),
+        torch.float32,
     )
     t = torch.zeros(4, dtype=dtype, device=device)
 
     def exchange() -> None:
-        if use_barrier:
+        if op == "barrier":
             group.barrier()
+        elif op == "broadcast":
+            group.broadcast(t, src=victim)
+        elif op == "all_reduce":
+            group.all_reduce(t, ReduceOp.MAX)
         elif ctx.rank == victim:
             for peer in range(ctx.size):
                 if peer != victim:
@@ -775,7 +793,33 @@ def run_dead_peer(
         try:
             exchange()
         except Exception as exc:
-            return {**_error(exc), "seconds": time.monotonic() - start, "op": "barrier" if use_barrier else "recv"}
+            return {**_error(exc), "seconds": time.monotonic() - start, "op": op}
         return None
     finally:
         group.shutdown()
+
+
+def run_warm_up(ctx: Any, backend_ref: Any, device_types: list[str], op_timeout: float) -> None:
+    """Form a group on each accelerator type and run one declared collective, then shut it down:
+    what a device's library starts once per process (a CUDA context; NCCL's RAS service with
+    its listening sockets and pipe) exists before the examples, whose leak check then counts
+    what each group leaves behind. Run by the pools without the leak check."""
+    candidates = [(op, d) for op in ("all_reduce", "broadcast") for d in (torch.float32, torch.uint8, torch.int64)]
+    for device_type in device_types:
+        backend = resolve_backend_ref(backend_ref, device_type, factories=False)
+        group = ProcessGroup(
+            ctx.store,
+            ctx.rank,
+            ctx.size,
+            backends={device_type: backend},
+            name=f"conformance-warm-up-{device_type}",
+            timeout=op_timeout,
+        )
+        try:
+            rop = ReduceOp(RedOpType.MAX)
+            for op, dtype in candidates:
+                if group.supports(op, device_type, dtype, rop if op == "all_reduce" else None):
+                    _call_once(group, op, _device(device_type, ctx.rank), dtype, rop)
+                    break
+        finally:
+            group.shutdown()
