@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from pg_core import P2POp, ProcessGroup
 from pg_core.backend import Backend, Call
-from pg_core.errors import NotSupportedError
+from pg_core.errors import CollectiveTimeout, NotSupportedError
+from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_core.work import Work, all_of
 from pg_gloo.backend import GlooBackend
@@ -76,7 +77,6 @@ def same_as_one_by_one(ctx: RankContext, backends: Any) -> dict[str, Any]:
             "gathered": gathered.tolist(),
             "scattered": scattered.tolist(),
             "numbers": numbers,
-            "ops": len(batch),
             "done": batch.work.is_completed(),
         }
     finally:
@@ -92,7 +92,7 @@ def test_a_batch_of_collectives_gives_what_they_give_one_by_one(rank_pools: Pool
         assert got["broadcast"] == [float(n - 1)] * 4
         assert got["gathered"] == [float(s) for s in range(n) for _ in range(2)]
         assert got["scattered"] == [float(sum(3 * r + i + s for s in range(n))) for i in range(3)]
-        assert got["numbers"] == got["ops"] == 9  # one sequence number per collective, as one by one
+        assert got["numbers"] == 9  # one sequence number per collective, as one by one
         assert got["done"] is True
 
 
@@ -274,6 +274,35 @@ def test_what_a_block_refuses(rank_pools: Pools, backend: str) -> None:
         assert got["device"].startswith("ValueError:") and "one device type" in got["device"]
         assert "waited for inside its coalescing block" in got["wait_inside"]
         assert (got["other_group_inside"], got["mine_inside"], got["mine_after"]) == (str(float(n)), "1.0", "2.0")
+
+
+def timed_out(ctx: RankContext, backend: str) -> dict[str, Any]:
+    """Rank 1 joins the first all-reduce of rank 0's batch, not the second: that one times out,
+    named with its own sequence number, and the group's later collectives are refused."""
+    group = _group(ctx, backend)
+    try:
+        group.all_reduce(torch.ones(1))  # both ranks are up (and Gloo connected)
+        if ctx.rank == 1:
+            group.all_reduce(torch.ones(1))
+            wait_for(ctx.store, ["gave_up"], 60)
+            return {}
+        first = group._executor._next_seq
+        with pytest.raises(CollectiveTimeout) as err, group.coalescing():
+            group.all_reduce(torch.ones(1))
+            group.all_reduce(torch.ones(2), timeout=1)
+        with pytest.raises(CollectiveTimeout) as refused:
+            group.all_reduce(torch.ones(1))
+        ctx.store.set("gave_up", "1")
+        return {"op": err.value.op, "seq": err.value.seq, "first": first, "refused": str(refused.value)}
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.requires_backend("tcp")
+def test_a_collective_that_fails_in_a_batch_is_named_and_stops_the_groups_collectives(rank_pools: Pools) -> None:
+    got, _ = rank_pools(2).run(timed_out, "tcp", timeout=120)
+    assert (got["op"], got["seq"]) == ("all_reduce", got["first"] + 1)
+    assert f"stopped after all_reduce (collective #{got['first'] + 1}) failed" in got["refused"]
 
 
 # -- a backend that coalesces gets the whole batch in one call --------------------------------

@@ -102,11 +102,12 @@ class Batch:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._open.pop(self._thread or 0, None)
+        assert self._thread is not None  # (entered)
+        self._open.pop(self._thread, None)
         if exc is not None:
             self._discard(exc)
             return  # the block's exception goes on
-        work = self.issue()
+        work = self._issue()
         if not self._async:
             work.wait()
 
@@ -121,10 +122,6 @@ class Batch:
         """Wait for every operation of the batch (``timeout`` bounds this wait only, as
         :meth:`Work.wait`); re-raises the first error. Returns ``True``."""
         return self.work.wait(timeout)
-
-    def __len__(self) -> int:
-        """The number of operations recorded so far."""
-        return len(self._ops)
 
     def __repr__(self) -> str:
         state = "open" if self._work is None else repr(self._work)
@@ -209,7 +206,7 @@ class Batch:
         return work
 
     # -- issuing ------------------------------------------------------------------------------
-    def issue(self) -> Work:
+    def _issue(self) -> Work:
         """Issue the batch (the block's exit does); returns :attr:`work`. A failure to issue
         (a closed group, a failed backend) is raised here and fails every work of the batch."""
         try:
@@ -256,7 +253,8 @@ class Batch:
 
     def _one_by_one(self, inst: Instance, seq: int | None) -> Work:
         """The calls one after another, as they would run after the block: collectives in the
-        executor's entry (``seq`` is the first's number), point to point started as ``isend``/``irecv``."""
+        executor's entry (``seq``, the entry's number, is the first's; each later one takes the
+        next), point to point started as ``isend``/``irecv``."""
         executor = self._executor
         backend = inst.backend
         works: list[Work] = []
