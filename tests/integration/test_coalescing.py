@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from pg_core import P2POp, ProcessGroup
 from pg_core.backend import Backend, Call
+from pg_core.c10d import C10dBackend
 from pg_core.errors import CollectiveTimeout, NotSupportedError
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
@@ -427,6 +428,7 @@ class CoalescingGloo(GlooBackend):
     """pg-gloo whose torch object coalesces (:class:`_GroupCalls`): what pg-nccl gets from NCCL."""
 
     last: ClassVar[CoalescingGloo]
+    coalesces = C10dBackend.coalesces  # what pg-gloo turns off: the torch object's own word, as for pg-nccl
 
     def __init__(self, ctx: Any) -> None:
         super().__init__(ctx)
