@@ -90,6 +90,10 @@ Buffer lifetime, order and tags, with the full declaration:
     message, so a value received earlier changes under the receiver.
 45. RECV_BYTES_READ_ONLY: recv_bytes returns an immutable ``bytes`` ("a copy is safer"), so received tensors
     would be views of memory nobody may write.
+
+Coalescing (backend API 1.3), on pg-tcp given the hook (``COALESCING``, its control, runs a batch honestly):
+
+46. COALESCED_SKIPS_LAST: ``coalesced`` runs every call of the batch but the last (an off-by-one slice).
 """
 
 from __future__ import annotations
@@ -102,10 +106,10 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from pg_core.backend import DTYPES, Backend, BackendContext, BackendSpec, Capabilities
+from pg_core.backend import DTYPES, Backend, BackendContext, BackendSpec, Call, Capabilities
 from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.ops import OPS, RedOpType, ReduceOp
-from pg_core.work import Work
+from pg_core.work import Work, all_of
 from pg_tcp.backend import TCPBackend, TCPChannel
 from pg_tcp.plugin import CAPABILITIES
 
@@ -737,6 +741,30 @@ class RecvBytesReadOnly(TCPBackend):
         return bytes(super().recv_bytes(src, tag, timeout=timeout))  # type: ignore[return-value]  # bug
 
 
+# -- 46 -------------------------------------------------------------------------------------------------
+
+
+class Coalescing(TCPBackend):
+    """pg-tcp with the coalescing hook, honest: the batch's receives and sends posted as
+    ``irecv``/``isend``, its collectives run in order, one work for all of it."""
+
+    coalesces = True
+
+    def coalesced(self, calls: Sequence[Call]) -> Work:
+        works = []
+        for call in calls:
+            if call.op in ("send", "recv"):
+                works.append(getattr(self, "i" + call.op)(*call.args, timeout=call.timeout))
+            else:
+                getattr(self, call.op)(*call.args, timeout=call.timeout)
+        return all_of("coalesced", works)
+
+
+class CoalescedSkipsLast(Coalescing):
+    def coalesced(self, calls: Sequence[Call]) -> Work:
+        return super().coalesced(calls[:-1])  # bug: an off-by-one slice
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -784,6 +812,7 @@ IRECV_FILLS_LATE = _spec("irecv-fills-late", IrecvFillsLate)
 TAGS_TRUNCATED_32 = _spec("tags-truncated-32", TagsTruncated32)
 RECV_BYTES_SHARED_BUFFER = _spec("recv-bytes-shared-buffer", RecvBytesSharedBuffer)
 RECV_BYTES_READ_ONLY = _spec("recv-bytes-read-only", RecvBytesReadOnly)
+COALESCED_SKIPS_LAST = _spec("coalesced-skips-last", CoalescedSkipsLast)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 
@@ -795,3 +824,4 @@ CONTROL_ALL_REDUCE_SUM = _spec("control-all-reduce-sum", TCPBackend, ALL_REDUCE_
 CONTROL_BARRIER = _spec("control-barrier", TCPBackend, BARRIER_CAPS)
 CONTROL_MESSAGES = _spec("control-messages", TCPBackend, MESSAGE_CAPS)
 CONTROL_EMULATED = _spec("control-emulated", Emulated, MESSAGE_CAPS)
+COALESCING = _spec("coalescing", Coalescing)

@@ -34,6 +34,7 @@ EXAMPLES = {
     "objects": 20,
     "unknown_shape": 25,
     "subgroups": 20,
+    "coalescing": 12,
 }
 
 ALL_SIZES = (1, 2, 3, 4)
@@ -128,6 +129,11 @@ BUGS = {
     "recv-bytes-shared-buffer": Bug("RECV_BYTES_SHARED_BUFFER", "coverage", ("reference",)),
     # the core refuses a read-only buffer from recv_bytes: the receive fails, naming the backend
     "recv-bytes-read-only": Bug("RECV_BYTES_READ_ONLY", "coverage", ("declared-must-pass",)),
+    # coalescing: a call left out of the batch leaves its outputs as they were, or a receive waiting for a send
+    # that never went (the batch fails)
+    "coalesced-skips-last": Bug(
+        "COALESCED_SKIPS_LAST", "coalescing", ("reference", "declared-must-pass"), "COALESCING", world_sizes=PEERS
+    ),
 }
 
 #: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.

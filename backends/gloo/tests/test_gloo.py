@@ -155,6 +155,47 @@ def test_a_timeout_is_a_collective_timeout_and_the_backend_then_refuses_with_the
     assert "closed" in peer_side  # the other rank sees Gloo close the connection: a PeerFailureError
 
 
+# -- coalescing: Gloo has none, so pg-gloo claims none ------------------------------------------------
+
+
+def gloo_coalescing(ctx: RankContext) -> dict[str, Any]:
+    group = _group(ctx)
+    try:
+        first = torch.full((2,), float(ctx.rank))
+        second = torch.full((3,), float(ctx.rank), dtype=torch.float64)
+        with group.coalescing():  # pg-gloo's batch: one call after another, as the core runs it
+            group.all_reduce(first)
+            group.all_reduce(second)
+        backend = group._dispatch.instance(torch.device("cpu")).backend
+        gloo = backend.c10d  # the ProcessGroupGloo itself, connected to the other rank
+        out: dict[str, Any] = {
+            "values": (first.tolist(), second.tolist()),
+            "claims": backend.coalesces,
+            "supports_coalescing": gloo.supports_coalescing,
+        }
+        try:
+            gloo._start_coalescing()
+            out["start"] = "started"
+            gloo._end_coalescing()
+        except RuntimeError as exc:
+            out["start"] = str(exc).splitlines()[0]
+        return out
+    finally:
+        group.shutdown()
+
+
+def test_gloo_has_no_coalescing(rank_pools: Pools) -> None:
+    """Torch 2.13's ProcessGroupGloo cannot launch several operations as one: it says so
+    (``supports_coalescing``) and refuses ``_start_coalescing``. If a torch release changes
+    that, this fails: check that Gloo then really launches a batch as one, and drop pg-gloo's
+    ``coalesces = False`` so that C10dBackend.coalesced serves it (docs/decisions.md)."""
+    for got in rank_pools(2).run(gloo_coalescing, timeout=120):
+        assert got["values"] == ([1.0, 1.0], [1.0, 1.0, 1.0])
+        assert got["claims"] is False
+        assert got["supports_coalescing"] is False
+        assert got["start"] == "Backend gloo does not implement startCoalescing"
+
+
 # -- helpers for the tests above ---------------------------------------------------------------------
 
 

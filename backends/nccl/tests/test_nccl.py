@@ -69,3 +69,53 @@ def test_the_declared_capabilities_are_what_nccl_has() -> None:
         assert not ops & {RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}, dtype  # NCCL has no bitwise reductions
     assert CAPABILITIES.reduce_ops_for(torch.int16) == frozenset()
     assert RedOpType.PREMUL_SUM in CAPABILITIES.reduce_ops_for(torch.bfloat16)
+
+
+# -- on a GPU: a coalescing block is one NCCL group call -----------------------------------------
+
+
+class _Spy:
+    """The ProcessGroupNCCL, recording the calls pg-nccl makes on it."""
+
+    def __init__(self, pg: object) -> None:
+        self._pg = pg
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._pg, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: object) -> object:
+            self.calls.append(name)
+            return attr(*args)
+
+        return call
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"pg-nccl cannot run here: {REASON}")
+@pytest.mark.parametrize("async_block", [False, True], ids=["blocking", "async"])
+def test_a_coalescing_block_is_one_nccl_group_call(async_block: bool) -> None:
+    torch.cuda.set_device(0)
+    with ProcessGroup(HashStore(), 0, 1, backends={"cpu": "gloo", "cuda": "nccl"}, timeout=60) as group:
+        group.all_reduce(torch.ones(1, device="cuda"))  # the backend and its communicator exist
+        backend = group._dispatch.instance(torch.device("cuda")).backend
+        assert backend.coalesces is True  # ProcessGroupNCCL's supports_coalescing
+        spy = backend._pg = _Spy(backend._pg)
+        tensors = [
+            torch.full((5,), 1.5, device="cuda"),
+            torch.full((3, 2), 2.0, device="cuda", dtype=torch.float64),
+            torch.arange(4, device="cuda", dtype=torch.int32),
+            torch.full((6, 4), 3.0, device="cuda").t(),  # staged, copied back after the batch
+        ]
+        root = torch.full((7,), 4.0, device="cuda")
+        with group.coalescing(async_op=async_block) as batch:
+            works = [group.all_reduce(t, async_op=True) for t in tensors]
+            group.broadcast(root, src=0)
+        if async_block:
+            batch.wait(timeout=60)
+        torch.cuda.synchronize()
+        assert spy.calls == ["_start_coalescing", *["allreduce"] * 4, "broadcast", "_end_coalescing"]
+        assert all(w is not None and w.is_completed() for w in works)
+        assert tensors[0].tolist() == [1.5] * 5 and tensors[2].tolist() == [0, 1, 2, 3]
+        assert tensors[3].tolist() == [[3.0] * 6] * 4 and root.tolist() == [4.0] * 7

@@ -103,6 +103,26 @@ launches in the caller's thread, in the group's call order (no progress thread: 
 backend sees the caller's current stream), hands the work to the user, and copies staged
 outputs back and latches a failure when it completes.
 
+**Coalescing (API 1.3).** The operations a user calls inside ``with group.coalescing():``
+(collectives, ``isend``/``irecv``, ``batch_isend_irecv``) are issued together when the block
+exits. A backend whose library can launch several operations as one (NCCL's group calls)
+sets ``coalesces = True`` and implements :meth:`Backend.coalesced`, which receives the whole
+batch in one call: a list of :class:`Call`, each naming one of this backend's methods (a
+collective other than ``barrier``, ``send`` or ``recv``) with the positional arguments that
+method would get on its own, and its ``timeout``. The core guarantees what it guarantees
+for each method on its own (validated, capability-checked, dense, tags mapped), and in
+addition: at least one call; every tensor on this backend's device type; the calls in the
+user's order, collectives and point to point interleaved as called; a batch that holds a
+collective comes in the group's collective order, as one entry (it takes as many sequence
+numbers as it holds collectives); nothing of a batch was sent if the user's block failed.
+The backend returns one :class:`~pg_core.work.Work` that completes when every call has
+(failing with pg-core's errors); raising instead fails the whole batch. The core copies
+staged outputs back and latches a failure when that work completes. A backend without the
+hook gets the batch one call at a time, in the same order, as if the user had made the calls
+after the block: still correct, without the saving. Point to point from other threads may
+arrive while ``coalesced`` runs, as at any time: a library whose coalescing state belongs to
+the object rather than the thread (torch's does) must keep them out of the batch.
+
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.
@@ -149,6 +169,7 @@ __all__ = [
     "Backend",
     "BackendContext",
     "BackendSpec",
+    "Call",
     "Capabilities",
     "default_reduce_ops",
     "parse_api_version",
@@ -157,7 +178,7 @@ __all__ = [
 
 #: The version of this contract, ``"MAJOR.MINOR"``. A plugin declaring another
 #: major version is refused with :class:`~pg_core.errors.PluginVersionError`.
-API_VERSION: Final[str] = "1.2"
+API_VERSION: Final[str] = "1.3"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -377,6 +398,19 @@ class BackendContext:
         return timedelta(seconds=self.timeout)
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One operation of a coalesced batch (:meth:`Backend.coalesced`, API 1.3): the backend
+    method ``op`` (a collective's name, ``"send"`` or ``"recv"``) with the positional ``args``
+    the core would pass it on its own (``send``/``recv``: ``(tensor, peer, tag)``, the tag
+    already mapped) and the ``timeout`` (seconds) it would get. ``getattr(backend,
+    call.op)(*call.args, timeout=call.timeout)`` is that call."""
+
+    op: str
+    args: tuple[Any, ...]
+    timeout: float
+
+
 class Backend:
     """Base class of every backend. See the module docstring for the contract.
 
@@ -394,6 +428,8 @@ class Backend:
     size: int
     #: collectives take ``async_op`` and, with ``True``, launch and return a Work (API 1.2; see the module docstring)
     launches: bool = False
+    #: :meth:`coalesced` launches a batch as one (API 1.3; see the module docstring)
+    coalesces: bool = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -470,6 +506,13 @@ class Backend:
         for large messages an anonymous ``mmap`` (the core builds tensors as views into it).
         Optional."""
         raise NotSupportedError(f"{type(self).__name__} does not carry variable-size messages")
+
+    # -- optional: coalescing (API 1.3) ----------------------------------------
+    def coalesced(self, calls: Sequence[Call]) -> Work:
+        """Launch ``calls`` as one operation and return one :class:`~pg_core.work.Work` that
+        completes when all of them have. Called only where ``coalesces`` is ``True``; see
+        "Coalescing" in the module docstring for what the core guarantees."""
+        raise NotSupportedError(f"{type(self).__name__} does not coalesce (it sets no coalesces = True)")
 
     # -- collectives: defaults from pg_core.algorithms --------------------------
     # (they return None: done; a backend with ``launches = True`` returns a Work for async_op=True)

@@ -11,6 +11,12 @@ bytes, ``reduce`` off the root on a copy, uneven ``all_to_all``).
 
 ``c10d`` is also what ``ProcessGroup.to_torch()`` registers on a torch ``ProcessGroup``, so
 torch-side calls (DDP's) reach that very object with no Python in between.
+
+Coalescing (API 1.3) is the torch backend's own: :meth:`C10dBackend.coalesced` posts a batch's
+calls between its ``_start_coalescing()`` and ``_end_coalescing()`` (ProcessGroupNCCL: one
+``ncclGroupStart``/``ncclGroupEnd``), and ``coalesces`` is what the torch backend says of
+itself (``supports_coalescing``): ProcessGroupGloo says no, so pg-gloo's batches run one call
+after another.
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
-from .backend import Backend, BackendContext
+from .backend import Backend, BackendContext, Call
 from .errors import PeerFailureError
 from .ops import RedOpType, ReduceOp
 from .store import PolledStore, PrefixStore
-from .work import Work
+from .work import Work, all_of
 
 __all__ = ["REDUCE_OPS", "C10dBackend", "first_line", "flat_bytes", "timeout_delta", "torch_reduce_op"]
 
@@ -102,6 +108,11 @@ class C10dBackend(Backend):
         #: torch's options objects by (kind, timeout, reduce op, root): see :meth:`_opts`
         self._options_cache: dict[tuple[Any, ...], Any] = {}
         self._rendezvous: PolledStore | None = None
+        #: held while a call is posted, and through a whole coalesced launch: torch's coalescing
+        #: state belongs to the object, so another thread's call must not land inside a batch
+        self._posting = threading.Lock()
+        #: (thread, the batch's work) while that thread runs :meth:`coalesced`
+        self._batch: tuple[int, Work] | None = None
 
     def rendezvous(self, what: str) -> PolledStore:
         """The store to build the torch object from: the group's, under this backend's name,
@@ -115,6 +126,52 @@ class C10dBackend(Backend):
             PrefixStore(ctx.backend_name, ctx.store), ctx.timeout, f"group {ctx.group_name!r}: {what}"
         )
         return self._rendezvous
+
+    @property
+    def coalesces(self) -> bool:  # type: ignore[override]  # read from the torch object, which subclasses build
+        """Whether :meth:`coalesced` launches a batch as one: the torch backend's own
+        ``supports_coalescing`` (ProcessGroupNCCL: yes; ProcessGroupGloo, torch 2.13: no, and
+        its ``_start_coalescing`` raises)."""
+        pg = self._pg
+        return pg is not None and bool(pg.supports_coalescing)
+
+    def coalesced(self, calls: Sequence[Call]) -> Work:
+        """Post every call (each method's torch call, not waited for) between the torch
+        backend's ``_start_coalescing()`` and ``_end_coalescing()``, which launches them as one
+        (NCCL: one group call); torch's one work completes the batch. The works the methods
+        return inside the batch complete with it."""
+        pg = self._ready("coalesced")
+        timeout = max(call.timeout for call in calls)
+        launched: list[Work] = []
+
+        def drive(_: Work, budget: float) -> None:
+            if launched:  # torch's one work, once the batch is launched
+                launched[0].is_completed() if budget <= 0 else launched[0]._wait_done(budget)
+
+        batch = Work("coalesced", driver=drive)
+        with self._posting:
+            self._batch = (threading.get_ident(), batch)
+            try:
+                pg._start_coalescing()
+                try:
+                    results = [getattr(self, call.op)(*call.args, timeout=call.timeout) for call in calls]
+                finally:
+                    torch_work = pg._end_coalescing()  # also after a failure: torch's state must close
+            except RuntimeError as exc:
+                raise self._error(exc, "coalesced", timeout) from exc
+            finally:
+                self._batch = None
+        work = (
+            Work.completed("coalesced") if torch_work is None else self._launched(torch_work, "coalesced", timeout, ())
+        )
+        launched.append(work)
+
+        def finished(w: Work) -> None:
+            exc = w.exception(0)
+            batch.set_result(None) if exc is None else batch.set_exception(exc)
+
+        work.add_done_callback(finished)
+        return all_of("coalesced", [batch, *(r for r in results if isinstance(r, Work))])
 
     @property
     def c10d(self) -> Any:
@@ -170,9 +227,18 @@ class C10dBackend(Backend):
     ) -> Work | None:
         """Post an operation (``post()`` returns the torch backend's work) and wait for it, in
         pg-core's errors; with ``async_op``, return a :class:`~pg_core.work.Work` for it instead
-        (no thread: whoever waits on it, or polls it, drives torch's work)."""
+        (no thread: whoever waits on it, or polls it, drives torch's work). Inside this thread's
+        :meth:`coalesced`, only posts it and returns the batch's work."""
+        batch = self._batch
+        if batch is not None and batch[0] == threading.get_ident():
+            try:
+                post()  # into torch's open batch; its one work covers this call
+            except RuntimeError as exc:
+                raise self._error(exc, what, timeout, peers) from exc
+            return batch[1]
         try:
-            work = post()
+            with self._posting:
+                work = post()
             if async_op:
                 return self._launched(work, what, timeout, peers)
             if bounded:  # point to point: the work's wait takes the bound (a collective carries it in its options)

@@ -1,7 +1,8 @@
 """Executor: the order of one group's collectives: queue, sequence numbers, failure latch, drain, abort.
 
 Collectives of a group run one at a time, in the order they were called, each with the
-next sequence number: a blocking one in the caller's thread when nothing is queued (no
+next sequence number (a coalesced batch is one entry that takes a number per collective it
+holds, :meth:`Executor.take`): a blocking one in the caller's thread when nothing is queued (no
 thread handoff), an asynchronous one on the group's progress thread, and a blocking one
 called while asynchronous ones are queued behind them. Calling collectives in the same
 order on every rank is the user's obligation; the sequence number is how backends that can
@@ -110,16 +111,30 @@ class Executor:
         seq = self.seq = self._next_seq
         self._next_seq = seq + 1
         if self._broken is not None:
-            kind, reason = self._broken
-            raise kind(
-                f"{op}: collectives of group {self._name!r} stopped after {reason}; ranks may be out of step, "
-                "so form the group again (point to point still works)"
-            )
+            raise self._stopped(op)
         try:
             return fn(seq)
         except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
             self.latch(op, seq, exc)
             raise
+
+    def _stopped(self, op: str) -> PGError:
+        kind, reason = self._broken or (PGError, "")
+        return kind(
+            f"{op}: collectives of group {self._name!r} stopped after {reason}; ranks may be out of step, "
+            "so form the group again (point to point still works)"
+        )
+
+    def take(self, op: str, count: int = 1) -> int:
+        """``count`` more sequence numbers for the collective that is running (a coalesced batch
+        holding several collectives takes one each); returns the first. Raises as a new
+        collective would if the group's collectives stopped after a failure."""
+        if self._broken is not None:
+            raise self._stopped(op)
+        first = self._next_seq
+        self._next_seq = first + count
+        self.seq = first + count - 1
+        return first
 
     def latch(self, op: str, seq: int, exc: BaseException | None) -> None:
         """Refuse later collectives if collective ``op`` number ``seq`` failed with ``exc`` in a way

@@ -3,7 +3,8 @@
 There is no default group and no global rank: a ``ProcessGroup`` is an ordinary object, a
 process may hold any number of them, and every rank it speaks of is a rank *in that group*.
 Bad input raises here, before any byte is sent. What happens next belongs to other modules:
-the order of collectives to :mod:`pg_core.executor`, backends to :mod:`pg_core.dispatch`
+the order of collectives to :mod:`pg_core.executor`, coalesced batches to
+:mod:`pg_core.coalescing`, backends to :mod:`pg_core.dispatch`
 and :mod:`pg_core.instance`, objects and unknown shapes to :mod:`pg_core.objects`, and the
 group's formation (subgroups and rendezvous included) to :mod:`pg_core.membership`.
 """
@@ -11,17 +12,18 @@ group's formation (subgroups and rendezvous included) to :mod:`pg_core.membershi
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import messages
+from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends
 from .errors import CollectiveTimeout
 from .executor import Executor
@@ -48,7 +50,7 @@ from .validation import (
 from .work import Work, then
 
 if TYPE_CHECKING:
-    from .backend import Backend, BackendSpec
+    from .backend import BackendSpec
     from .instance import Instance
     from .registry import Registry
 
@@ -146,6 +148,8 @@ class ProcessGroup:
         )
         # where barrier (an op without tensors) and messages go: the cpu backend, else the first configured one
         self._barrier_device = message_device(self._specs)
+        #: the open coalescing blocks on this group, by thread (empty but while one is open)
+        self._coalescing: dict[int, Batch] = {}
         self._objects = Objects(
             rank=m.rank,
             size=m.size,
@@ -154,6 +158,8 @@ class ProcessGroup:
             dispatcher=self._dispatch,
             supported=self._supported,
             executor=self._executor,
+            coalescing=self._coalescing,
+            name=f.name,
         )
         self._subgroups = Subgroups(f)
         self._torch_group: torch.distributed.ProcessGroup | None = None  # to_torch(), made on first call
@@ -220,15 +226,16 @@ class ProcessGroup:
         self,
         op: str,
         staging: Staging | None,
-        call: Callable[[Backend, float], Any],
+        args: tuple[Any, ...],
         *,
         reduce_op: ReduceOp | None,
         async_op: bool,
         timeout: float | timedelta | None,
     ) -> Any:
         """Check that the backend for the staged tensors' device (``barrier``: none staged)
-        declares ``op``, then run ``call(backend, seconds)`` in the executor's order.
-        Blocking: returns what ``call`` returned; ``async_op``: a ``Work`` whose ``result()``
+        declares ``op``, then call its method ``op`` with ``args`` and the timeout in the
+        executor's order (inside this thread's coalescing block: record it in the batch).
+        Blocking: returns what the method returned; ``async_op``: a ``Work`` whose ``result()``
         it is."""
         # (a closed group raises in the executor, before anything is sent)
         if staging is None or staging.device is None:
@@ -236,14 +243,18 @@ class ProcessGroup:
         else:
             device, dtype = staging.device, staging.dtype
         self._supported.check(op, device, dtype, reduce_op)
+        if self._coalescing:  # (empty unless some thread is inside a coalescing block of this group)
+            batch = self._coalescing.get(threading.get_ident())
+            if batch is not None:
+                return batch.collective(op, device, staging, args, timeout=timeout, async_op=async_op)
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         dispatch = self._dispatch
 
         if async_op and dispatch.launches(device):
-            return self._launch(op, device, staging, call, budget)
+            return self._launch(op, device, staging, args, budget)
 
         def run(_seq: int) -> Any:
-            result = call(dispatch.instance(device).backend, budget)
+            result = getattr(dispatch.instance(device).backend, op)(*args, timeout=budget)
             if staging is not None and staging.back:
                 staging.finish()
             return result
@@ -251,12 +262,7 @@ class ProcessGroup:
         return self._executor.run(op, run, async_op=async_op)
 
     def _launch(
-        self,
-        op: str,
-        device: torch.device,
-        staging: Staging | None,
-        call: Callable[[Backend, float], Any],
-        budget: float,
+        self, op: str, device: torch.device, staging: Staging | None, args: tuple[Any, ...], budget: float
     ) -> Work:
         """An asynchronous collective on a backend that launches (API 1.2): launched here, in
         the executor's order, returning the backend's work; staged outputs are copied back and
@@ -265,12 +271,47 @@ class ProcessGroup:
 
         def launch(seq: int) -> Work:
             backend = self._dispatch.instance(device, op).backend
-            work: Work = call(cast("Backend", _Launching(backend)), budget)
+            work: Work = getattr(backend, op)(*args, timeout=budget, async_op=True)
             work.add_done_callback(lambda done: executor.latch(op, seq, done.exception(0)))
             return work
 
         inner: Work = executor.run(op, launch, async_op=False)
         return then(inner, staging.finish) if staging is not None and staging.back else inner
+
+    def coalescing(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Batch:
+        """``with group.coalescing() as batch:``: the tensor collectives and ``isend``/``irecv``
+        (and ``batch_isend_irecv``) this thread calls on this group inside the block are
+        issued together when it exits, as torch's ``_coalescing_manager`` does: as one launch
+        where the device's backend coalesces (pg-nccl: one NCCL group call), otherwise one
+        after another in call order (correct, without the saving).
+
+        Each call is validated as it is made (bad input raises there) and returns at once: a
+        blocking collective returns ``None``, a call with ``async_op=True`` a ``Work`` that
+        completes with the batch. Nothing is sent before the exit; a block that raises sends
+        nothing and re-raises. ``async_op=False``: the exit waits for the whole batch, and
+        outputs hold their values after the block; ``async_op=True``: ``batch.work`` /
+        ``batch.wait()`` complete when every operation has. ``timeout`` (seconds) is what each
+        call of the block gets when it gives none (default: the group's).
+
+        Inside a block: one device type (the first call's); no ``barrier``,
+        ``monitored_barrier``, blocking ``send``/``recv``, nor object or message operations
+        (``RuntimeError``); no nested block. Other groups' calls, and other threads' calls
+        on this group, are not captured: each group (and thread) coalesces its own. A batch
+        holding a collective is one entry in the group's collective order, taking the
+        sequence numbers its collectives would have taken one by one; a batch of point to
+        point only goes straight to the backend.
+        """
+        refuse_nested(self._coalescing, self._name)
+        self._executor.check_open()
+        return Batch(
+            name=self._name,
+            executor=self._executor,
+            dispatch=self._dispatch,
+            open_batches=self._coalescing,
+            async_op=async_op,
+            timeout=self._seconds(timeout),
+            default_timeout=self._timeout,
+        )
 
     # -- collectives ------------------------------------------------------------
     def all_reduce(
@@ -289,7 +330,7 @@ class ProcessGroup:
         return self._collective(
             "all_reduce",
             st,
-            lambda b, s: b.all_reduce(t, rop, timeout=s),
+            (t, rop),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
@@ -306,7 +347,7 @@ class ProcessGroup:
         return self._collective(
             "broadcast",
             st,
-            lambda b, s: b.broadcast(t, src, timeout=s),
+            (t, src),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -330,7 +371,7 @@ class ProcessGroup:
         return self._collective(
             "reduce",
             st,
-            lambda b, s: b.reduce(t, dst, rop, timeout=s),
+            (t, dst, rop),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
@@ -354,7 +395,7 @@ class ProcessGroup:
         return self._collective(
             "all_gather",
             st,
-            lambda b, s: b.all_gather(staged, t, timeout=s),
+            (staged, t),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -379,7 +420,7 @@ class ProcessGroup:
         return self._collective(
             "all_gather_into_tensor",
             st,
-            lambda b, s: b.all_gather_into_tensor(o, i, timeout=s),
+            (o, i),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -405,7 +446,7 @@ class ProcessGroup:
         return self._collective(
             "reduce_scatter",
             st,
-            lambda b, s: b.reduce_scatter(o, staged, rop, timeout=s),
+            (o, staged, rop),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
@@ -432,7 +473,7 @@ class ProcessGroup:
         return self._collective(
             "reduce_scatter_tensor",
             st,
-            lambda b, s: b.reduce_scatter_tensor(o, i, rop, timeout=s),
+            (o, i, rop),
             reduce_op=rop,
             async_op=async_op,
             timeout=timeout,
@@ -460,7 +501,7 @@ class ProcessGroup:
         return self._collective(
             "all_to_all",
             st,
-            lambda b, s: b.all_to_all(o, i, timeout=s),
+            (o, i),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -499,7 +540,7 @@ class ProcessGroup:
         return self._collective(
             "all_to_all_single",
             st,
-            lambda b, s: b.all_to_all_single(o, i, out_splits, in_splits, timeout=s),
+            (o, i, out_splits, in_splits),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -521,7 +562,7 @@ class ProcessGroup:
         return self._collective(
             "gather",
             st,
-            lambda b, s: b.gather(t, staged, dst, timeout=s),
+            (t, staged, dst),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -543,7 +584,7 @@ class ProcessGroup:
         return self._collective(
             "scatter",
             st,
-            lambda b, s: b.scatter(t, staged, src, timeout=s),
+            (t, staged, src),
             reduce_op=None,
             async_op=async_op,
             timeout=timeout,
@@ -571,9 +612,7 @@ class ProcessGroup:
 
     def barrier(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Work | None:
         """Return once every rank has entered the barrier (on the cpu backend if the group has one)."""
-        return self._collective(
-            "barrier", None, lambda b, s: b.barrier(timeout=s), reduce_op=None, async_op=async_op, timeout=timeout
-        )
+        return self._collective("barrier", None, (), reduce_op=None, async_op=async_op, timeout=timeout)
 
     def monitored_barrier(self, *, timeout: float | timedelta | None = None, wait_all_ranks: bool = True) -> None:
         """A barrier that names the ranks that did not arrive, as ``torch.distributed.monitored_barrier``.
@@ -586,6 +625,7 @@ class ProcessGroup:
         Every missing rank is named whatever ``wait_all_ranks`` says (kept for torch's spelling).
         """
         self._executor.check_open()
+        refuse_inside(self._coalescing, "monitored_barrier", self._name)
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         self._monitored += 1
         key = f"monitored_barrier/{self._monitored}"
@@ -621,7 +661,7 @@ class ProcessGroup:
     # -- point to point -----------------------------------------------------------
     def _p2p(
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
-    ) -> tuple[Instance, torch.Tensor, Staging, float]:
+    ) -> tuple[Instance | Recorder, torch.Tensor, Staging, float]:
         self._executor.check_open()
         tensor = check_tensor(tensor)
         check_peer(peer, self._size, self._rank, "dst" if kind == "send" else "src", kind)
@@ -631,6 +671,10 @@ class ProcessGroup:
         inst.tags.check(tag)
         st = Staging(kind)
         staged = st.stage(tensor) if kind == "send" else st.stage(tensor, written=True)
+        if self._coalescing:  # inside this thread's coalescing block: recorded in its batch instead
+            batch = self._coalescing.get(threading.get_ident())
+            if batch is not None:
+                return batch.capture(inst, timeout), staged, st, self._seconds(timeout)
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
@@ -657,24 +701,22 @@ class ProcessGroup:
         return then(inner, st.finish) if st.back else inner
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
-        """Start every send and receive of the list; returns one ``Work`` per op, in order."""
+        """Start every send and receive of the list as one coalesced batch (see
+        :meth:`coalescing`); returns one ``Work`` per op, in order, each complete when the
+        whole batch is. Nothing starts if any op is invalid. Inside a coalescing block, the
+        ops join that block's batch."""
         if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
             raise ValueError("batch_isend_irecv takes a non-empty list of P2POp")
-        kinds = []
         for p in p2p_op_list:
             if not isinstance(p, P2POp):
                 raise TypeError(f"batch_isend_irecv takes P2POp items, got {type(p).__name__}")
             bound = getattr(p.op, "__self__", self)
             if bound is not self:
                 raise ValueError("a P2POp's op belongs to another group; build it from this group's isend/irecv")
-            kinds.append(p.kind)
-            # validate everything before starting anything
-            self._p2p("send" if p.kind == "isend" else "recv", p.tensor, p.peer, p.tag, None)
-        works = []
-        for p, kind in zip(p2p_op_list, kinds, strict=False):
-            start = self.isend if kind == "isend" else self.irecv
-            works.append(start(p.tensor, p.peer, p.tag))
-        return works
+        if threading.get_ident() not in self._coalescing:
+            with self.coalescing(async_op=True):
+                return self.batch_isend_irecv(p2p_op_list)
+        return [(self.isend if p.kind == "isend" else self.irecv)(p.tensor, p.peer, p.tag) for p in p2p_op_list]
 
     # -- objects and tensors the receiver knows nothing about ------------------------------
     #
@@ -994,19 +1036,6 @@ class ProcessGroup:
         with contextlib.suppress(Exception):
             if self._executor.state is None:
                 self.abort()
-
-
-class _Launching:
-    """A launching backend as the collective lambdas see it: each method called with
-    ``async_op=True``, so one lambda per op serves both paths."""
-
-    __slots__ = ("_backend",)
-
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
-
-    def __getattr__(self, name: str) -> Any:
-        return functools.partial(getattr(self._backend, name), async_op=True)
 
 
 def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:

@@ -25,7 +25,9 @@ FSDP2 / DeviceMesh (built on both).
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from .c10d import C10dBackend
 from .ops import ReduceOp, as_reduce_op
-from .work import Work
+from .work import Work, all_of
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -146,6 +148,7 @@ class _Adapter(dist.ProcessGroup):
         super().__init__(group.rank, group.size)  # type: ignore[call-arg]
         self._group_ref = weakref.ref(group)
         self._natives = natives
+        self._native_groups: dict[int, dist.ProcessGroup] = {}
         self._name = f"pg_core:{group.uid}"
 
     @property
@@ -296,6 +299,101 @@ class _Adapter(dist.ProcessGroup):
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
     all_to_all_single = alltoall_base  # type: ignore[assignment]
+
+    # -- coalescing (torch's _coalescing_manager) ------------------------------------------
+    # With a device, torch's manager brackets the calls in its block with _start_coalescing and
+    # _end_coalescing: a coalescing block of the group (its calls come back through the methods
+    # above, which the open block records). Its all_reduce, all_gather_single and
+    # reduce_scatter_single become one *_coalesced call at its exit: one batch of their own.
+    def _start_coalescing(self, device: torch.device) -> None:
+        native = self._natives.get(torch.device(device).type)
+        if native is not None:
+            self._native_group(native)._start_coalescing(device)
+            return
+        self._g.coalescing(async_op=True).__enter__()
+
+    def _end_coalescing(self, device: torch.device) -> c10d.Work:
+        native = self._natives.get(torch.device(device).type)
+        if native is not None:
+            return self._native_group(native)._end_coalescing(device)
+        batch = self._g._coalescing.get(threading.get_ident())
+        if batch is None:
+            raise RuntimeError(f"_end_coalescing on torch group {self._name!r} without _start_coalescing")
+        batch.__exit__(None, None, None)
+        return _TorchWork(batch.work, [])
+
+    def _batched(self, opts: Any, value: Any, calls: Callable[[ProcessGroup, bool], list[Work | None]]) -> c10d.Work:
+        """``calls(group, async_op)`` as one batch: in this thread's open block (torch's
+        ``_start_coalescing``), else in a block of their own, blocking as ``opts.asyncOp`` says."""
+        group = self._g
+        if threading.get_ident() in group._coalescing:
+            return _TorchWork(all_of("coalesced", [w for w in calls(group, True) if w is not None]), value)
+        with group.coalescing(async_op=_async(opts)) as batch:
+            calls(group, False)
+        return _TorchWork(batch.work, value)
+
+    def _native_group(self, native: Any) -> dist.ProcessGroup:
+        """A torch ``ProcessGroup`` on just the native backend ``native``, for what torch's
+        ``Backend`` binding lacks (the coalesced collectives, and coalescing by device)."""
+        group = self._native_groups.get(id(native))
+        if group is None:
+            group = dist.ProcessGroup(self._g.rank, self._g.size)  # type: ignore[call-arg]
+            kind = dist.ProcessGroup.BackendType.CUSTOM
+            for device_type, backend in self._natives.items():
+                if backend is native:
+                    group._register_backend(torch.device(device_type), kind, native)
+            group._set_default_backend(kind)
+            self._native_groups[id(native)] = group
+        return group
+
+    def allreduce_coalesced(  # type: ignore[override]
+        self, tensors: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.AllreduceCoalescedOptions()
+        native = self._native(tensors)
+        if native is not None:
+            return native.allreduce_coalesced(tensors, opts)
+        op, seconds = _reduce_op(opts), _timeout(opts)
+        return self._batched(
+            opts, tensors, lambda g, a: [g.all_reduce(t, op, async_op=a, timeout=seconds) for t in tensors]
+        )
+
+    def all_gather_single_coalesced(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.AllgatherOptions()
+        native = self._native(inputs)
+        if native is not None:
+            return self._native_group(native).all_gather_single_coalesced(outputs, inputs, opts)
+        seconds = _timeout(opts)
+        return self._batched(
+            opts,
+            outputs,
+            lambda g, a: [
+                g.all_gather_into_tensor(o, i, async_op=a, timeout=seconds)
+                for o, i in zip(outputs, inputs, strict=True)
+            ],
+        )
+
+    def reduce_scatter_single_coalesced(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        opts = opts or c10d.ReduceScatterOptions()
+        native = self._native(inputs)
+        if native is not None:
+            return self._native_group(native).reduce_scatter_single_coalesced(outputs, inputs, opts)
+        op, seconds = _reduce_op(opts), _timeout(opts)
+        return self._batched(
+            opts,
+            outputs,
+            lambda g, a: [
+                g.reduce_scatter_tensor(o, i, op, async_op=a, timeout=seconds)
+                for o, i in zip(outputs, inputs, strict=True)
+            ],
+        )
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     # -- point to point -----------------------------------------------------------------
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> c10d.Work:

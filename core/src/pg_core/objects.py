@@ -11,12 +11,13 @@ number so mismatched calls raise instead of mixing.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import messages
+from .coalescing import refuse_inside
 from .errors import CollectiveMismatchError, CollectiveTimeout
 from .tags import check_tag
 from .timeouts import Deadline, retell
@@ -59,6 +60,8 @@ class Objects:
         dispatcher: Dispatcher,
         supported: Supported,
         executor: Executor,
+        coalescing: Mapping[int, object],
+        name: str,
     ) -> None:
         self.rank, self.size = rank, size
         self.device = device
@@ -66,6 +69,8 @@ class Objects:
         self._dispatch = dispatcher
         self._supported = supported
         self._executor = executor
+        self._coalescing = coalescing  # the group's open coalescing blocks, by thread: value ops refuse to run in one
+        self._name = name
         self._endpoint: messages.Endpoint | None = None
         self._endpoint_lock = threading.Lock()
         self._checked: set[str] = set()
@@ -84,6 +89,8 @@ class Objects:
     def _checked_endpoint(self, op: str, *directions: str) -> messages.Endpoint:
         """Messages need the message backend's ``send``/``recv`` (of ``uint8`` where they
         are emulated on tensors). Creates that backend if this is its first use."""
+        if self._coalescing:
+            refuse_inside(self._coalescing, op, self._name)
         ep = self.endpoint(op)
         for direction in directions:
             if direction not in self._checked:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import CollectiveTimeout
 
-__all__ = ["Work", "then"]
+__all__ = ["Work", "all_of", "then", "unwrap"]
 
 #: ``driver(work, timeout)`` makes progress on ``work`` for at most ``timeout``
 #: seconds (``0``: only what is ready now) and returns; it never raises for the
@@ -175,3 +175,73 @@ def then(inner: Work, fn: Callable[[], None]) -> Work:
 
     inner.add_done_callback(done)
     return outer
+
+
+def all_of(op: str, works: list[Work]) -> Work:
+    """A work that completes when every one of ``works`` has (at once for none), or with the
+    first error as soon as one fails. Waiting on it, or polling it, drives them in turn."""
+    outer: Work
+
+    def drive(_: Work, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for w in works:
+            if outer._done:
+                return
+            if timeout <= 0:
+                w.is_completed()
+            elif not w._wait_done(max(deadline - time.monotonic(), 0.0)):
+                return
+
+    outer = Work(op, driver=drive)
+    left = [len(works)]
+    lock = threading.Lock()
+
+    def done(w: Work) -> None:
+        if w._exc is not None:
+            outer.set_exception(w._exc)
+            return
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            outer.set_result(None)
+
+    if not works:
+        outer.set_result(None)
+    for w in works:
+        w.add_done_callback(done)
+    return outer
+
+
+def unwrap(outer: Work) -> Work:
+    """``outer``, whose result is another work (an operation that launches one when it runs),
+    as one work: done when that inner work is, with its result or the first error."""
+
+    def drive(_: Work, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        if not outer._done:
+            if timeout <= 0:
+                outer.is_completed()
+                return
+            if not outer._wait_done(timeout):
+                return
+        inner = outer._result
+        if isinstance(inner, Work):
+            if timeout <= 0:
+                inner.is_completed()
+            else:
+                inner._wait_done(max(deadline - time.monotonic(), 0.0))
+
+    result = Work(outer.op, driver=drive)
+
+    def ran(w: Work) -> None:
+        inner = w._result
+        if w._exc is not None:
+            result.set_exception(w._exc)
+        elif isinstance(inner, Work):
+            inner.add_done_callback(lambda i: result.set_exception(i._exc) if i._exc else result.set_result(i._result))
+        else:
+            result.set_result(inner)
+
+    outer.add_done_callback(ran)
+    return result

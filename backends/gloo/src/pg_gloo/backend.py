@@ -17,6 +17,9 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   stays in step). ``send`` copies the tensor into a buffer of the message's own and
   returns at once (the contract's "send never waits for its receiver"); one reaper
   thread per backend waits for Gloo's sends in order and releases their buffers.
+* **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
+  says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
+  not claim it and the core runs a batch one call after another, in order.
 * **Errors are pg-core's.** Gloo's timeout becomes
   :class:`~pg_core.errors.CollectiveTimeout`; a closed or reset connection,
   :class:`~pg_core.errors.PeerFailureError`. Gloo closes its connections on a timeout
@@ -121,6 +124,11 @@ class GlooBackend(C10dBackend):
 
     #: what Gloo's copying collectives refuse ("Invalid scalar type"): moved as bytes
     as_bytes = frozenset({torch.int16, torch.complex64, torch.complex128})
+
+    #: a coalesced batch runs one call after another (the core's order): torch's Gloo cannot
+    #: launch several as one (torch 2.13: ``supports_coalescing`` is False and
+    #: ``_start_coalescing`` raises; pinned by ``test_gloo_has_no_coalescing``)
+    coalesces = False
 
     # -- collectives: where Gloo differs ------------------------------------------------------
     def reduce(

@@ -82,7 +82,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=("cuda",),
             capabilities=CAPABILITIES,
             priority=20,
-            api_version="1.2",  # collectives launch (Backend.launches)
+            api_version="1.3",  # collectives launch (Backend.launches); batches coalesce (Backend.coalesced)
             is_available=is_available,
             description="torch's C++ NCCL (ProcessGroupNCCL): one communicator per group and device",
         )

@@ -171,12 +171,16 @@ class Lane:
 
     ``parent``: ``None`` for a group formed on its own; for a subgroup, the lane
     whose ``split`` or ``new_group`` call forms it. Its members run its calls right
-    after that call, then shut it down."""
+    after that call, then shut it down.
+
+    ``coalesced``: ``None``, or ``"blocking"`` / ``"async"``: the lane's calls are made
+    inside one ``group.coalescing()`` block with that ``async_op``."""
 
     members: list[int]
     calls: list[Call]
     wait_order: list[int] = field(default_factory=list)
     parent: int | None = None
+    coalesced: str | None = None
 
 
 @dataclass
@@ -191,6 +195,8 @@ class Example:
         for lane in raw["lanes"]:
             if lane["parent"] is None:
                 del lane["parent"]  # examples without subgroups read as they always did
+            if lane["coalesced"] is None:
+                del lane["coalesced"]
         return json.dumps(raw, separators=(",", ":"), sort_keys=True)
 
     @classmethod
@@ -202,6 +208,7 @@ class Example:
                 calls=[Call(**{**c, "shape": tuple(c["shape"])}) for c in lane["calls"]],
                 wait_order=list(lane["wait_order"]),
                 parent=lane.get("parent"),
+                coalesced=lane.get("coalesced"),
             )
             for lane in raw["lanes"]
         ]
@@ -213,6 +220,8 @@ class Example:
             head = f"  lane {li} (ranks {lane.members})" if len(self.lanes) > 1 else "  calls"
             if lane.parent is not None:
                 head = f"  lane {li} (ranks {lane.members}, a subgroup of lane {lane.parent})"
+            if lane.coalesced is not None:
+                head += f" in one coalescing block ({lane.coalesced})"
             lines.append(head + ":")
             for ci, call in enumerate(lane.calls):
                 lines.append(f"    [{ci}] {call.describe()}")

@@ -75,6 +75,7 @@ TESTS: tuple[str, ...] = (
     "unknown_shape",
     "subgroups",
     "sequences",
+    "coalescing",
     "concurrent_groups",
     "undeclared",
     "bad_input",
@@ -300,6 +301,9 @@ class Conformance:
         elif test == "subgroups":
             if not ops and not p2p and not any(target.messages(d) for d in self.devices):
                 return "nothing is declared that a subgroup could run"
+        elif test == "coalescing":
+            if not any(op != "barrier" for d in self.devices for op in target.ops(d)) and not (p2p and multi):
+                return "no collective but barrier is declared, and no point to point can run"
         elif test in ("sequences", "concurrent_groups"):
             if not ops and not (p2p and multi):
                 return "no collective is declared, and no point to point can run"

@@ -15,6 +15,7 @@ subgroup it formed. A subgroup's lane runs on the subgroup right after the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -115,15 +116,23 @@ class _Lane:
         # Form the backend on every member now: a backend's construction may be collective (Gloo's is),
         # and a lane may start with messages that leave some ranks out.
         group._dispatch.instance(self.device)
-        for ci, call in enumerate(self.lane.calls):
-            record: dict[str, Any] = {"call": ci, "error": None, "early": None, "supports": None}
-            self.records.append(record)
-            try:
-                self._start(group, ci, call, record)
-            except Exception as exc:
-                record["error"] = _error(exc)
-                if call.op not in ("undeclared", "bad_input"):
-                    break
+        coalesced = self.lane.coalesced
+        try:
+            with group.coalescing(async_op=coalesced == "async") if coalesced else contextlib.nullcontext() as batch:
+                for ci, call in enumerate(self.lane.calls):
+                    record: dict[str, Any] = {"call": ci, "error": None, "early": None, "supports": None}
+                    self.records.append(record)
+                    try:
+                        self._start(group, ci, call, record)
+                    except Exception as exc:
+                        record["error"] = _error(exc)
+                        if call.op not in ("undeclared", "bad_input"):
+                            break
+            if batch is not None:
+                batch.wait()  # (a blocking block's exit waited already)
+        except Exception as exc:  # the batch failed: every call of it did
+            for record in self.records:
+                record["error"] = record["error"] or _error(exc)
         for ci in self.lane.wait_order:
             for work in self.works.get(ci, []):
                 try:

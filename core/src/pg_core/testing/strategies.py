@@ -236,6 +236,25 @@ def _lane_calls(draw: Any, target: Target, device: str, n: int, count: int, *, p
     return calls
 
 
+def _coalesced_calls(draw: Any, target: Target, device: str, n: int, count: int) -> list[Call]:
+    """What a coalescing block takes: declared tensor collectives but barrier, and point to
+    point as ``batch_isend_irecv`` (which joins the block's batch); nobody calls late."""
+    kinds = [op for op in target.ops(device) if op != "barrier"]
+    if n > 1 and target.p2p_dtypes(device):
+        kinds.append("p2p")
+    calls = []
+    for _ in range(count):
+        kind = draw(st.sampled_from(kinds))
+        if kind == "p2p":
+            call = _p2p(draw, target, device, n)
+            call.params["mode"], call.async_op = "batch", True
+        else:
+            call = _collective(draw, target, device, kind, n, allow_large=False)
+        call.late = None
+        calls.append(call)
+    return calls
+
+
 # -- values: objects, tensors of unknown shape, tensor dicts -----------------------------------
 
 
@@ -442,8 +461,8 @@ def _seed(draw: Any) -> int:
 
 def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
     """The strategy behind conformance test ``test`` (an op name, or one of ``p2p``,
-    ``objects``, ``unknown_shape``, ``subgroups``, ``sequences``, ``concurrent_groups``,
-    ``undeclared``, ``bad_input``, ``timeouts``)."""
+    ``objects``, ``unknown_shape``, ``subgroups``, ``sequences``, ``coalescing``,
+    ``concurrent_groups``, ``undeclared``, ``bad_input``, ``timeouts``)."""
 
     @st.composite
     def draw_example(draw: Any) -> Example:
@@ -470,6 +489,12 @@ def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
             return _subgroups(draw, target, device, n)
         elif test == "sequences":
             calls = _lane_calls(draw, target, device, n, draw(st.integers(2, 6)))
+        elif test == "coalescing":
+            calls = _coalesced_calls(draw, target, device, n, draw(st.integers(1, 5)))
+            lane = Lane(
+                members, calls, _wait_order(draw, calls), coalesced=draw(st.sampled_from(["blocking", "async"]))
+            )
+            return Example(n, device, _seed(draw), [lane])
         elif test == "concurrent_groups":
             return _concurrent(draw, target, device, n)
         elif test == "undeclared":
