@@ -145,8 +145,12 @@ class C10dBackend(Backend):
         launched: list[Work] = []
 
         def drive(_: Work, budget: float) -> None:
-            if launched:  # torch's one work, once the batch is launched
-                launched[0].is_completed() if budget <= 0 else launched[0]._wait_done(budget)
+            if not launched:  # the batch is not launched yet
+                return
+            if budget <= 0:
+                launched[0].is_completed()  # torch's one work: poll it
+            else:
+                launched[0]._wait_done(budget)
 
         batch = Work("coalesced", driver=drive)
         with self._posting:
@@ -168,7 +172,10 @@ class C10dBackend(Backend):
 
         def finished(w: Work) -> None:
             exc = w.exception(0)
-            batch.set_result(None) if exc is None else batch.set_exception(exc)
+            if exc is None:
+                batch.set_result(None)
+            else:
+                batch.set_exception(exc)
 
         work.add_done_callback(finished)
         return all_of("coalesced", [batch, *(r for r in results if isinstance(r, Work))])
