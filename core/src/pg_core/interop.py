@@ -137,6 +137,14 @@ class _TorchWork(c10d.Work):
         value = self._future.value()
         return value if isinstance(value, list) else []
 
+    def _source_rank(self) -> int:
+        """The sender's group rank, for a receive (``torch.distributed.irecv(t, group=...)``
+        without ``src`` reads it here)."""
+        sender = None if self._work is None else self._work.result()
+        if not isinstance(sender, int):
+            raise RuntimeError(f"{self._work!r} is not a receive: it has no source rank")
+        return sender
+
 
 class _Adapter(dist.ProcessGroup):
     """A torch ``ProcessGroup`` whose operations are the pg-core group's (see the module
@@ -309,3 +317,9 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.recv(tensors, src, tag)
         return _TorchWork(self._g.irecv(tensors[0], src, tag), tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> c10d.Work:
+        """The group's receive from any source (where its backend declares it; else
+        ``NotSupportedError``), whatever the device: a native torch backend would bypass the
+        plugin's own message framing."""
+        return _TorchWork(self._g.irecv(tensors[0], None, tag), tensors)
