@@ -756,16 +756,14 @@ class Transport:
 
     # == connections ==========================================================================
 
-    def _connect_for(self, req: Request, *, block: bool, peer: _Peer | None = None) -> None:
-        """Make a connection to ``req``'s peer (or ``peer``, for an any-source receive), unless it
-        has one or one is being made. ``block``: wait for the peer's address within ``req``'s
-        deadline; else only if it is published already. A failure fails ``req`` (CollectiveTimeout
-        at its deadline; nothing for an any-source receive, which other peers may still serve) or
+    def _connect_for(self, req: Request, *, block: bool, probe: _Peer | None = None) -> None:
+        """Make a connection to ``req``'s peer (or to ``probe``, one of an any-source receive's
+        peers), unless it has one or one is being made. ``block``: wait for the peer's address
+        within ``req``'s deadline; else only if it is published already. A failure fails ``req``
+        (CollectiveTimeout at its deadline; nothing for a probe: other peers may still send) or
         the peer (a refused connection: it is gone). Outside the lock."""
-        if peer is None:
-            peer = self._peers[req.peer]
+        peer = self._peers[req.peer] if probe is None else probe
         assert peer is not None
-        probe = req.peer != peer.rank
         self._progress_now()  # a connection the peer made may be waiting: take it rather than make a second
         with self._lock:
             if peer.send is not None or peer.closed is not None or peer.connecting:
@@ -779,7 +777,7 @@ class Transport:
             sock = None
         except TimeoutError as exc:  # CollectiveTimeout (the store) or socket.timeout (connect)
             self._connect_failed(peer)
-            if not probe:
+            if probe is None:
                 self._expire(req, f"no connection to rank {peer.rank}: {exc}")
             return
         except OSError as exc:  # refused, unreachable: nothing listens there any more
@@ -798,7 +796,7 @@ class Transport:
             return
         except RuntimeError as exc:  # the store failed (torch raises DistStoreError, a RuntimeError)
             self._connect_failed(peer)
-            if probe:
+            if probe is not None:
                 return
             self._fail(
                 req,
@@ -920,7 +918,7 @@ class Transport:
                 if req.done or req.peer != ANY:
                     break
                 if peer is not None and peer.send is None and peer.closed is None and not peer.connecting:
-                    self._connect_for(req, block=False, peer=peer)
+                    self._connect_for(req, block=False, probe=peer)
             req.probe_at = time.monotonic() + grace
         return min(limit, req.probe_at)
 
