@@ -705,8 +705,9 @@ class ProcessGroup:
     def irecv(
         self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *, timeout: float | timedelta | None = None
     ) -> Work:
-        """Start receiving from ``src`` (``None``: from any source, as :meth:`recv`) into ``tensor``;
-        read it after the ``Work`` completes. Its ``result()`` is the sender's rank."""
+        """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes.
+        ``src=None`` receives from any source, as :meth:`recv`, and the ``Work``'s ``result()``
+        is then the sender's rank."""
         if src is None:
             inst, t, st, budget = self._p2p("recv", tensor, None, tag, timeout)
             inner: Work = inst.recv_any(t, tag, budget, async_op=True)
@@ -720,19 +721,11 @@ class ProcessGroup:
             return mapped(inner, received)
         inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inner = inst.p2p("recv", t, src, tag, budget, async_op=True)
-        named: int = src
-
-        def done(_: object) -> int:
-            if st.back:
-                st.finish()
-            return named
-
-        return mapped(inner, done)
+        return then(inner, st.finish) if st.back else inner
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
-        """Start every send and receive of the list; returns one ``Work`` per op, in order (a
-        receive's ``result()`` is its sender's rank; an ``irecv`` with ``peer=None`` receives
-        from any source)."""
+        """Start every send and receive of the list; returns one ``Work`` per op, in order (an
+        ``irecv`` with ``peer=None`` receives from any source; its ``result()`` is the sender)."""
         if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
             raise ValueError("batch_isend_irecv takes a non-empty list of P2POp")
         kinds = []
