@@ -16,6 +16,7 @@ from pg_core import (
     GroupClosedError,
     HashStore,
     NotSupportedError,
+    PluginError,
     ProcessGroup,
     ReduceOp,
 )
@@ -384,3 +385,143 @@ def test_work_wait_takes_a_timedelta_like_torch(group):
     from datetime import timedelta
 
     assert group.all_reduce(torch.zeros(1), async_op=True).wait(timedelta(seconds=5))
+
+
+# -- receiving from any source (API 1.4) ----------------------------------------------------------
+
+
+class AnySource(Backend):
+    """Declares ``recv_anysource``; every receive is logged, and an any-source one "comes from" the
+    rank its options name (or returns what ``reply`` says, to prove the core checks it)."""
+
+    name = "any-rec"
+    capabilities = Capabilities(
+        ops=frozenset({"send", "recv", "recv_anysource"}), dtypes=frozenset({torch.float32, torch.int64})
+    )
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.log: list[tuple] = ctx.options["log"]
+        self.reply = ctx.options.get("reply", 2)
+
+    def send(self, tensor, dst, tag, *, timeout):
+        self.log.append(("send", dst, tag))
+
+    def recv(self, tensor, src, tag, *, timeout):
+        self.log.append(("recv", src, tag))
+        tensor.fill_(src)
+
+    def recv_anysource(self, tensor, tag, *, timeout):
+        self.log.append(("recv_anysource", tag, threading.current_thread().name))
+        tensor.fill_(-1)
+        return self.reply
+
+
+def any_group(log, size=3, rank=0, **extra):
+    return ProcessGroup(
+        HashStore(), rank=rank, size=size, backends=AnySource, options={"any-rec": {"log": log, **extra}}
+    )
+
+
+def test_recv_returns_the_sender_named_or_from_any_source_with_the_tag_mapped_as_for_recv(log):
+    with any_group(log) as group:
+        t = torch.zeros(2, 3).t()  # staged, and the result copied back
+        assert group.recv(t, 1, tag=4) == 1
+        assert group.recv(t, tag=4) == 2  # src=None
+        assert t.eq(-1).all()
+        assert group.recv(t, None, 4) == 2
+        assert group.irecv(t, 1, 4).wait(10)
+        assert group.irecv(t, tag=4).result(10) == 2  # from any source: the Work's result is the sender
+        assert group.supports("recv_anysource", "cpu", torch.float32)
+    wire = 2 + 2 * 4  # pg_core.tags: user tag t is wire tag 2 + 2t, for any source as for a named peer
+    assert [e[:3] if e[0] == "recv" else e[:2] for e in log] == [
+        ("recv", 1, wire),
+        ("recv_anysource", wire),
+        ("recv_anysource", wire),
+        ("recv", 1, wire),
+        ("recv_anysource", wire),
+    ]
+
+
+class GatedAnySource(AnySource):
+    """An any-source receive on user tag 0 (wire tag 2) blocks until the test opens the gate."""
+
+    name = "gated-any-rec"
+
+    def recv_anysource(self, tensor, tag, *, timeout):
+        source = super().recv_anysource(tensor, tag, timeout=timeout)
+        if tag == 2:
+            self.ctx.options["entered"].set()
+            assert self.ctx.options["gate"].wait(timeout)
+        return source
+
+
+def test_any_source_receives_of_a_tag_are_one_stream_in_call_order_on_the_core_helper(log):
+    entered, gate = threading.Event(), threading.Event()
+    options = {"gated-any-rec": {"log": log, "entered": entered, "gate": gate}}
+    with ProcessGroup(HashStore(), rank=0, size=3, backends=GatedAnySource, options=options) as group:
+        first = group.irecv(torch.zeros(1), None, 0)  # no native irecv_anysource: the tag's helper runs it
+        assert entered.wait(10)
+        other_tag = group.irecv(torch.zeros(1), None, 1)  # another tag is another stream: not held up
+        assert other_tag.result(10) == 2
+        blocking = group.irecv(torch.zeros(1), None, 0)
+        gate.set()
+        assert group.recv(torch.zeros(1), None, 0) == 2  # blocking, behind the tag's pending ones
+        assert [first.result(10), blocking.result(10)] == [2, 2]
+    streams = [(tag, name.rpartition("-recv-any-")[2]) for _, tag, name in log]
+    assert [tag for tag, _ in streams] == [2, 4, 2, 2]  # wire tags, in call order per tag
+    assert all(str(tag) == stream for tag, stream in streams), streams  # each on its tag's helper thread
+
+
+def test_batch_isend_irecv_takes_peer_none_for_a_receive_from_any_source(log):
+    with any_group(log) as group:
+        works = group.batch_isend_irecv(
+            [P2POp(group.irecv, torch.zeros(1), None), P2POp(group.isend, torch.zeros(1), 1)]
+        )
+        assert [w.result(10) for w in works] == [2, None]
+        log.clear()
+        with pytest.raises(TypeError, match="dst must be an int"):  # a send needs a peer
+            group.batch_isend_irecv(
+                [P2POp(group.irecv, torch.zeros(1), None), P2POp(group.isend, torch.zeros(1), None)]
+            )
+        assert log == []
+
+
+@pytest.mark.parametrize("reply", [None, 0, 3, -1, True, "1"])
+def test_a_backend_that_returns_no_valid_sender_is_named(log, reply):
+    with any_group(log, reply=reply) as group:
+        with pytest.raises(PluginError, match=f"backend 'any-rec' broke the contract.*returned {reply!r}"):
+            group.recv(torch.zeros(1))
+        with pytest.raises(PluginError, match="not the group rank of the sender"):
+            group.irecv(torch.zeros(1)).wait(10)
+
+
+def test_an_undeclared_receive_from_any_source_is_refused_before_the_backend_sees_it(group, log):
+    t = torch.zeros(2)
+    with pytest.raises(
+        NotSupportedError, match=r"src=None.*backend 'cpu-rec' on cpu does not declare 'recv_anysource'.*src=RANK"
+    ):
+        group.recv(t)
+    with pytest.raises(NotSupportedError, match="recv_anysource"):
+        group.irecv(t, None, 3)
+    with pytest.raises(NotSupportedError, match="recv_anysource"):
+        group.batch_isend_irecv([P2POp(group.isend, t, 1), P2POp(group.irecv, t, None)])
+    assert log == []
+    assert not group.supports("recv_anysource", "cpu", torch.float32)
+    assert group.recv(t, 1) == 1  # naming the sender works
+
+
+def test_the_default_capabilities_leave_optional_ops_out_and_name_them_when_unknown():
+    assert "recv_anysource" not in Capabilities().ops
+    assert "recv_anysource" in Capabilities(ops=frozenset({"recv_anysource"})).ops
+    with pytest.raises(ValueError, match="recv_anysource"):  # the known ops are listed, the optional one too
+        Capabilities(ops=frozenset({"recv_any"}))
+
+
+def test_a_receive_from_any_source_needs_another_rank(log):
+    with any_group(log, size=1) as group:
+        with pytest.raises(ValueError, match="no rank but this one"):
+            group.recv(torch.zeros(1))
+        with pytest.raises(ValueError, match="src=0 is this rank"):
+            group.recv(torch.zeros(1), 0)
+    assert log == []

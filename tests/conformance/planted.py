@@ -94,6 +94,16 @@ Buffer lifetime, order and tags, with the full declaration:
 Coalescing (backend API 1.3), on pg-tcp given the hook (``COALESCING``, its control, runs a batch honestly):
 
 46. COALESCED_SKIPS_LAST: ``coalesced`` runs every call of the batch but the last (an off-by-one slice).
+
+Receiving from any source (the optional ``recv_anysource``, declared by pg-tcp's full capabilities):
+
+47. ANY_SOURCE_PEER_INDEX: an any-source receive reports the sender's index in the list of the other ranks
+    (this rank left out) instead of its group rank: right for senders below the receiver, one too low above.
+48. ANY_SOURCE_IRECV_PER_PEER: an any-source receive posts one irecv per peer and keeps the first that
+    completes; the others stay posted and take those peers' next messages, which the receives after it
+    never see (lost, or a later message in their place).
+49. ANY_SOURCE_STALE_SENDER: an any-source receive reports the sender of the receive before it (the field is
+    read before it is updated): a rank of the group, just not the one whose message it holds.
 """
 
 from __future__ import annotations
@@ -109,7 +119,7 @@ import torch
 from pg_core.backend import DTYPES, Backend, BackendContext, BackendSpec, Call, Capabilities
 from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.ops import OPS, RedOpType, ReduceOp
-from pg_core.work import Work, all_of
+from pg_core.work import Work, all_of, mapped
 from pg_tcp.backend import TCPBackend, TCPChannel
 from pg_tcp.plugin import CAPABILITIES
 
@@ -765,6 +775,50 @@ class CoalescedSkipsLast(Coalescing):
         return super().coalesced(calls[:-1])  # bug: an off-by-one slice
 
 
+# -- 47, 48: receiving from any source ---------------------------------------------------------------------
+
+
+def _peer_index(rank: int, me: int) -> int:
+    return rank if rank < me else rank - 1  # bug: the index in [other ranks], not the group rank
+
+
+class AnySourcePeerIndex(TCPBackend):
+    def recv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> int:
+        return _peer_index(super().recv_anysource(tensor, tag, timeout=timeout), self.rank)
+
+    def irecv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> Work:
+        return mapped(super().irecv_anysource(tensor, tag, timeout=timeout), lambda src: _peer_index(src, self.rank))
+
+
+class AnySourceIrecvPerPeer(TCPBackend):
+    def recv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> int:
+        landing = {p: torch.empty_like(tensor) for p in range(self.size) if p != self.rank}
+        works = {p: self.irecv(buf, p, tag, timeout=timeout) for p, buf in landing.items()}
+        first = threading.Event()
+        for work in works.values():
+            work.add_done_callback(lambda _: first.set())
+        if not first.wait(timeout):
+            raise CollectiveTimeout(f"recv from any source timed out after {timeout} s", peers=list(works))
+        peer = next(p for p, work in works.items() if work.is_completed())
+        works[peer].wait()
+        tensor.copy_(landing[peer])
+        return peer  # bug: the receives from the other peers stay posted and take their next messages
+
+    irecv_anysource = Backend.irecv_anysource  # the core's helper thread runs recv_anysource
+
+
+class AnySourceStaleSender(TCPBackend):
+    _last: int | None = None
+
+    def recv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> int:
+        source = super().recv_anysource(tensor, tag, timeout=timeout)
+        reported = source if self._last is None else self._last  # bug: read before it is updated
+        self._last = source
+        return reported
+
+    irecv_anysource = Backend.irecv_anysource
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -813,6 +867,10 @@ TAGS_TRUNCATED_32 = _spec("tags-truncated-32", TagsTruncated32)
 RECV_BYTES_SHARED_BUFFER = _spec("recv-bytes-shared-buffer", RecvBytesSharedBuffer)
 RECV_BYTES_READ_ONLY = _spec("recv-bytes-read-only", RecvBytesReadOnly)
 COALESCED_SKIPS_LAST = _spec("coalesced-skips-last", CoalescedSkipsLast)
+
+ANY_SOURCE_PEER_INDEX = _spec("any-source-peer-index", AnySourcePeerIndex)
+ANY_SOURCE_IRECV_PER_PEER = _spec("any-source-irecv-per-peer", AnySourceIrecvPerPeer)
+ANY_SOURCE_STALE_SENDER = _spec("any-source-stale-sender", AnySourceStaleSender)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 

@@ -29,6 +29,7 @@ PROFILE = Profile("planted", max_examples=12, derandomize=True, op_timeout=5.0, 
 EXAMPLES = {
     "all_reduce": 25,
     "p2p": 30,
+    "any_source": 16,
     "timeouts": 6,
     "barrier": 2,
     "objects": 20,
@@ -134,6 +135,12 @@ BUGS = {
     "coalesced-skips-last": Bug(
         "COALESCED_SKIPS_LAST", "coalescing", ("reference", "declared-must-pass"), "COALESCING", world_sizes=PEERS
     ),
+    # receiving from any source, with the full declaration: a wrong sender (the core refuses this rank's own
+    # rank, naming the backend), or a message lost to a stale receive (a later one in its place, or a timeout)
+    "any-source-peer-index": Bug("ANY_SOURCE_PEER_INDEX", "any_source", ("reference", "declared-must-pass")),
+    "any-source-irecv-per-peer": Bug("ANY_SOURCE_IRECV_PER_PEER", "any_source", ("reference", "declared-must-pass")),
+    # a valid rank, another sender's: the receive holds a message that rank did not send there
+    "any-source-stale-sender": Bug("ANY_SOURCE_STALE_SENDER", "any_source", ("reference",)),
 }
 
 #: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.

@@ -239,6 +239,8 @@ def refusals(ctx: RankContext, backend: str) -> dict[str, str]:
             "device": lambda: group.all_reduce(torch.ones(1, device="meta")),
             "wait_inside": lambda: group.all_reduce(torch.ones(1), async_op=True).wait(timeout=5),  # type: ignore[union-attr]
         }
+        if group.supports("recv_anysource"):  # a batch names every peer
+            cases["any_source"] = lambda: group.irecv(torch.ones(1), None)
         for name, call in cases.items():
             try:
                 with group.coalescing():
@@ -274,6 +276,10 @@ def test_what_a_block_refuses(rank_pools: Pools, backend: str) -> None:
         assert "use isend" in got["send"]
         assert got["device"].startswith("ValueError:") and "one device type" in got["device"]
         assert "waited for inside its coalescing block" in got["wait_inside"]
+        if "any_source" in got:
+            assert (
+                got["any_source"].startswith("RuntimeError:") and "cannot join a coalescing block" in got["any_source"]
+            )
         assert (got["other_group_inside"], got["mine_inside"], got["mine_after"]) == (str(float(n)), "1.0", "2.0")
 
 

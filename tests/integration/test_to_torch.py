@@ -152,3 +152,26 @@ def test_torch_distributed_collectives_take_our_group(rank_pools: Pools, backend
         assert got.get("recv") == (42.0 if r == 1 else None)
         assert got["initialized"] is False
         assert got["world_size"] == n
+
+
+def torch_irecv_from_any_source(ctx: RankContext) -> list[tuple[int, float]] | None:
+    """``torch.distributed.irecv(t, group=...)`` without ``src`` on the Python adapter (pg-tcp):
+    the group's receive from any source, and the work's ``_source_rank()`` is the sender."""
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="tcp", timeout=ctx.timeout) as group:
+        pg = group.to_torch()
+        if ctx.rank != 0:
+            dist.send(torch.tensor([float(ctx.rank)]), group=pg, group_dst=0)
+            return None
+        got = []
+        for _ in range(ctx.size - 1):
+            msg = torch.empty(1)
+            work = dist.irecv(msg, group=pg)
+            work.wait()
+            got.append((work._source_rank(), msg.item()))
+        return got
+
+
+@pytest.mark.requires_backend("tcp")
+def test_torch_irecv_without_src_receives_from_any_source(rank_pools: Pools) -> None:
+    got = rank_pools(3).run(torch_irecv_from_any_source, timeout=120)[0]
+    assert got is not None and sorted(got) == [(1, 1.0), (2, 2.0)]

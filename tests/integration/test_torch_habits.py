@@ -1,4 +1,5 @@
-"""What torch.distributed users reach for, as methods of the group: ``monitored_barrier``."""
+"""What torch.distributed users reach for, as methods of the group: ``monitored_barrier``, and
+``recv(tensor, src=None)``, which receives from any source and returns the sender's rank."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from pg_core import ProcessGroup
-from pg_core.errors import CollectiveTimeout
+import torch
+from pg_core import P2POp, ProcessGroup
+from pg_core.errors import CollectiveTimeout, NotSupportedError
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
 
@@ -52,3 +54,67 @@ def test_monitored_barrier_names_the_rank_that_did_not_arrive(rank_pools: Pools,
         assert got["peers"] == [absent], got
         assert f"rank(s) {absent} did not arrive within 1 s" in got["message"]
         assert 0.9 < got["seconds"] < 8.0, got
+
+
+# -- recv from any source -------------------------------------------------------------------------
+
+
+def serve_any_source(ctx: RankContext) -> dict[str, Any]:
+    """Rank 0 serves the others as a torch user would write it: ``src = recv(t)`` (no src), then
+    an answer to ``src``. Every other rank sends two requests on tag 7 and one on tag 9, which
+    rank 0 takes with ``batch_isend_irecv`` of ``irecv``s with ``peer=None``."""
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="tcp", timeout=ctx.timeout) as group:
+        if ctx.rank != 0:
+            for k in range(2):
+                group.send(torch.tensor([ctx.rank * 10.0 + k]), 0, tag=7)
+            group.send(torch.tensor([ctx.rank * 100.0]), 0, tag=9)
+            answers = [torch.empty(1) for _ in range(2)]
+            assert [group.recv(a, 0, tag=8) for a in answers] == [0, 0]  # a named src is returned too
+            return {"answers": [a.item() for a in answers]}
+        served = []
+        for _ in range(2 * (ctx.size - 1)):
+            request = torch.empty(1)
+            src = group.recv(request, tag=7)
+            served.append((src, request.item()))
+            group.send(request * -1, src, tag=8)
+        bufs = [torch.empty(1) for _ in range(ctx.size - 1)]
+        works = group.batch_isend_irecv([P2POp(group.irecv, b, None, 9) for b in bufs])
+        batched = [(w.result(), b.item()) for w, b in zip(works, bufs, strict=True)]
+        return {"served": served, "batched": batched}
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_recv_from_any_source_sees_each_sender_in_its_order(rank_pools: Pools, world_size: int) -> None:
+    results = rank_pools(world_size).run(serve_any_source, timeout=120)
+    served, batched = results[0]["served"], results[0]["batched"]
+    senders = range(1, world_size)
+    assert sorted(src for src, _ in served) == sorted([*senders, *senders])
+    for r in senders:
+        assert [v for src, v in served if src == r] == [r * 10.0, r * 10.0 + 1]  # each sender in its order
+        assert results[r]["answers"] == [-(r * 10.0), -(r * 10.0 + 1)]  # answered at the rank recv returned
+    assert sorted(batched) == [(r, r * 100.0) for r in senders]  # each sender once
+
+
+def any_source_on_gloo(ctx: RankContext) -> str | None:
+    """pg-gloo does not declare receiving from any source: refused locally, and nothing was taken."""
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=ctx.timeout) as group:
+        if ctx.rank != 0:
+            group.send(torch.tensor([float(ctx.rank)]), 0, tag=7)
+            return None
+        t = torch.empty(1)
+        with pytest.raises(NotSupportedError) as refused:
+            group.recv(t, tag=7)
+        assert not group.supports("recv_anysource")
+        got = []
+        for src in range(1, ctx.size):  # every message is still there for the receives that name their senders
+            assert group.recv(t, src, tag=7) == src
+            got.append(t.item())
+        assert got == [float(r) for r in range(1, ctx.size)]
+        return str(refused.value)
+
+
+@pytest.mark.requires_backend("gloo")
+def test_recv_from_any_source_on_a_backend_without_it_is_refused_locally(rank_pools: Pools) -> None:
+    message = rank_pools(3).run(any_source_on_gloo, timeout=120)[0]
+    assert message is not None and "backend 'gloo' on cpu does not declare 'recv_anysource'" in message
+    assert "src=RANK" in message and "tcp" in message  # what to do instead: name the sender, or use pg-tcp

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pg_core import ProcessGroup
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, NotSupportedError, PeerFailureError
 from pg_core.ops import ReduceOp
-from pg_core.store import HashStore, wait_for
+from pg_core.store import HashStore, PrefixStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_gloo.plugin import CAPABILITIES, MAX_TAG
 
@@ -120,6 +120,80 @@ def wrong_size_then_right(ctx: RankContext) -> str:
 
 def test_a_receive_of_the_wrong_size_is_an_error_not_gloos_abort(rank_pools: Pools) -> None:
     assert rank_pools(2).run(wrong_size_then_right, timeout=120) == ["sent", "refused"]
+
+
+# -- receiving from any source: Gloo can, pg-gloo's two-part messages cannot ------------------------
+
+
+def _framed_send(pg: Any, payload: torch.Tensor, dst: int, tag: int) -> list[Any]:
+    """A message as pg-gloo sends it: a 16-byte header (size, dtype code), then the payload, one tag."""
+    header = torch.tensor([payload.numel() * payload.element_size(), 7], dtype=torch.int64)
+    return [pg.send([header], dst, tag), pg.send([payload], dst, tag)]
+
+
+def gloo_any_source(ctx: RankContext) -> dict[str, Any] | None:
+    """Raw Gloo on three ranks. First, Gloo's own any-source receive of whole messages: ranks 1
+    and 2 send two each, rank 0 takes them with ``recv_anysource``. Then pg-gloo's framing:
+    rank 1 sends one message of 4 float32 (16 bytes, as large as a header) and rank 0 reads its
+    header naming rank 1, as pg-gloo's ``recv`` does; an any-source receive that runs before the
+    payload is read (another thread's, or the core's helper thread's) takes the payload."""
+    pg = dist.ProcessGroupGloo(PrefixStore("raw-gloo", ctx.store), ctx.rank, ctx.size, timedelta(seconds=60))
+    try:
+        if ctx.rank != 0:
+            works = [pg.send([torch.tensor([ctx.rank * 10.0 + k])], 0, 3) for k in range(2)]
+            if ctx.rank == 1:
+                works += _framed_send(pg, torch.tensor([1.5, 2.5, 3.5, 4.5]), 0, 4)
+            for work in works:
+                work.wait()
+            wait_for(ctx.store, ["done"], 60)
+            return None
+        whole = []
+        for _ in range(4):
+            t = torch.empty(1)
+            work = pg.recv_anysource([t], 3)
+            work.wait()
+            whole.append((work._source_rank(), t.item()))
+        header = torch.empty(2, dtype=torch.int64)
+        pg.recv([header], 1, 4).wait()  # a receive naming rank 1 has read its header...
+        taken = torch.empty(2, dtype=torch.int64)
+        work = pg.recv_anysource([taken], 4)  # ...and a receive from any source comes before its payload
+        work.wait()
+        ctx.store.set("done", "1")
+        return {
+            "whole": whole,
+            "header": header.tolist(),
+            "taken_from": work._source_rank(),
+            "taken_as_floats": taken.view(torch.float32).tolist(),
+        }
+    finally:
+        pg.shutdown()
+
+
+def test_gloo_receives_from_any_source_but_pg_gloos_two_part_messages_cannot_be(rank_pools: Pools) -> None:
+    """Why ``recv_anysource`` is not declared: Gloo's any-source receive works and keeps each sender's
+    order, but a pg-gloo message is two Gloo messages on one tag, and an any-source receive takes
+    whichever comes next from any peer, a payload too. A payload of 16 bytes is read as a header (a
+    garbage size); a larger one makes Gloo abort the process (``op.preamble.length <= op.nbytes``).
+    If this stops holding, or pg-gloo's framing changes, declare the op and let the suite certify it."""
+    got = rank_pools(3).run(gloo_any_source, timeout=120)[0]
+    assert got is not None
+    whole = got["whole"]
+    assert sorted(whole) == [(1, 10.0), (1, 11.0), (2, 20.0), (2, 21.0)]  # Gloo's own: the right senders
+    assert [v for s, v in whole if s == 1] == [10.0, 11.0] and [v for s, v in whole if s == 2] == [20.0, 21.0]
+    assert got["header"] == [16, 7]
+    assert got["taken_from"] == 1 and got["taken_as_floats"] == [1.5, 2.5, 3.5, 4.5]  # the payload, as a header
+    assert "recv_anysource" not in CAPABILITIES.ops
+
+
+def test_a_receive_from_any_source_is_refused_before_anything_is_received() -> None:
+    with ProcessGroup(HashStore(), 0, 1, backends="gloo", timeout=10) as group:
+        assert not group.supports("recv_anysource")
+        with pytest.raises(
+            NotSupportedError, match=r"backend 'gloo' on cpu does not declare 'recv_anysource'.*src=RANK"
+        ):
+            group.recv(torch.zeros(2))
+        with pytest.raises(NotSupportedError, match="recv_anysource"):
+            group.irecv(torch.zeros(2), None, 5)
 
 
 # -- Gloo's timeout ---------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def test_the_declared_capabilities_are_what_nccl_has() -> None:
         assert not ops & {RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR}, dtype  # NCCL has no bitwise reductions
     assert CAPABILITIES.reduce_ops_for(torch.int16) == frozenset()
     assert RedOpType.PREMUL_SUM in CAPABILITIES.reduce_ops_for(torch.bfloat16)
+    assert "recv_anysource" not in CAPABILITIES.ops  # every ncclRecv names its peer: no receive from any source
 
 
 # -- on a GPU: a coalescing block is one NCCL group call -----------------------------------------

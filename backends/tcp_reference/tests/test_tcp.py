@@ -159,7 +159,7 @@ def test_plugin_declares_every_op_dtype_and_sensible_reduce_op() -> None:
     assert spec.factory == "pg_tcp.backend:TCPBackend"
     assert spec.devices == ("cpu",)
     caps = spec.capabilities_for("cpu")
-    assert set(caps.ops) == set(OPS)
+    assert set(caps.ops) == set(OPS) | {"recv_anysource"}  # the optional op too: it receives from any source
     assert set(caps.dtypes) == set(DTYPES)
     for dtype in DTYPES:
         assert caps.reduce_ops_for(dtype) == default_reduce_ops(dtype)
@@ -468,6 +468,146 @@ def test_p2p_size_or_dtype_mismatch_is_an_error(rank_pools: Pools) -> None:
     _, message = rank_pools(2).run(p2p_size_mismatch)
     assert "12 bytes of float32" in message and "16 bytes of float32" in message
     assert "int32" in message
+
+
+# -- receiving from any source --------------------------------------------------------------
+
+
+def taken_in_order(posted: list[int | None], got: list[tuple[int, float]], sent: dict[int, list[float]]) -> None:
+    """MPI's matching, from what the receives got: ``posted[i]`` is receive ``i``'s named peer
+    (``None``: any source) in posting order, ``got[i]`` its sender and value. A named receive
+    got its peer's message; taken in posting order, each sender's messages come in the order
+    it sent them, every one exactly once."""
+    left = {src: list(values) for src, values in sent.items()}
+    for i, (named, (sender, value)) in enumerate(zip(posted, got, strict=True)):
+        assert named is None or sender == named, f"receive #{i} names rank {named} and got rank {sender}'s message"
+        assert left.get(sender), f"receive #{i} says rank {sender} sent it, which had nothing more to send: {got}"
+        assert value == left[sender].pop(0), f"receive #{i}: rank {sender}'s messages out of order: {got}"
+    assert not any(left.values()), f"not received: {left}"
+
+
+def any_source_from_every_peer(ctx: RankContext, rounds: int) -> list[int] | None:
+    with backend(ctx) as b:
+        if ctx.rank != 0:
+            for k in range(rounds):
+                b.send(torch.full((3,), ctx.rank * 100.0 + k), 0, 5, timeout=ctx.timeout)
+            b.send(torch.full((3,), -1.0), 0, 6, timeout=ctx.timeout)  # another tag: never taken on tag 5
+            return None
+        got = []
+        for _ in range(rounds * (ctx.size - 1)):
+            t = torch.empty(3)
+            sender = b.recv_anysource(t, 5, timeout=ctx.timeout)
+            assert bool((t == t[0]).all())
+            got.append((sender, t[0].item()))
+        sent = {r: [r * 100.0 + k for k in range(rounds)] for r in range(1, ctx.size)}
+        taken_in_order([None] * len(got), got, sent)
+        for _ in range(ctx.size - 1):
+            t = torch.empty(3)
+            b.recv_anysource(t, 6, timeout=ctx.timeout)
+            assert t.tolist() == [-1.0] * 3
+        return [sender for sender, _ in got]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_any_source_receives_every_sender_in_its_order(rank_pools: Pools, world_size: int) -> None:
+    senders = rank_pools(world_size).run(any_source_from_every_peer, 3)[0]
+    assert senders is not None and sorted(senders) == sorted(list(range(1, world_size)) * 3)
+
+
+def named_and_any_pending_at_once(ctx: RankContext, queued: bool) -> None:
+    """Rank 0 has receives naming a peer and any-source ones pending at once on one tag (posted
+    before anything is sent, or ``queued``: after everything arrived); ranks 1 and 2 send two each."""
+    with backend(ctx) as b:
+        sent = {r: [r * 10.0, r * 10.0 + 1] for r in (1, 2)}
+        if ctx.rank != 0:
+            if not queued:
+                ctx.store.wait(["posted"])
+            for v in sent[ctx.rank]:
+                b.send(torch.tensor([v]), 0, 3, timeout=ctx.timeout)
+            b.barrier(timeout=ctx.timeout)  # the barrier's frames follow the messages on each connection
+            return
+        if queued:
+            b.barrier(timeout=ctx.timeout)  # 3 ranks: rank 0 hears from both, after their messages
+        plan: list[int | None] = [1, None, 2, None]
+        bufs = [torch.empty(1) for _ in plan]
+        works = [
+            b.irecv(buf, src, 3, timeout=ctx.timeout)
+            if src is not None
+            else b.irecv_anysource(buf, 3, timeout=ctx.timeout)
+            for buf, src in zip(bufs, plan, strict=True)
+        ]
+        if not queued:
+            ctx.store.set("posted", "1")
+        for w in works:
+            w.wait()
+        senders = [w.result() if src is None else src for w, src in zip(works, plan, strict=True)]
+        got = [(sender, buf.item()) for sender, buf in zip(senders, bufs, strict=True)]
+        taken_in_order(plan, got, sent)
+        assert got[0] == (1, 10.0)  # the oldest receive accepting rank 1's first message
+        if not queued:
+            b.barrier(timeout=ctx.timeout)
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["posted-first", "arrived-first"])
+def test_named_and_any_source_receives_of_a_tag_are_matched_oldest_first(rank_pools: Pools, queued: bool) -> None:
+    rank_pools(3).run(named_and_any_pending_at_once, queued)
+
+
+def any_source_mismatch_and_timeout(ctx: RankContext) -> tuple[str, tuple[int, ...], str] | None:
+    with backend(ctx) as b:
+        if ctx.rank == 2:
+            b.send(torch.ones(4), 0, 0, timeout=ctx.timeout)
+            b.send(torch.full((2,), 7.0), 0, 0, timeout=ctx.timeout)
+            ctx.store.wait(["timed-out"])
+            return None
+        if ctx.rank == 1:
+            ctx.store.wait(["timed-out"])
+            return None
+        with pytest.raises(CollectiveMismatchError) as mismatch:
+            b.recv_anysource(torch.empty(3), 0, timeout=ctx.timeout)
+        t = torch.empty(2)
+        assert b.recv_anysource(t, 0, timeout=ctx.timeout) == 2  # the stream is intact afterwards
+        assert t.tolist() == [7.0, 7.0]
+        with pytest.raises(CollectiveTimeout) as timeout:
+            b.irecv_anysource(torch.empty(1), 0, timeout=0.5).wait()
+        ctx.store.set("timed-out", "1")
+        assert timeout.value.op == "irecv"
+        return str(mismatch.value), timeout.value.peers, str(timeout.value)
+
+
+def test_any_source_mismatch_names_the_sender_and_a_timeout_names_every_peer(rank_pools: Pools) -> None:
+    mismatch, peers, timeout = rank_pools(3).run(any_source_mismatch_and_timeout)[0]
+    assert "from any rank took a message from rank 2" in mismatch and "12 bytes of float32" in mismatch, mismatch
+    assert peers == (1, 2) and "from any rank" in timeout and "rank(s) 1, 2" in timeout, timeout
+
+
+def any_source_after_the_peers_left(ctx: RankContext, talked: bool) -> str | None:
+    """Ranks 1 and 2 send rank 0 one message each (``talked``; else nothing, never connecting) and
+    shut down; rank 0 receives what they sent, then from any source again: nobody is left."""
+    b = make_backend(ctx, timeout=3600.0)  # the departures must be noticed, not timed out
+    try:
+        if ctx.rank != 0:
+            if talked:
+                b.send(torch.full((2,), float(ctx.rank)), 0, 1, timeout=60.0)
+            b.shutdown()
+            ctx.store.set(f"gone/{ctx.rank}", "1")
+            return None
+        ctx.store.wait(["gone/1", "gone/2"])
+        if talked:
+            got = sorted(b.recv_anysource(torch.empty(2), 1, timeout=3600.0) for _ in range(2))
+            assert got == [1, 2]  # sent before they left: still received
+        with pytest.raises(PeerFailureError) as info:
+            b.recv_anysource(torch.empty(2), 1, timeout=3600.0)
+        assert info.value.peers == (1, 2)
+        return str(info.value)
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("talked", [True, False], ids=["after-messages", "never-connected"])
+def test_any_source_fails_once_every_other_rank_is_gone(rank_pools: Pools, talked: bool) -> None:
+    message = rank_pools(3).run(any_source_after_the_peers_left, talked, timeout=90)[0]
+    assert message is not None and "every other rank is gone" in message, message
 
 
 def p2p_during_collectives(ctx: RankContext) -> None:
@@ -912,11 +1052,11 @@ def dead_peer(ctx: RankContext) -> tuple[str, str] | None:
             b.all_reduce(torch.ones(10), ReduceOp.SUM, timeout=3600.0)
         with pytest.raises(PeerFailureError) as p2p:
             b.recv(torch.empty(1), ctx.size - 1, 0, timeout=3600.0)
-        # the survivors can still talk to each other point to point
+        # the survivors can still talk to each other point to point, from any source too
         if ctx.rank == 0:
             b.send(torch.ones(3), 1, 0, timeout=60.0)
         elif ctx.rank == 1:
-            b.recv(torch.empty(3), 0, 0, timeout=60.0)
+            assert b.recv_anysource(torch.empty(3), 0, timeout=60.0) == 0
         assert coll.value.peers == (ctx.size - 1,) or str(ctx.size - 1) in str(coll.value)
         return str(coll.value), str(p2p.value)
     finally:
@@ -929,3 +1069,21 @@ def test_dead_peer_is_peer_failure_not_a_timeout(rank_pools: Pools) -> None:
         assert result is not None
         coll_msg, p2p_msg = result
         assert "rank 2" in coll_msg and "rank 2" in p2p_msg
+
+
+def any_source_with_every_peer_dead(ctx: RankContext) -> str | None:
+    b = make_backend(ctx, timeout=3600.0)
+    b.barrier(timeout=60.0)
+    if ctx.rank != 0:
+        os._exit(0)  # die without a word
+    try:
+        with pytest.raises(PeerFailureError) as info:
+            b.recv_anysource(torch.empty(1), 0, timeout=3600.0)
+        return str(info.value)
+    finally:
+        b.shutdown()
+
+
+def test_an_any_source_receive_fails_when_every_peer_died(rank_pools: Pools) -> None:
+    message = rank_pools(3).run(any_source_with_every_peer_dead, may_exit=[1, 2], timeout=90)[0]
+    assert message is not None and "every other rank is gone" in message, message

@@ -38,7 +38,8 @@ the other members (Gloo's connects them all): the core never assumes it does not
   core numbers them, and a backend that can see ranks disagree says so).
   ``send``/``recv``/``isend``/``irecv`` and ``send_bytes``/``recv_bytes`` may come from
   any thread, also while a collective runs on another; calls on one (peer, tag) stream
-  come in the user's order.
+  come in the user's order (the any-source receives of one tag are a stream of their own:
+  see *Receiving from any source*).
 
 **What a backend guarantees back**
 
@@ -123,6 +124,34 @@ after the block: still correct, without the saving. Point to point from other th
 arrive while ``coalesced`` runs, as at any time: a library whose coalescing state belongs to
 the object rather than the thread (torch's does) must keep them out of the batch.
 
+**Receiving from any source (API 1.4, optional).** A backend that can take the next message
+on a tag from whichever peer sent it implements ``recv_anysource`` (``irecv_anysource`` too,
+where it can post a receive without a thread) and names ``"recv_anysource"`` in
+``Capabilities.ops``. The default ``Capabilities()`` does not declare it (it is one of
+:data:`~pg_core.ops.OPTIONAL_OPS`), so a backend written before 1.4 is never asked for it: the
+group's ``recv(tensor, src=None)`` on a backend that does not declare it raises
+:class:`~pg_core.errors.NotSupportedError` in the core, before anything is sent.
+
+* The core guarantees what it does for ``recv`` (a dense tensor of a dtype declared for
+  ``recv``, a positive ``timeout``), and: ``tag`` is the wire tag ``recv`` gets for the same
+  user tag, so any-source receives and receives that name a peer compete for one tag's
+  messages; the group has two ranks or more. The any-source receives of one tag are one
+  stream, handed over in the user's order: from the caller's thread (blocking calls, and
+  ``irecv_anysource`` where the backend overrides it), or else one at a time from the core's
+  helper thread of that stream.
+* The backend returns the sender's group rank (``irecv_anysource``: a
+  :class:`~pg_core.work.Work` whose ``result()`` it is), and matches as MPI does: each
+  peer's messages on a tag are taken in the order it sent them, whichever receives take
+  them, so a message from peer ``p`` on tag ``t`` is never received (by an any-source
+  receive, or by one naming ``p``) before an earlier message from ``p`` on ``t``; a message
+  goes to the receive posted first among those pending that accept it (one naming its
+  sender, or an any-source receive on its tag); messages of different peers have no order
+  among them. A message of the wrong size (or dtype) raises
+  :class:`~pg_core.errors.CollectiveMismatchError` naming its sender;
+  :class:`~pg_core.errors.CollectiveTimeout` names every peer it waited for
+  (``peers=``); :class:`~pg_core.errors.PeerFailureError` comes once no peer that could
+  still send is left (every other rank gone), never while one is.
+
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.
@@ -156,7 +185,7 @@ import torch
 from . import algorithms, tags
 from .dtypes import DTYPES
 from .errors import NotSupportedError
-from .ops import OPS, RedOpType, ReduceOp
+from .ops import OPS, OPTIONAL_OPS, RedOpType, ReduceOp
 from .work import Work
 
 if TYPE_CHECKING:
@@ -177,8 +206,11 @@ __all__ = [
 ]
 
 #: The version of this contract, ``"MAJOR.MINOR"``. A plugin declaring another
-#: major version is refused with :class:`~pg_core.errors.PluginVersionError`.
-API_VERSION: Final[str] = "1.3"
+#: major version is refused with :class:`~pg_core.errors.PluginVersionError`. Minor versions
+#: add, and never take away: 1.1, ``send_bytes`` takes a message's parts as a list; 1.2,
+#: collectives that launch (:attr:`Backend.launches`); 1.3, coalescing (:meth:`Backend.coalesced`);
+#: 1.4, receiving from any source (``recv_anysource``, an optional op a backend declares by name).
+API_VERSION: Final[str] = "1.4"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -237,6 +269,10 @@ class Capabilities:
     """What a backend supports on one device type: data that the dispatcher
     enforces and the conformance suite reads.
 
+    ``ops`` defaults to :data:`~pg_core.ops.OPS`, every collective and ``send``/``recv``;
+    an optional op (:data:`~pg_core.ops.OPTIONAL_OPS`: ``"recv_anysource"``) is declared only
+    by naming it, as ``Capabilities(ops=frozenset(OPS) | {"recv_anysource"})``.
+
     ``reduce_ops`` maps a dtype to the reduce ops allowed for it; dtypes missing
     from it get :func:`default_reduce_ops`.
 
@@ -254,9 +290,11 @@ class Capabilities:
     max_tag: int | None = MAX_TAG
 
     def __post_init__(self) -> None:
-        unknown = set(self.ops) - set(OPS)
+        unknown = set(self.ops) - set(OPS) - set(OPTIONAL_OPS)
         if unknown:
-            raise ValueError(f"Capabilities name unknown ops {sorted(unknown)}; known ops: {', '.join(OPS)}")
+            raise ValueError(
+                f"Capabilities name unknown ops {sorted(unknown)}; known ops: {', '.join(OPS + OPTIONAL_OPS)}"
+            )
         object.__setattr__(self, "ops", frozenset(self.ops))
         object.__setattr__(self, "dtypes", frozenset(self.dtypes))
         object.__setattr__(self, "reduce_ops", {d: frozenset(r) for d, r in self.reduce_ops.items()})
@@ -415,7 +453,8 @@ class Backend:
     """Base class of every backend. See the module docstring for the contract.
 
     Subclasses implement ``send`` and ``recv`` (required) and may override any
-    collective, ``isend``/``irecv``, ``send_bytes``/``recv_bytes``, ``shutdown``
+    collective, ``isend``/``irecv``, ``send_bytes``/``recv_bytes``,
+    ``recv_anysource``/``irecv_anysource`` (declared as ``"recv_anysource"``), ``shutdown``
     and ``abort``. Every method receives ``timeout`` in seconds.
 
     The constructor takes the :class:`BackendContext`. Calling ``super().__init__(ctx)``
@@ -476,6 +515,34 @@ class Backend:
                 work.set_exception(exc)
             else:
                 work.set_result(None)
+
+        return Work("irecv", driver=receive)
+
+    # -- optional: receiving from any source (API 1.4) -------------------------
+    def recv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> int:
+        """Receive the next message with ``tag`` from whichever peer sent it into ``tensor``,
+        and return that peer's group rank. Optional: called only where ``"recv_anysource"``
+        is declared (see *Receiving from any source* in the module docstring)."""
+        raise NotSupportedError(f"{type(self).__name__} does not receive from any source")
+
+    def irecv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> Work:
+        """Start an any-source receive and return its :class:`~pg_core.work.Work`, whose
+        ``result()`` is the sender's group rank. Optional.
+
+        Not overridden, the core runs ``recv_anysource`` on a helper thread of its own per tag
+        for the group's ``irecv(tensor, src=None)``. This body, for an override's
+        ``super().irecv_anysource``, returns a work that receives when it is waited for.
+        """
+
+        def receive(work: Work, budget: float) -> None:
+            if budget <= 0:  # is_completed(): never block
+                return
+            try:
+                source = self.recv_anysource(tensor, tag, timeout=timeout)
+            except BaseException as exc:
+                work.set_exception(exc)
+            else:
+                work.set_result(source)
 
         return Work("irecv", driver=receive)
 

@@ -109,8 +109,9 @@ _SHORT = {"PRODUCT": "PROD", "PREMUL_SUM": "PREMUL"}
 
 def capabilities_table(entries: Sequence[PluginEntry]) -> str:
     """What every backend with a spec declares, one column per (backend, device), as Markdown:
-    the ops it lacks, its tag range, and per dtype the reduce ops (``copies`` where the dtype
-    moves but does not reduce, ``-`` where it is not declared)."""
+    the ops it lacks, whether it receives from any source (the optional ``recv_anysource``),
+    its tag range, and per dtype the reduce ops (``copies`` where the dtype moves but does
+    not reduce, ``-`` where it is not declared)."""
     from .backend import DTYPES
     from .dtypes import dtype_name
     from .ops import OPS, RedOpType
@@ -122,8 +123,9 @@ def capabilities_table(entries: Sequence[PluginEntry]) -> str:
     rows = [header, ["---"] * len(header)]
     caps = [e.spec.capabilities_for(d) for e, d in columns if e.spec is not None]
     rows.append(
-        ["ops", *(("all" if c.ops == set(OPS) else "no " + ", ".join(o for o in OPS if o not in c.ops)) for c in caps)]
+        ["ops", *(("all" if c.ops >= set(OPS) else "no " + ", ".join(o for o in OPS if o not in c.ops)) for c in caps)]
     )
+    rows.append(["recv from any source", *(("yes" if "recv_anysource" in c.ops else "no") for c in caps)])
     rows.append(["tags", *(_tags(c.max_tag) for c in caps)])
     for dtype in DTYPES:
         cells = []

@@ -18,14 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from . import messages
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends
-from .errors import CollectiveTimeout
+from .errors import CollectiveTimeout, NotSupportedError, PluginError
 from .executor import Executor
 from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, check_name, form
@@ -47,7 +47,7 @@ from .validation import (
     same_numel,
     split_sizes,
 )
-from .work import Work, then
+from .work import Work, mapped, then
 
 if TYPE_CHECKING:
     from .backend import BackendSpec
@@ -62,12 +62,13 @@ class P2POp:
     """One send or receive for :meth:`ProcessGroup.batch_isend_irecv`.
 
     ``op`` is ``group.isend`` / ``group.irecv`` (or the strings ``"isend"`` /
-    ``"irecv"``); ``peer`` is a rank of the group the batch runs on.
+    ``"irecv"``); ``peer`` is a rank of the group the batch runs on, or for ``irecv``
+    ``None``: a receive from any source, as ``group.irecv(tensor, None, tag)``.
     """
 
     op: Callable[..., Any] | str
     tensor: torch.Tensor
-    peer: int
+    peer: int | None
     tag: int = 0
 
     @property
@@ -206,7 +207,8 @@ class ProcessGroup:
         dtype: torch.dtype | None = None,
         reduce_op: ReduceOp | RedOpType | None = None,
     ) -> bool:
-        """Whether ``op`` (e.g. ``"all_reduce"``, ``"isend"``) is declared for that device/dtype/reduce op."""
+        """Whether ``op`` (e.g. ``"all_reduce"``, ``"isend"``, ``"recv_anysource"``: ``recv`` with
+        ``src=None``) is declared for that device/dtype/reduce op."""
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         op = {"isend": "send", "irecv": "recv"}.get(op, op)
         spec = self._specs.get(device_type)
@@ -660,13 +662,19 @@ class ProcessGroup:
 
     # -- point to point -----------------------------------------------------------
     def _p2p(
-        self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
+        self, kind: str, tensor: torch.Tensor, peer: int | None, tag: int, timeout: float | timedelta | None
     ) -> tuple[Instance | Recorder, torch.Tensor, Staging, float]:
+        """Validate one send or receive (``peer=None``: a receive from any source) and stage its
+        tensor; inside this thread's coalescing block, the recorder of its batch stands in for
+        the instance."""
         self._executor.check_open()
         tensor = check_tensor(tensor)
-        check_peer(peer, self._size, self._rank, "dst" if kind == "send" else "src", kind)
+        if peer is not None or kind == "send":
+            check_peer(peer, self._size, self._rank, "dst" if kind == "send" else "src", kind)
         check_tag(tag)
         self._supported.check(kind, tensor.device, tensor.dtype)
+        if peer is None:
+            self._check_any_source(tensor.device)
         inst = self._dispatch.instance(tensor.device, kind)
         inst.tags.check(tag)
         st = Staging(kind)
@@ -674,37 +682,112 @@ class ProcessGroup:
         if self._coalescing:  # inside this thread's coalescing block: recorded in its batch instead
             batch = self._coalescing.get(threading.get_ident())
             if batch is not None:
+                if peer is None:
+                    raise RuntimeError(
+                        f"{kind} with src=None cannot join a coalescing block of group {self._name!r}: a batch "
+                        "names every peer (as NCCL's group calls do); receive from any source outside the block"
+                    )
                 return batch.capture(inst, timeout), staged, st, self._seconds(timeout)
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
+
+    def _p2p_any_source(
+        self, tensor: torch.Tensor, tag: int, timeout: float | timedelta | None
+    ) -> tuple[Instance, torch.Tensor, Staging, float]:
+        """:meth:`_p2p` for a receive from any source, which never joins a coalescing batch."""
+        inst, t, st, budget = self._p2p("recv", tensor, None, tag, timeout)
+        return cast("Instance", inst), t, st, budget
+
+    def _check_any_source(self, device: torch.device) -> None:
+        """A receive from any source: the device's backend declares it, and there is a peer."""
+        spec = self._supported.spec(device.type)
+        if not spec.capabilities_for(device.type).supports("recv_anysource"):
+            from .registry import default_registry
+
+            registry = self._formation.registry or default_registry()
+            others = [
+                s.name
+                for s in registry.available_for(device.type)
+                if s.capabilities_for(device.type).supports("recv_anysource")
+            ]
+            raise NotSupportedError(
+                f"recv with src=None (from any source): backend {spec.name!r} on {device.type} does not declare "
+                "'recv_anysource'. Name the sender (src=RANK), or use a backend that declares it for "
+                f"{device.type} (installed and available: {', '.join(others) or 'none'})"
+            )
+        if self._size == 1:
+            raise ValueError(f"recv with src=None: group {self._name!r} has no rank but this one to receive from")
+
+    def _sender(self, inst: Instance, value: object) -> int:
+        """What a backend's any-source receive returned: the sender's group rank, or the error naming it."""
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self._size and value != self._rank:
+            return value
+        spec = inst.spec
+        raise PluginError(
+            f"backend {spec.name!r} broke the contract: its any-source receive returned {value!r}, not the group "
+            f"rank of the sender (another rank in 0..{self._size - 1} than this one, {self._rank})",
+            distribution=spec.distribution,
+        )
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         inst.p2p("send", t, dst, tag, budget, async_op=False)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
-        """Receive the next message from group rank ``src`` with ``tag`` into ``tensor``."""
-        inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
-        inst.p2p("recv", t, src, tag, budget, async_op=False)
+    def recv(
+        self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *, timeout: float | timedelta | None = None
+    ) -> int:
+        """Receive the next message with ``tag`` from group rank ``src`` into ``tensor``; returns
+        the sender's rank (``src``), as ``torch.distributed.recv`` does.
+
+        ``src=None`` receives the next message with ``tag`` from whichever rank sent it, where
+        the backend declares ``"recv_anysource"`` (:meth:`supports`; else
+        :class:`~pg_core.errors.NotSupportedError` before anything is received). Each sender's
+        messages arrive in the order it sent them, however receives naming it and any-source
+        receives interleave (see docs/decisions.md)."""
+        if src is None:
+            inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
+            sender = self._sender(inst, inst.recv_any(t, tag, budget, async_op=False))
+        else:
+            via, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
+            via.p2p("recv", t, src, tag, budget, async_op=False)
+            sender = src
         if st.back:
             st.finish()
+        return sender
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
         """Start sending ``tensor`` to ``dst``; do not modify it until the ``Work`` completes."""
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         return inst.p2p("send", t, dst, tag, budget, async_op=True)  # type: ignore[no-any-return]
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
-        """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes."""
-        inst, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
-        inner: Work = inst.p2p("recv", t, src, tag, budget, async_op=True)
+    def irecv(
+        self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *, timeout: float | timedelta | None = None
+    ) -> Work:
+        """Start receiving from ``src`` into ``tensor``; read it after the ``Work`` completes.
+        ``src=None`` receives from any source, as :meth:`recv`, and the ``Work``'s ``result()``
+        is then the sender's rank."""
+        if src is None:
+            inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
+            inner: Work = inst.recv_any(t, tag, budget, async_op=True)
+
+            def received(value: object) -> int:
+                sender = self._sender(inst, value)
+                if st.back:
+                    st.finish()
+                return sender
+
+            return mapped(inner, received)
+        via, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
+        inner = via.p2p("recv", t, src, tag, budget, async_op=True)
         return then(inner, st.finish) if st.back else inner
 
     def batch_isend_irecv(self, p2p_op_list: Sequence[P2POp]) -> list[Work]:
         """Start every send and receive of the list as one coalesced batch (see
         :meth:`coalescing`); returns one ``Work`` per op, in order, each complete when the
         whole batch is. Nothing starts if any op is invalid. Inside a coalescing block, the
-        ops join that block's batch."""
+        ops join that block's batch. An ``irecv`` with ``peer=None`` receives from any source
+        (its ``result()`` is the sender); such a list is not coalesced (a batch names every
+        peer, as NCCL's group calls do): its ops start one by one, after all are validated."""
         if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
             raise ValueError("batch_isend_irecv takes a non-empty list of P2POp")
         for p in p2p_op_list:
@@ -713,10 +796,14 @@ class ProcessGroup:
             bound = getattr(p.op, "__self__", self)
             if bound is not self:
                 raise ValueError("a P2POp's op belongs to another group; build it from this group's isend/irecv")
+        if any(p.peer is None for p in p2p_op_list):
+            for p in p2p_op_list:  # validate everything before starting anything
+                self._p2p("send" if p.kind == "isend" else "recv", p.tensor, p.peer, p.tag, None)
+            return [(self.isend if p.kind == "isend" else self.irecv)(p.tensor, p.peer, p.tag) for p in p2p_op_list]  # type: ignore[arg-type]
         if threading.get_ident() not in self._coalescing:
             with self.coalescing(async_op=True):
                 return self.batch_isend_irecv(p2p_op_list)
-        return [(self.isend if p.kind == "isend" else self.irecv)(p.tensor, p.peer, p.tag) for p in p2p_op_list]
+        return [(self.isend if p.kind == "isend" else self.irecv)(p.tensor, p.peer, p.tag) for p in p2p_op_list]  # type: ignore[arg-type]
 
     # -- objects and tensors the receiver knows nothing about ------------------------------
     #

@@ -9,7 +9,10 @@ lives here, so a plugin reserves no name and needs no ``super().__init__``:
   messages;
 * the non-overtaking rule, written once (:meth:`Instance.ordered`): a blocking call on a
   stream whose helper thread still has work queues behind it, since messages keep their
-  order per (peer, tag) (per peer on a backend without tags);
+  order per (peer, tag) (per peer on a backend without tags). The any-source receives of
+  a tag are a stream of their own (:data:`ANY` for the peer): they keep their order among
+  themselves, and the backend keeps each sender's order across every receive
+  (:mod:`pg_core.backend`);
 * cleanup: helper threads stopped and the backend's ``shutdown``/``abort`` called, whatever
   the backend's own methods do.
 """
@@ -28,9 +31,12 @@ from .errors import GroupClosedError
 from .tags import TagMap
 from .work import Work
 
-__all__ = ["Instance"]
+__all__ = ["ANY", "Instance"]
 
 _Key = tuple[Any, ...]
+
+#: The peer of the any-source receives' stream, in the place of a rank.
+ANY = "any"
 
 
 class Instance:
@@ -43,6 +49,7 @@ class Instance:
         "launches",
         "native_bytes",
         "native_irecv",
+        "native_irecv_any",
         "native_isend",
         "scatter_gather",
         "spec",
@@ -65,6 +72,7 @@ class Instance:
         self.launches = getattr(backend, "launches", False) is True
         self.native_isend = cls.isend is not Backend.isend
         self.native_irecv = cls.irecv is not Backend.irecv
+        self.native_irecv_any = cls.irecv_anysource is not Backend.irecv_anysource
         self.native_bytes = cls.send_bytes is not Backend.send_bytes and cls.recv_bytes is not Backend.recv_bytes
         #: ``send_bytes`` takes a list of buffers (contract 1.1); else the parts are joined
         self.scatter_gather = (parse_api_version(spec.api_version) or (0, 0)) >= (1, 1)
@@ -72,10 +80,10 @@ class Instance:
             f"pg-core-{ctx.group_name}-{spec.name}", f"backend {spec.name!r} of group {ctx.group_name!r}"
         )
 
-    def _key(self, kind: str, peer: int, wire: int) -> _Key:
+    def _key(self, kind: str, peer: int | str, wire: int) -> _Key:
         return (kind, peer) if self.tags.ordered_per_peer else (kind, peer, wire)
 
-    def ordered(self, kind: str, peer: int, wire: int, op: str, fn: Callable[[], Any], *, async_op: bool) -> Any:
+    def ordered(self, kind: str, peer: int | str, wire: int, op: str, fn: Callable[[], Any], *, async_op: bool) -> Any:
         """Run ``fn`` (one call on stream (``kind``, ``peer``, ``wire``)) in the stream's order:
         with ``async_op`` on the stream's helper thread, returning its :class:`Work`; else
         here, unless the helper still has work, behind which it queues. Returns ``fn()``."""
@@ -100,6 +108,20 @@ class Instance:
         call = backend.send if sending else backend.recv
         op = f"i{kind}" if async_op else kind
         return self.ordered(kind, peer, wire, op, lambda: call(tensor, peer, wire, timeout=timeout), async_op=async_op)
+
+    def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float, *, async_op: bool) -> Any:
+        """The user's receive from any source with user ``tag`` (mapped as for ``recv``): what
+        the backend's ``recv_anysource`` returns, the sender's rank; with ``async_op`` its
+        ``irecv_anysource`` where it has one, else ``recv_anysource`` on the helper thread of
+        the tag's any-source stream (a :class:`Work` whose ``result()`` is the sender)."""
+        wire = self.tags.user(tag)
+        backend = self.backend
+        if async_op and self.native_irecv_any:
+            return backend.irecv_anysource(tensor, wire, timeout=timeout)
+        op = "irecv" if async_op else "recv"
+        return self.ordered(
+            "recv", ANY, wire, op, lambda: backend.recv_anysource(tensor, wire, timeout=timeout), async_op=async_op
+        )
 
     # -- life -------------------------------------------------------------------------
     def close(self, how: str) -> BaseException | None:

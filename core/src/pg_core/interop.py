@@ -96,9 +96,10 @@ class _TorchWork(c10d.Work):
     """Our :class:`~pg_core.work.Work` as torch's: ``wait`` re-raises its error, and
     ``get_future`` completes with ``value`` when it does (as torch's do for DDP's hooks)."""
 
-    def __init__(self, work: Work | None, value: Any) -> None:
+    def __init__(self, work: Work | None, value: Any, *, source: int | None = None) -> None:
         super().__init__()
         self._work = work
+        self._source = source  # a receive's sender, where it was named
         self._future: torch.futures.Future[Any] = torch.futures.Future()
         future = self._future
 
@@ -138,6 +139,14 @@ class _TorchWork(c10d.Work):
         self.wait()
         value = self._future.value()
         return value if isinstance(value, list) else []
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, for a receive (``torch.distributed.irecv(t, group=...)``
+        without ``src`` reads it here: the result of the group's receive from any source)."""
+        sender = self._source if self._source is not None or self._work is None else self._work.result()
+        if not isinstance(sender, int):
+            raise RuntimeError(f"{self._work!r} is not a receive: it has no source rank")
+        return sender
 
 
 class _Adapter(dist.ProcessGroup):
@@ -406,4 +415,10 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(tensors)
         if native is not None:
             return native.recv(tensors, src, tag)
-        return _TorchWork(self._g.irecv(tensors[0], src, tag), tensors)
+        return _TorchWork(self._g.irecv(tensors[0], src, tag), tensors, source=src)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> c10d.Work:
+        """The group's receive from any source (where its backend declares it; else
+        ``NotSupportedError``), whatever the device: a native torch backend would bypass the
+        plugin's own message framing."""
+        return _TorchWork(self._g.irecv(tensors[0], None, tag), tensors)

@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "COLLECTIVE_OPS",
     "OPS",
+    "OPTIONAL_OPS",
     "P2P_OPS",
     "RedOpType",
     "ReduceOp",
@@ -158,5 +159,12 @@ COLLECTIVE_OPS: Final[tuple[str, ...]] = (
 )
 #: Point-to-point operations (``isend``/``irecv`` are ``send``/``recv`` with ``async_op``).
 P2P_OPS: Final[tuple[str, ...]] = ("send", "recv")
-#: Every op a backend can declare in its :class:`~pg_core.backend.Capabilities`.
+#: The ops of the default :class:`~pg_core.backend.Capabilities`: every collective and
+#: ``send``/``recv``, which every backend has (the collectives' defaults are written on
+#: ``send``/``recv``).
 OPS: Final[tuple[str, ...]] = COLLECTIVE_OPS + P2P_OPS
+#: Ops a backend has only where it implements them and names them in ``Capabilities.ops``:
+#: the default ``Capabilities()`` leaves them out, since the core cannot build them from
+#: ``send``/``recv``. ``recv_anysource`` (API 1.4): ``recv``/``irecv`` with ``src=None``, the
+#: next message on a tag from whichever rank sent it.
+OPTIONAL_OPS: Final[tuple[str, ...]] = ("recv_anysource",)

@@ -2,7 +2,9 @@
 
 Three kinds of traffic share a backend's ``send``/``recv`` (and ``send_bytes``/``recv_bytes``):
 
-* the user's ``send``/``recv``/``isend``/``irecv``, with user tags ``t >= 0``;
+* the user's ``send``/``recv``/``isend``/``irecv``, with user tags ``t >= 0`` (a receive from
+  any source, ``src=None``, gets the same wire tag as a receive naming its sender: they
+  compete for the same messages);
 * point-to-point *messages* (``send_object``, ``send_tensor``, ``send_tensor_dict``), whose
   user tags are a namespace of their own: ``send_object(x, tag=3)`` never meets ``recv(t, tag=3)``;
 * the core's own: the default collectives of :mod:`pg_core.algorithms` and the object

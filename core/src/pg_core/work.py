@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import CollectiveTimeout
 
-__all__ = ["Work", "all_of", "then", "unwrap"]
+__all__ = ["Work", "all_of", "mapped", "then", "unwrap"]
 
 #: ``driver(work, timeout)`` makes progress on ``work`` for at most ``timeout``
 #: seconds (``0``: only what is ready now) and returns; it never raises for the
@@ -153,6 +153,18 @@ def then(inner: Work, fn: Callable[[], None]) -> Work:
     copies of staged outputs, say) has returned, with ``inner``'s result or the first error.
     Waiting on it, or polling it, drives ``inner``."""
 
+    def step(result: Any) -> Any:
+        fn()
+        return result
+
+    return mapped(inner, step)
+
+
+def mapped(inner: Work, fn: Callable[[Any], Any]) -> Work:
+    """A work that completes with ``fn(result)`` once ``inner`` succeeded with ``result`` (``fn``
+    runs only then), or with the first error, ``inner``'s or ``fn``'s. Waiting on it, or
+    polling it, drives ``inner``."""
+
     def drive(_: Work, timeout: float) -> None:
         if timeout <= 0:
             inner.is_completed()
@@ -163,13 +175,14 @@ def then(inner: Work, fn: Callable[[], None]) -> Work:
 
     def done(w: Work) -> None:
         exc = w._exc
+        value = None
         if exc is None:
             try:
-                fn()
+                value = fn(w._result)
             except BaseException as e:
                 exc = e
         if exc is None:
-            outer.set_result(w._result)
+            outer.set_result(value)
         else:
             outer.set_exception(exc)
 

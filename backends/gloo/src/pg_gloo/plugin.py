@@ -11,6 +11,9 @@ suite. A gap is an undeclared capability, so the core refuses it before anything
 * bool: ``MIN``, ``MAX`` and the bitwise ops, as for every backend.
 * tags: Gloo's are ``int32`` non-negative, so ``max_tag`` is ``2**31 - 1`` and the core maps
   its own tags and the user's into that range.
+* ``recv_anysource`` (optional, API 1.4): not declared. Gloo receives from any source, but a
+  pg-gloo message is a header and a payload on one tag, and an any-source receive can take
+  a payload that a receive naming its sender has not read yet (see the README).
 
 ``cuda`` is declared where torch was built with CUDA, with the two ops torch documents for
 Gloo on GPUs (``broadcast``, ``all_reduce``; Gloo stages them through host memory),

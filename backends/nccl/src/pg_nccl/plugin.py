@@ -12,6 +12,8 @@ anything is sent:
 * ``int16``: NCCL has no 16-bit integer type, so no reductions; copies move its bytes.
 * tags: NCCL's point to point has none (``max_tag=None``): messages between two ranks
   match in the order they were sent, and the core keeps that order per peer.
+* ``recv_anysource`` (optional, API 1.4): not declared. NCCL has no receive from any source:
+  every ``ncclRecv`` names its peer.
 """
 
 from __future__ import annotations

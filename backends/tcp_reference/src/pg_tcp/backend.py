@@ -6,7 +6,9 @@ What this file shows a plugin author
 * **Point to point is native.** ``send``/``recv`` post one request on the
   transport and wait for it in the calling thread (no thread handoff);
   ``isend``/``irecv`` return a :class:`~pg_core.work.Work` that the transport's
-  progress thread completes while the caller computes. ``send_bytes``/
+  progress thread completes while the caller computes. ``recv_anysource``/
+  ``irecv_anysource`` (declared as ``"recv_anysource"``) are the same receive with no
+  peer named, matched with the named ones of its tag oldest first. ``send_bytes``/
   ``recv_bytes`` carry messages whose size the receiver does not know (the core
   builds object and unknown-shape operations on them).
 * **Collectives are pg-core's algorithms on our own channel.** Each collective
@@ -43,6 +45,7 @@ from pg_core.ops import RedOpType, ReduceOp
 from pg_core.work import Work
 
 from .transport import (
+    ANY,
     BYTES,
     COLL,
     DTYPE_CODE,
@@ -207,6 +210,16 @@ class TCPBackend(Backend):
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
         return self._transport.post_async(self._recv_request("irecv", tensor, src, tag, timeout))
+
+    def recv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> int:
+        """The oldest message queued on ``tag`` from any peer, or the first to arrive; named and
+        any-source receives of a tag are matched oldest first (see :mod:`pg_tcp.transport`)."""
+        req = self._recv_request("recv", tensor, ANY, tag, timeout)
+        self._transport.wait(req)
+        return req.peer
+
+    def irecv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> Work:
+        return self._transport.post_async(self._recv_request("irecv", tensor, ANY, tag, timeout))
 
     def send_bytes(
         self,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import pluggy
 from pg_core.backend import DTYPES, BackendSpec, Capabilities, default_reduce_ops
-from pg_core.ops import OPS
+from pg_core.ops import OPS, OPTIONAL_OPS
 
 __all__ = ["CAPABILITIES", "pg_core_backends"]
 
 hookimpl = pluggy.HookimplMarker("pg_core")
 
-#: Every op, every dtype, and per dtype the reduce ops that make sense for it.
+#: Every op (the optional receive from any source too), every dtype, and per dtype the
+#: reduce ops that make sense for it.
 CAPABILITIES = Capabilities(
-    ops=frozenset(OPS),
+    ops=frozenset(OPS + OPTIONAL_OPS),
     dtypes=frozenset(DTYPES),
     reduce_ops={dtype: default_reduce_ops(dtype) for dtype in DTYPES},
 )
@@ -33,7 +34,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=("cpu",),
             capabilities=CAPABILITIES,
             priority=10,
-            api_version="1.1",  # send_bytes with a list of parts; it does not launch (1.2)
+            api_version="1.4",  # recv_anysource (1.4); send_bytes with a list of parts (1.1); it does not launch
             description="pure Python over TCP sockets: the reference backend, no dependencies beyond pg-core",
         )
     ]

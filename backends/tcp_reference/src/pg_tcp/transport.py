@@ -63,6 +63,17 @@ what it is, ranks that call different things get
 :class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's
 bytes as data.
 
+**Receiving from any source.** A tensor receive may name no peer (:data:`ANY`): it takes
+the oldest message queued on its tag from any peer (each arrival is numbered), or is
+posted and takes the first to arrive. Named and any-source receives of one tag wait in
+one order (each posted receive is numbered): an arriving message goes to the oldest of
+the receives that accept it, the one naming its sender or an any-source one, so every
+peer's messages are received in the order it sent them, as MPI's matching does. An
+any-source receive waits for the peers' connections and, after min(1 s, timeout/4), makes
+one to each peer that has none, which finds the peers that are gone; once every other rank
+is gone it fails with :class:`~pg_core.errors.PeerFailureError`, and at its deadline with
+:class:`~pg_core.errors.CollectiveTimeout` naming every other rank.
+
 **Zero copy.** A send is one ``sendmsg([header, payload])`` whose payload is a
 memoryview over the tensor's own memory; a receive that was posted before its
 frame arrived is read with ``recv_into`` straight into the tensor. Only a frame
@@ -149,7 +160,7 @@ from pg_core.ops import COLLECTIVE_OPS, RedOpType
 from pg_core.store import advertise_address, wait_for
 from pg_core.work import Work
 
-__all__ = ["Recv", "Request", "Send", "Transport", "describe_arg", "encode_arg", "tensor_bytes"]
+__all__ = ["ANY", "Recv", "Request", "Send", "Transport", "describe_arg", "encode_arg", "tensor_bytes"]
 
 # -- wire format ------------------------------------------------------------------
 
@@ -167,6 +178,9 @@ ARRIVED: Final = 4  # control: "I am blocked in collective #seq", with its opcod
 ABORT: Final = 5  # control: "collective #seq failed here"; opcode = error kind, payload = reason
 BYE: Final = 6  # control: clean shutdown, nothing follows; opcode/payload: why its collectives stopped, if they did
 RETIRE: Final = 7  # control: nothing more from me on this connection (my frames continue on my other one)
+
+#: The peer of a tensor receive from any source, until a message is matched to it (then its sender).
+ANY: Final = -1
 
 # dtype codes: 0 = none, 1.. = pg_core.dtypes' wire codes, 255 = raw bytes
 DTYPE_CODE: Final[dict[torch.dtype, int]] = {dtype: dtype_code(dtype) or 0 for dtype in DTYPES}
@@ -346,7 +360,10 @@ class Send(Request):
 
 
 class Recv(Request):
-    __slots__ = ("buf", "dtype", "nbytes", "opcode", "result", "tag")
+    """A receive; ``peer`` :data:`ANY` (tensors only): from whichever peer sends on its tag,
+    and the sender's rank once a message is matched to it."""
+
+    __slots__ = ("any", "buf", "dtype", "nbytes", "opcode", "order", "result", "tag")
 
     def __init__(
         self,
@@ -370,6 +387,8 @@ class Recv(Request):
         self.dtype = dtype
         self.tag = tag
         self.result: Payload | None = None
+        self.any = peer == ANY
+        self.order = 0  # when it was posted (receives are matched oldest first)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -521,8 +540,10 @@ class Transport:
         self._driver_ident = 0
         self._closed: str | None = None  # "shut down" / "aborted": no new requests
         self._stopping = False  # the progress thread must exit
-        self._posted: dict[tuple[int, int, int], deque[Recv]] = {}
-        self._unexpected: dict[tuple[int, int, int], deque[tuple[Frame, Payload]]] = {}
+        self._posted: dict[tuple[int, int, int], deque[Recv]] = {}  # (peer or ANY, kind, tag) -> receives
+        self._unexpected: dict[tuple[int, int, int], deque[tuple[Frame, Payload, int]]] = {}  # (peer, kind, tag)
+        self._posts = 0  # receives posted so far: their order
+        self._queued = 0  # messages queued as unexpected so far: their order
         self._pending_coll: set[Request] = set()  # collective requests not yet done
         self._async: set[Request] = set()  # requests a user holds a Work for
         self._finished_works: list[Request] = []  # completed under the lock, to settle outside it
@@ -592,26 +613,86 @@ class Transport:
         """Start ``req``: matched now against a frame that already arrived, or posted."""
         self._prepare(req)
         with self._lock:
-            peer = self._admit(req)
-            if peer is None:
-                return req
-            key = req.key
-            queue = self._unexpected.get(key)
-            if not queue:
-                if peer.closed is not None:
-                    self._complete(req, self._peer_error(req, peer))
+            if req.any:
+                early = self._match_any(req)
+                if early is None:
                     return req
-                posted = self._posted.get(key)
-                if posted is None:
-                    posted = self._posted[key] = deque()
-                posted.append(req)
-                return req
-            frame, payload = queue.popleft()
-            if not queue:
-                del self._unexpected[key]
+                frame, payload = early
+            else:
+                peer = self._admit(req)
+                if peer is None:
+                    return req
+                key = req.key
+                queue = self._unexpected.get(key)
+                if not queue:
+                    if peer.closed is not None:
+                        self._complete(req, self._peer_error(req, peer))
+                        return req
+                    self._post(req)
+                    return req
+                frame, payload, _ = queue.popleft()
+                if not queue:
+                    del self._unexpected[key]
         self._deliver(req, frame, payload, req.peer, req.seq)  # an early frame
         self._settle()
         return req
+
+    def _post(self, req: Recv) -> None:
+        """Queue ``req`` for the frame to come, numbered in posting order. Under the lock."""
+        self._posts += 1
+        req.order = self._posts
+        posted = self._posted.get(req.key)
+        if posted is None:
+            posted = self._posted[req.key] = deque()
+        posted.append(req)
+
+    def _match_any(self, req: Recv) -> tuple[Frame, Payload] | None:
+        """An any-source receive: the oldest frame queued on its tag from any peer (``req.peer``
+        becomes its sender), or ``None``: posted, or failed (closed, every other rank gone).
+        Under the lock."""
+        if self._closed is not None:
+            self._complete(req, GroupClosedError(f"{self.label}: {req.name} after the group was {self._closed}"))
+            return None
+        oldest: deque[tuple[Frame, Payload, int]] | None = None
+        sender = ANY
+        for rank in range(self.size):
+            queue = self._unexpected.get((rank, req.kind, req.tag))
+            if queue and (oldest is None or queue[0][2] < oldest[0][2]):
+                oldest, sender = queue, rank
+        if oldest is None:
+            if self._nobody_left():
+                self._complete(req, self._nobody_left_error(req))
+            else:
+                self._post(req)
+            return None
+        frame, payload, _ = oldest.popleft()
+        if not oldest:
+            del self._unexpected[(sender, req.kind, req.tag)]
+        req.peer = sender
+        return frame, payload
+
+    def _nobody_left(self) -> bool:
+        """Whether every other rank is gone (an any-source receive can get nothing more). Under the lock."""
+        return all(peer is None or peer.closed is not None for peer in self._peers)
+
+    def _nobody_left_error(self, req: Recv) -> PeerFailureError:
+        others = [peer for peer in self._peers if peer is not None]
+        why = "; ".join(f"{peer.closed}" for peer in others)
+        return PeerFailureError(
+            f"{self.label}: {req.name} from any rank (tag {req.tag}): every other rank is gone ({why})",
+            peers=[peer.rank for peer in others],
+        )
+
+    def _take_posted(self, rank: int, kind: int, tag: int) -> Recv | None:
+        """The posted receive a frame from ``rank`` goes to: the oldest of those naming ``rank``
+        and, for a tensor, the any-source ones of its tag (``peer`` becomes ``rank``). Under the lock."""
+        named = self._posted.get((rank, kind, 0 if kind == COLL else tag))
+        anyone = self._posted.get((ANY, kind, tag)) if kind == TENSOR else None
+        if anyone and (not named or anyone[0].order < named[0].order):
+            req = anyone.popleft()
+            req.peer = rank
+            return req
+        return named.popleft() if named else None
 
     def _prepare(self, req: Request) -> None:
         """Connect to ``req``'s peer first if there is no connection and it is this rank's to
@@ -675,12 +756,13 @@ class Transport:
 
     # == connections ==========================================================================
 
-    def _connect_for(self, req: Request, *, block: bool) -> None:
-        """Make a connection to ``req``'s peer, unless it has one or one is being made.
-        ``block``: wait for the peer's address within ``req``'s deadline; else only if it is
-        published already. A failure fails ``req`` (CollectiveTimeout at its deadline) or the
-        peer (a refused connection: it is gone). Outside the lock."""
-        peer = self._peers[req.peer]
+    def _connect_for(self, req: Request, *, block: bool, probe: _Peer | None = None) -> None:
+        """Make a connection to ``req``'s peer (or to ``probe``, one of an any-source receive's
+        peers), unless it has one or one is being made. ``block``: wait for the peer's address
+        within ``req``'s deadline; else only if it is published already. A failure fails ``req``
+        (CollectiveTimeout at its deadline; nothing for a probe: other peers may still send) or
+        the peer (a refused connection: it is gone). Outside the lock."""
+        peer = self._peers[req.peer] if probe is None else probe
         assert peer is not None
         self._progress_now()  # a connection the peer made may be waiting: take it rather than make a second
         with self._lock:
@@ -695,7 +777,8 @@ class Transport:
             sock = None
         except TimeoutError as exc:  # CollectiveTimeout (the store) or socket.timeout (connect)
             self._connect_failed(peer)
-            self._expire(req, f"no connection to rank {peer.rank}: {exc}")
+            if probe is None:
+                self._expire(req, f"no connection to rank {peer.rank}: {exc}")
             return
         except OSError as exc:  # refused, unreachable: nothing listens there any more
             # A peer that sent something and then shut down may have left its connection, its
@@ -713,6 +796,8 @@ class Transport:
             return
         except RuntimeError as exc:  # the store failed (torch raises DistStoreError, a RuntimeError)
             self._connect_failed(peer)
+            if probe is not None:
+                return
             self._fail(
                 req,
                 PeerFailureError(
@@ -820,6 +905,34 @@ class Transport:
             req.probe_at = time.monotonic() + (_RETRY_S if immediate else grace)
         return min(limit, req.probe_at)
 
+    def _tick_any(self, req: Request, now: float, limit: float) -> float:
+        """An any-source receive waits for its peers' connections; after min(1 s, timeout/4), and
+        again as often, it probes every peer that has none: makes one if the peer's address is
+        published (a refused connection says the peer is gone). Returns when to look again.
+        Outside the lock."""
+        grace = min(_PROBE_S, req.timeout / 4)
+        if req.probe_at == 0.0:
+            req.probe_at = now + grace
+        if now >= req.probe_at:
+            for peer in self._peers:
+                if req.done or req.peer != ANY:
+                    break
+                if peer is not None and peer.send is None and peer.closed is None and not peer.connecting:
+                    self._connect_for(req, block=False, probe=peer)
+            req.probe_at = time.monotonic() + grace
+        return min(limit, req.probe_at)
+
+    def _tick(self, req: Request, now: float, limit: float, *, block: bool) -> float:
+        """What ``req`` waits for besides its frame: the connection to its peer
+        (:meth:`_tick_connect`), or an any-source receive's to every peer (:meth:`_tick_any`).
+        Returns when to look again. Outside the lock."""
+        if req.peer == ANY:
+            return self._tick_any(req, now, limit)
+        peer = self._peers[req.peer]
+        if peer is not None and peer.send is None and peer.closed is None:
+            return self._tick_connect(req, peer, now, limit, block=block)
+        return limit
+
     # == waiting ==============================================================================
 
     def wait(self, req: Request) -> None:
@@ -829,13 +942,10 @@ class Transport:
             if now >= req.deadline:
                 self._expire(req)
                 break
-            limit = req.deadline
-            peer = self._peers[req.peer]
-            if peer is not None and peer.send is None and peer.closed is None:
-                limit = self._tick_connect(req, peer, now, limit, block=True)
-                if req.done:
-                    break
-                now = time.monotonic()
+            limit = self._tick(req, now, req.deadline, block=True)
+            if req.done:
+                break
+            now = time.monotonic()
             if req.seq is not None:
                 limit = self._maybe_announce(req, now, limit)
             self._drive(req, limit - now)
@@ -849,11 +959,8 @@ class Transport:
             if now >= req.deadline:
                 self._expire(req)
             else:
-                limit = min(req.deadline, now + timeout)
-                peer = self._peers[req.peer]
-                if peer is not None and peer.send is None and peer.closed is None:
-                    limit = self._tick_connect(req, peer, now, limit, block=timeout > 0)
-                    now = time.monotonic()
+                limit = self._tick(req, now, min(req.deadline, now + timeout), block=timeout > 0)
+                now = time.monotonic()
                 if req.seq is not None and not req.done:
                     limit = self._maybe_announce(req, now, limit)
                 if not req.done:
@@ -1322,9 +1429,8 @@ class Transport:
                 self._heard[peer.rank] = max(self._heard[peer.rank], seq)
                 if self._broken is not None:
                     return True  # collectives are over: discard
-            posted = self._posted.get((peer.rank, kind, 0 if kind == COLL else tag))
-            if posted:
-                req = posted.popleft()
+            req = self._take_posted(peer.rank, kind, tag)
+            if req is not None:
                 error = self._check(req, frame)
                 if error is not None:
                     self._complete(req, error)
@@ -1373,15 +1479,15 @@ class Transport:
                 return
             if kind == COLL and self._broken is not None:
                 return  # collectives stopped while it was in flight
-            key = (peer.rank, kind, 0 if kind == COLL else tag)
-            posted = self._posted.get(key)
-            if not posted:  # nobody asked yet: keep it for the receive to come
+            req = self._take_posted(peer.rank, kind, tag)  # posted while the payload was in flight
+            if req is None:  # nobody asked yet: keep it for the receive to come
+                key = (peer.rank, kind, 0 if kind == COLL else tag)
                 queue = self._unexpected.get(key)
                 if queue is None:
                     queue = self._unexpected[key] = deque()
-                queue.append((frame, target))
+                self._queued += 1
+                queue.append((frame, target, self._queued))
                 return
-            req = posted.popleft()  # posted while the payload was in flight
         self._deliver(req, frame, target, peer.rank, seq if kind == COLL else None)
 
     def _deliver(self, req: Recv, frame: Frame, payload: Payload, peer: int, seq: int | None) -> None:
@@ -1417,8 +1523,11 @@ class Transport:
                 peers=(req.peer,),
             )
         if kind == TENSOR and (dtype != req.dtype or nbytes != req.nbytes):
+            what = (
+                f"recv from any rank took a message from rank {req.peer}" if req.any else f"recv from rank {req.peer}"
+            )
             return CollectiveMismatchError(
-                f"{self.label}: recv from rank {req.peer} (tag {req.tag}) into {req.nbytes} bytes of "
+                f"{self.label}: {what} (tag {req.tag}) into {req.nbytes} bytes of "
                 f"{_dtype_name(req.dtype)}, but the message carries {nbytes} bytes of {_dtype_name(dtype)}; "
                 "send and recv must use tensors of the same dtype and number of elements",
                 peers=(req.peer,),
@@ -1473,8 +1582,11 @@ class Transport:
             if req.done:
                 return
             self._withdraw(req)
-            if req.seq is None:
-                peers: tuple[int, ...] = (req.peer,)
+            if isinstance(req, Recv) and req.peer == ANY:  # nothing came on its tag, from any other rank
+                peers: tuple[int, ...] = tuple(p.rank for p in self._peers if p is not None)
+                what = f"{req.name} from any rank (tag {req.tag})"
+            elif req.seq is None:
+                peers = (req.peer,)
                 what = f"{req.name} {'to' if isinstance(req, Send) else 'from'} rank {req.peer}"
             else:
                 peers = tuple(p for p in range(self.size) if p != self.rank and self._heard[p] < req.seq)
@@ -1527,6 +1639,10 @@ class Transport:
             del self._posted[key]
         for req in doomed:
             self._complete(req, self._peer_error(req, peer))
+        if self._nobody_left():  # receives from any source can get nothing more
+            for key in [key for key in self._posted if key[0] == ANY]:
+                for req in self._posted.pop(key):
+                    self._complete(req, self._nobody_left_error(req))
         if crashed:  # a crashed rank cannot finish any collective: everyone must stop
             self._break_collectives(PeerFailureError, reason, (peer.rank,), None, notify=False)
         else:  # tell the others if a collective of ours failed because of it
@@ -1624,15 +1740,12 @@ class Transport:
                 now = time.monotonic()
                 expired = [r for r in self._async if r.deadline <= now]
                 horizon = min(r.deadline for r in self._async)
-                unconnected = [
-                    (r, p)
-                    for r in self._async
-                    if (p := self._peers[r.peer]) is not None and p.send is None and p.closed is None
-                ]
+                waiting = list(self._async)
             for req in expired:
                 self._expire(req)
-            for req, peer in unconnected:  # never waits for the store here: other requests need this thread
-                horizon = self._tick_connect(req, peer, now, horizon, block=False)
+            for req in waiting:  # never waits for the store here: other requests need this thread
+                if not req.done:
+                    horizon = self._tick(req, now, horizon, block=False)
             self._drive(None, min(max(horizon - time.monotonic(), 0.0), 0.5))
 
     # == life ===========================================================================
@@ -1786,5 +1899,7 @@ def _settle_work(req: Request) -> None:
     assert work is not None
     if req.error is not None:
         work.set_exception(req.error)
+    elif isinstance(req, Recv) and req.any:
+        work.set_result(req.peer)  # an any-source receive's value: its sender
     else:
         work.set_result(getattr(req, "result", None))

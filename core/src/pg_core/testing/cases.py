@@ -40,6 +40,7 @@ __all__ = [
     "dtype_of",
     "expected",
     "extreme_tensor",
+    "fill",
     "prepare",
     "tolerance_note",
 ]
@@ -78,7 +79,10 @@ class Call:
 
     ``op`` is a ProcessGroup collective, a value collective (``broadcast_object``,
     ``all_gather_object``, ``gather_object``, ``scatter_object``,
-    ``broadcast_tensor_dict``), ``"p2p"`` (a set of tensor messages), ``"messages"``
+    ``broadcast_tensor_dict``), ``"p2p"`` (a set of tensor messages), ``"any_source"``
+    (tensor messages to one rank, which receives them from any source or naming the
+    sender in a drawn order: ``receiver``, ``messages`` as ``[sender, tag]``, ``plan`` as
+    ``[sender or None, tag]`` per receive, ``mode``), ``"messages"``
     (a set of value messages: objects, tensors of unknown shape, tensor dicts, and
     tensor sends of a known shape on the same tags), a subgroup formation
     (``"split"``, ``"new_group"``: the subgroup is another lane of the example), or
@@ -115,6 +119,8 @@ class Call:
     def describe(self) -> str:
         if self.op in VALUE_OPS:
             return self._describe_values()
+        if self.op == "any_source":
+            return self._describe_any_source()
         bits = [self.op]
         if self.op not in ("p2p", "barrier", "undeclared", "bad_input", "timeout"):
             bits.append(f"{self.dtype}{list(self.shape)}")
@@ -125,6 +131,16 @@ class Call:
         if self.async_op:
             bits.append("async" + (f" late={self.late}" if self.late is not None else ""))
         return " ".join(str(b) for b in bits)
+
+    def _describe_any_source(self) -> str:
+        p = self.params
+        bits = [self.op, f"{self.dtype}{list(self.shape)}", *([self.layout] if self.layout != "contig" else [])]
+        bits += [f"receiver={p['receiver']}", f"mode={p['mode']}"]
+        sent = ", ".join(f"{src}->{p['receiver']} tag={tag}" for src, tag in p["messages"])
+        plan = ", ".join(("any" if src is None else f"from {src}") + f" tag={tag}" for src, tag in p["plan"])
+        return "\n".join(
+            [" ".join(bits), f"        sent in this order by each rank: {sent}", f"        received: {plan}"]
+        )
 
     def _describe_values(self) -> str:
         from .values import describe_spec
@@ -510,6 +526,14 @@ def prepare(call: Call, where: tuple[int, int, int], rank: int, n: int) -> Bufs:
             for j in range(n):
                 b.add_in(make(("x", j), call.shape))
         b.add_out(junk("o", call.shape))
+    elif op == "any_source":
+        # the sender's messages (in list order), and a buffer per receive on the receiver
+        for m, (src, _tag) in enumerate(call.params["messages"]):
+            if rank == src:
+                b.add_in(make(("m", m), call.shape))
+        if rank == call.params["receiver"]:
+            for i in range(len(call.params["plan"])):
+                b.add_out(junk(("r", i), call.shape))
     elif op == "p2p":
         for m, (src, dst, _tag, shape, dname) in enumerate(call.params["messages"]):
             mdtype = dtype_of(dname)
@@ -647,7 +671,7 @@ def reduce_reference(
     return acc, tol, None if dtype.is_complex else signs
 
 
-def _fill(
+def fill(
     base_dtype: torch.dtype,
     bufs: Bufs,
     index: int,
@@ -685,29 +709,29 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
         for r in range(n):
             if op == "reduce" and r != call.params["root"]:
                 # pg-core's decision (docs/decisions.md): non-root inputs are left unchanged
-                out.append([_fill(dtype, bufs[r], 0, bufs[r].outs[0], None)])
+                out.append([fill(dtype, bufs[r], 0, bufs[r].outs[0], None)])
             else:
-                out.append([_fill(dtype, bufs[r], 0, value, tol, signs=signs)])
+                out.append([fill(dtype, bufs[r], 0, value, tol, signs=signs)])
     elif op == "broadcast":
         src = bufs[call.params["root"]].outs[0]
-        out = [[_fill(dtype, bufs[r], 0, src, None)] for r in range(n)]
+        out = [[fill(dtype, bufs[r], 0, src, None)] for r in range(n)]
     elif op == "all_gather":
-        out = [[_fill(dtype, bufs[r], j, bufs[j].ins[0], None) for j in range(n)] for r in range(n)]
+        out = [[fill(dtype, bufs[r], j, bufs[j].ins[0], None) for j in range(n)] for r in range(n)]
     elif op == "all_gather_into_tensor":
         pieces = [b.ins[0].reshape(call.shape) for b in bufs]
         whole = torch.cat(pieces) if call.params.get("out_form") == "concat" and call.shape else torch.stack(pieces)
-        out = [[_fill(dtype, bufs[r], 0, whole, None)] for r in range(n)]
+        out = [[fill(dtype, bufs[r], 0, whole, None)] for r in range(n)]
     elif op == "reduce_scatter":
         for r in range(n):
             value, tol, signs = reduce_reference([b.ins[r] for b in bufs], call)
-            out.append([_fill(dtype, bufs[r], 0, value, tol, signs=signs)])
+            out.append([fill(dtype, bufs[r], 0, value, tol, signs=signs)])
     elif op == "reduce_scatter_tensor":
         for r in range(n):
             blocks = [b.ins[0].reshape(n, -1)[r].reshape(call.shape) for b in bufs]
             value, tol, signs = reduce_reference(blocks, call)
-            out.append([_fill(dtype, bufs[r], 0, value, tol, signs=signs)])
+            out.append([fill(dtype, bufs[r], 0, value, tol, signs=signs)])
     elif op == "all_to_all":
-        out = [[_fill(dtype, bufs[r], i, bufs[i].ins[r], None) for i in range(n)] for r in range(n)]
+        out = [[fill(dtype, bufs[r], i, bufs[i].ins[r], None) for i in range(n)] for r in range(n)]
     elif op == "all_to_all_single":
         splits = _split_rows(call)
         for r in range(n):
@@ -715,14 +739,14 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
             for i in range(n):
                 start = sum(splits[i][:r])
                 pieces.append(bufs[i].ins[0][start : start + splits[i][r]])
-            out.append([_fill(dtype, bufs[r], 0, torch.cat(pieces), None)])
+            out.append([fill(dtype, bufs[r], 0, torch.cat(pieces), None)])
     elif op == "gather":
         root = call.params["root"]
         for r in range(n):
-            out.append([_fill(dtype, bufs[r], j, bufs[j].ins[0], None) for j in range(n)] if r == root else [])
+            out.append([fill(dtype, bufs[r], j, bufs[j].ins[0], None) for j in range(n)] if r == root else [])
     elif op == "scatter":
         root = call.params["root"]
-        out = [[_fill(dtype, bufs[r], 0, bufs[root].ins[r], None)] for r in range(n)]
+        out = [[fill(dtype, bufs[r], 0, bufs[root].ins[r], None)] for r in range(n)]
     elif op == "p2p":
         msgs = call.params["messages"]
         for r in range(n):
@@ -733,7 +757,7 @@ def expected(call: Call, seed: int, lane: int, step: int, n: int) -> list[list[E
                 sent_index = [k for k, msg in enumerate(msgs) if msg[0] == src].index(m)
                 received_index = len(mine)
                 mdtype = dtype_of(msgs[m][4])
-                mine.append(_fill(mdtype, bufs[r], received_index, bufs[src].ins[sent_index], None))
+                mine.append(fill(mdtype, bufs[r], received_index, bufs[src].ins[sent_index], None))
             out.append(mine)
     else:
         out = [[] for _ in range(n)]

@@ -19,7 +19,11 @@ calls on one group per example:
   soon as their ``isend`` completed, receives read as soon as their ``wait()`` returned,
   messages in flight on one (peer, tag) in quick succession, blocking and async mixed,
   user tags on both sides of 2**31 and 2**32 and at the top of the declared range while
-  the core's own tags carry values and collectives.
+  the core's own tags carry values and collectives;
+* **receiving from any source** (:func:`any_source_calls`): where ``recv_anysource`` is
+  declared, every dtype, and every rank as the receiver of every other rank's messages on
+  two tags, received from any source and naming senders in turn; where it is not, a probe
+  that it raises ``NotSupportedError`` and posts nothing.
 
 Every example is an ordinary :class:`~pg_core.testing.cases.Example`, judged like any
 other and printed with a replay line when it fails.
@@ -33,9 +37,17 @@ import torch
 
 from ..ops import COLLECTIVE_OPS, RedOpType
 from .cases import EXTREME, Call, Example, Lane, dtype_name
-from .strategies import Target
+from .strategies import Target, any_source_plan
 
-__all__ = ["BATCH", "HUGE_BYTES", "coverage_examples", "lifetime_calls", "sizes", "world_sizes"]
+__all__ = [
+    "BATCH",
+    "HUGE_BYTES",
+    "any_source_calls",
+    "coverage_examples",
+    "lifetime_calls",
+    "sizes",
+    "world_sizes",
+]
 
 #: Calls per example: enough to amortise forming a group, few enough that a failure reads.
 BATCH = 24
@@ -236,15 +248,91 @@ def lifetime_calls(target: Target, device: str, n: int) -> list[Call]:
     return out
 
 
+def _any_source(
+    dtype: torch.dtype,
+    n: int,
+    receiver: int,
+    shape: tuple[int, ...],
+    tags: tuple[int, ...],
+    *,
+    async_op: bool,
+    extreme: bool,
+) -> Call:
+    """Every rank but ``receiver`` sends it two messages, on ``tags`` in turn; the receiver takes
+    them in the reverse of that listing, naming every other sender it can (blocking) or all
+    from any source, posted at once (``async_op``)."""
+    messages = [[src, tags[(src + k) % len(tags)]] for src in range(n) if src != receiver for k in range(2)]
+    order = list(range(len(messages)))[::-1]
+    plan = any_source_plan(messages, order, [not async_op and i % 2 == 0 for i in range(len(messages))])
+    params: dict[str, object] = {
+        "receiver": receiver,
+        "messages": messages,
+        "plan": plan,
+        "mode": "async" if async_op else "blocking",
+    }
+    if extreme:
+        params["values"] = EXTREME
+    return Call("any_source", dtype_name(dtype), shape, "contig", async_op, None, params)
+
+
+def any_source_calls(target: Target, device: str) -> dict[int, list[list[Call]]]:
+    """Receives from any source on ``device``, by world size, in batches whose calls use tags of
+    their own (a receive from any source of one call must not meet another call's messages).
+    Declared: a receive from any source on a tag nobody sends on, which must time out; every
+    dtype, blocking at the first world size and async with the whole range at the second; and
+    every receiver at every world size >= 2. Not declared (where point to
+    point is): a probe that ``recv(src=None)`` raises ``NotSupportedError`` and ``supports``
+    says no, followed by a ring of sends that a receive posted anyway would take."""
+    multi = [n for n in target.world_sizes if n >= 2]
+    p2p = target.p2p_dtypes(device)
+    if not multi or not p2p:
+        return {}
+    first, second = world_sizes(multi)
+    dtypes = target.any_source(device)
+    if not dtypes:
+        params = {"target": "recv_anysource", "caller": 0, "reduce": None}
+        probe = Call("undeclared", dtype_name(p2p[0]), (), "contig", False, None, params)
+        ring = _p2p(p2p[0], _ring(first), (4,), (0,), async_op=False, extreme=False)
+        return {first: [[probe, ring]]}
+    top = max(target.tags(device))
+    per_batch = max(1, min(BATCH, (top + 1) // 2))
+    tags_of = [(2 * j, 2 * j + 1) if top > 0 else (0,) for j in range(per_batch)]
+    made: dict[int, list[Call]] = {}
+
+    def add(n: int, make: tuple[torch.dtype, int, tuple[int, ...], bool, bool]) -> None:
+        dtype, receiver, shape, async_op, extreme = make
+        batch = made.setdefault(n, [])
+        tags = tags_of[len(batch) % per_batch]
+        batch.append(_any_source(dtype, n, receiver, shape, tags, async_op=async_op, extreme=extreme))
+
+    for i, dtype in enumerate(dtypes):
+        shapes = sizes(dtype)
+        add(first, (dtype, i % first, shapes[i % len(shapes)], False, False))
+        add(second, (dtype, (i + 1) % second, shapes[(i + 3) % len(shapes)], True, True))
+    for n in multi:
+        for k in range(n):
+            add(n, (dtypes[k % len(dtypes)], k, (4,), k % 2 == 1, False))
+    batches = {n: [calls[i : i + per_batch] for i in range(0, len(calls), per_batch)] for n, calls in made.items()}
+    # a timeout ends its caller's lane (the call raises): an example of its own
+    params = {"target": "recv_anysource", "caller": first - 1, "peer": 0, "seconds": 0.5, "tag": 0}
+    batches[first].append([Call("timeout", dtype_name(dtypes[0]), (), "contig", False, None, params)])
+    return batches
+
+
 def coverage_examples(target: Target) -> list[Example]:
     """The coverage test's examples: :func:`coverage_calls` on every device, :data:`BATCH`
-    calls per example (asynchronous ones waited newest first)."""
+    calls per example (asynchronous ones waited newest first), then :func:`any_source_calls`."""
     examples: list[Example] = []
+
+    def add(n: int, device: str, chunk: list[Call]) -> None:
+        waits = [i for i, c in enumerate(chunk) if c.async_op][::-1]
+        examples.append(Example(n, device, len(examples), [Lane(list(range(n)), chunk, waits)]))
+
     for device in target.devices:
         for n, calls in sorted(coverage_calls(target, device).items()):
             for start in range(0, len(calls), BATCH):
-                chunk = calls[start : start + BATCH]
-                waits = [i for i, c in enumerate(chunk) if c.async_op][::-1]
-                seed = len(examples)
-                examples.append(Example(n, device, seed, [Lane(list(range(n)), chunk, waits)]))
+                add(n, device, calls[start : start + BATCH])
+        for n, batches in sorted(any_source_calls(target, device).items()):
+            for batch in batches:
+                add(n, device, batch)
     return examples

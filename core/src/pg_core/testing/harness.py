@@ -16,7 +16,9 @@ Checks, by the name a failure carries:
     tolerance of :func:`~pg_core.testing.cases.tolerance_note`), or a byte
     outside the output view (a strided buffer's gaps) changed; for values
     (objects, tensors of unknown shape, tensor dicts), a received value is not
-    structurally equal to the one sent (see :mod:`~pg_core.testing.values`).
+    structurally equal to the one sent (see :mod:`~pg_core.testing.values`); for
+    receives from any source, a receive names a sender that had nothing more to
+    send on its tag, or holds another message than that sender's next one.
 ``ranks-agree``
     ``all_reduce`` results are not bitwise identical on every rank.
 ``inputs-unchanged``
@@ -58,7 +60,7 @@ import torch
 from ..backend import Backend, BackendSpec, Capabilities
 from ..ops import COLLECTIVE_OPS, RedOpType
 from ..registry import absolute_backend_ref, resolve_backend_ref
-from .cases import VALUE_OPS, Call, Example, Expected, dtype_name, dtype_of, expected, input_bases
+from .cases import VALUE_OPS, Call, Example, Expected, dtype_name, dtype_of, expected, fill, input_bases, prepare
 from .pool import RankPool, RanksFailed
 from .rank import run_dead_peer, run_example, run_warm_up
 from .values import collective_input, collective_result, difference, message_value, observe
@@ -71,6 +73,7 @@ TESTS: tuple[str, ...] = (
     "coverage",
     *COLLECTIVE_OPS,
     "p2p",
+    "any_source",
     "objects",
     "unknown_shape",
     "subgroups",
@@ -292,6 +295,11 @@ class Conformance:
                 return "send/recv are not declared"
             if not multi:
                 return "point to point needs a world size >= 2"
+        elif test == "any_source":
+            if not any(target.any_source(d) for d in self.devices):
+                return "recv_anysource is not declared (the undeclared and coverage tests prove it raises NotSupportedError)"
+            if not multi:
+                return "a receive from any source needs a world size >= 2"
         elif test in ("objects", "unknown_shape"):
             if not any(target.messages(d) for d in self.devices):
                 return (
@@ -447,7 +455,7 @@ class Conformance:
                         f"plus {TIMEOUT_LATE_S:g} s for a loaded machine)",
                         ex,
                     )
-                if p["target"] not in ("recv", "recv_object") and err.get("op") != p["target"]:
+                if p["target"] not in ("recv", "recv_anysource", "recv_object") and err.get("op") != p["target"]:
                     raise self.fail(
                         test,
                         "timeout",
@@ -486,6 +494,10 @@ class Conformance:
         if call.op in VALUE_OPS:
             self._judge_values(test, ex, at, recs, where)
             return
+        if call.op == "any_source":
+            self._judge_any_source(test, ex, at, recs, where)
+            self._judge_inputs(test, ex, at, recs, where)
+            return
         want = expected(call, ex.seed, li, ci, n)
         for r, rec in enumerate(recs):
             exp = want[r]
@@ -512,14 +524,8 @@ class Conformance:
                         f"then): {problem}",
                         ex,
                     )
-        overwritten = call.op == "p2p" and call.params.get("mode") == "overwrite"  # on purpose, after each wait()
-        before = [] if overwritten else input_bases(call, ex.seed, li, ci, n)
-        for r, rec in enumerate(recs if not overwritten else []):
-            for k, (got, orig) in enumerate(zip(rec.get("ins", []), before[r], strict=False)):
-                if not _same_bytes(got, orig):
-                    raise self.fail(
-                        test, "inputs-unchanged", f"{where}: rank {r} input #{k} was modified by the operation", ex
-                    )
+        if not (call.op == "p2p" and call.params.get("mode") == "overwrite"):  # on purpose, after each wait()
+            self._judge_inputs(test, ex, at, recs, where)
         if call.op == "all_reduce":
             mask = want[0][0].mask if want[0] else None
 
@@ -535,6 +541,69 @@ class Conformance:
                     "ranks-agree",
                     f"{where}: all_reduce results are not bitwise identical: ranks {differ} differ from rank 0 "
                     "(every rank must reduce in the same order)",
+                    ex,
+                )
+
+    def _judge_inputs(
+        self, test: str, ex: Example, at: tuple[int, int], recs: list[dict[str, Any]], where: str
+    ) -> None:
+        """Every input buffer is as it was before the call."""
+        li, ci = at
+        before = input_bases(ex.lanes[li].calls[ci], ex.seed, li, ci, len(ex.lanes[li].members))
+        for r, rec in enumerate(recs):
+            for k, (got, orig) in enumerate(zip(rec.get("ins", []), before[r], strict=False)):
+                if not _same_bytes(got, orig):
+                    raise self.fail(
+                        test, "inputs-unchanged", f"{where}: rank {r} input #{k} was modified by the operation", ex
+                    )
+
+    def _judge_any_source(
+        self, test: str, ex: Example, at: tuple[int, int], recs: list[dict[str, Any]], where: str
+    ) -> None:
+        """Receives from any source, as MPI matches them: taken in the order the receiver posted
+        them, each returned a sender that still had a message on its tag (the one it named, if
+        it named one) and holds that sender's next message there, bit for bit. Messages of
+        different senders may come in any order; each sender's come in the order it sent them."""
+        li, ci = at
+        call = ex.lanes[li].calls[ci]
+        n = len(ex.lanes[li].members)
+        p = call.params
+        receiver = p["receiver"]
+        bufs = [prepare(call, (ex.seed, li, ci), r, n) for r in range(n)]
+        left: dict[tuple[int, int], list[int]] = {}  # (sender, tag) -> its messages not received yet, in order
+        for m, (src, tag) in enumerate(p["messages"]):
+            left.setdefault((src, tag), []).append(m)
+        sources = recs[receiver].get("sources") or []
+        outs = recs[receiver].get("outs", [])
+        if len(sources) != len(p["plan"]) or len(outs) != len(p["plan"]):
+            raise self.fail(
+                test, "reference", f"{where}: rank {receiver} made {len(sources)} of {len(p['plan'])} receives", ex
+            )
+        for i, ((named, tag), sender) in enumerate(zip(p["plan"], sources, strict=True)):
+            how = "from any source" if named is None else f"naming rank {named}"
+            said = f"rank {sender}" if isinstance(sender, int) else repr(sender)
+            queue = left.get((sender, tag))
+            if (named is not None and sender != named) or not queue:
+                sent = sum(1 for src, t in p["messages"] if (src, t) == (sender, tag))
+                raise self.fail(
+                    test,
+                    "reference",
+                    f"{where}: receive #{i} on rank {receiver} ({how}, tag {tag}) says it came from {said}, "
+                    f"which sent {sent} message(s) there, "
+                    + ("all received before it" if sent else "none")
+                    + ("" if named is None else f"; it must come from rank {named}"),
+                    ex,
+                )
+            m = queue.pop(0)
+            k = [j for j, (src, _) in enumerate(p["messages"]) if src == sender].index(m)
+            problem = _compare(outs[i], fill(call.torch_dtype, bufs[receiver], i, bufs[sender].ins[k], None))
+            if problem is not None:
+                raise self.fail(
+                    test,
+                    "reference",
+                    f"{where}: receive #{i} on rank {receiver} ({how}, tag {tag}) says it came from rank {sender}, "
+                    f"whose next message on that tag is message #{m} (each sender's messages arrive in the order it "
+                    f"sent them), but it holds something else: {problem}",
                     ex,
                 )
 
@@ -623,7 +692,7 @@ class Conformance:
             self.execute("coverage", example)
 
     def declared_combinations(self) -> dict[str, list[tuple[str, str, str | None]]]:
-        """Per op (``send``/``recv`` as ``p2p``), every declared (device, dtype, reduce op)."""
+        """Per op (``send``/``recv`` as ``p2p``; ``recv_anysource``), every declared (device, dtype, reduce op)."""
         target = self.target()
         out: dict[str, list[tuple[str, str, str | None]]] = {}
         for op in COLLECTIVE_OPS:
@@ -639,6 +708,11 @@ class Conformance:
         ]
         if p2p:
             out["p2p"] = p2p
+        anyone: list[tuple[str, str, str | None]] = [
+            (d, dtype_name(dtype), None) for d in self.devices for dtype in target.any_source(d)
+        ]
+        if anyone:
+            out["recv_anysource"] = anyone
         return out
 
     def check_supports(self) -> None:
@@ -790,6 +864,8 @@ def _counted(call: Call) -> list[str]:
         return [call.params["target"]]
     if call.op == "messages":
         return [_METHODS[m[3]] for m in call.params["messages"]]
+    if call.op == "any_source":
+        return ["recv_anysource"]
     return [call.op]
 
 
@@ -800,6 +876,8 @@ def _combos(call: Call, device: str) -> list[tuple[str, tuple[str, str, str | No
         return [(call.op, (device, dtype, call.params.get("reduce")))]
     if call.op == "p2p":
         return [("p2p", (device, m[4], None)) for m in call.params["messages"]]
+    if call.op == "any_source":
+        return [("recv_anysource", (device, call.dtype, None))]
     return []
 
 
@@ -923,7 +1001,7 @@ def _supports_table(
     """On a formed group: what ``supports()`` says for every (op, dtype, reduce op)."""
     from ..backend import DTYPES
     from ..group import ProcessGroup
-    from ..ops import COLLECTIVE_OPS, RedOpType, ReduceOp
+    from ..ops import COLLECTIVE_OPS, OPTIONAL_OPS, RedOpType, ReduceOp
     from .cases import dtype_name
 
     reducing = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
@@ -931,7 +1009,7 @@ def _supports_table(
     group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends={device: spec}, timeout=op_timeout)
     table: dict[tuple[str, str, str | None], bool] = {}
     try:
-        for op in (*COLLECTIVE_OPS, "send", "recv"):
+        for op in (*COLLECTIVE_OPS, "send", "recv", *OPTIONAL_OPS):
             for dtype in DTYPES:
                 if op == "barrier":
                     table[(op, dtype_name(dtype), None)] = group.supports(op, device=device)

@@ -206,6 +206,9 @@ class _Lane:
             if call.op == "p2p":
                 self._p2p(group, ci, call, bufs, record)
                 return
+            if call.op == "any_source":
+                self._any_source(group, call, bufs, record)
+                return
 
             def start() -> Any:
                 return _invoke(group, call, bufs, self.me, async_op=call.async_op)
@@ -298,6 +301,29 @@ class _Lane:
         for m, (_, dst, tag, *_r) in sends:
             works.append(group.isend(send_t[m], dst, tag))
         self.works[ci] = works[::-1]  # waited newest first
+
+    def _any_source(self, group: ProcessGroup, call: Call, bufs: Bufs, record: dict[str, Any]) -> None:
+        """Every other rank sends its messages to the receiver, which receives them in the plan's
+        order (from any source, or naming the sender) and records what each receive returned.
+        Everything completes within the call, so no receive of a later call can take these."""
+        p = call.params
+        receiver = p["receiver"]
+        if self.me == receiver:
+            if p["mode"] == "async":  # posted at once, pending together, then waited in order
+                works = [group.irecv(out, src, tag) for out, (src, tag) in zip(bufs.outs, p["plan"], strict=True)]
+                record["sources"] = [work.result() for work in works]
+            else:
+                record["sources"] = [
+                    group.recv(out, src, tag) for out, (src, tag) in zip(bufs.outs, p["plan"], strict=True)
+                ]
+            return
+        tags = [tag for src, tag in p["messages"] if src == self.me]
+        if p["mode"] == "async":
+            for work in [group.isend(t, receiver, tag) for t, tag in zip(bufs.ins, tags, strict=True)]:
+                work.wait()
+        else:
+            for t, tag in zip(bufs.ins, tags, strict=True):
+                group.send(t, receiver, tag)
 
     def _messages(self, group: ProcessGroup, ci: int, call: Call, record: dict[str, Any]) -> None:
         """Value messages: every rank sends its messages (all first, in the blocking mode),
@@ -404,6 +430,8 @@ class _Lane:
         target = p["target"]
         if target == "recv":
             group.recv(t, p["peer"], tag=int(p.get("tag", 0)), timeout=seconds)
+        elif target == "recv_anysource":
+            group.recv(t, None, tag=int(p.get("tag", 0)), timeout=seconds)
         elif target == "barrier":
             group.barrier(timeout=seconds)
         elif target == "all_reduce":
@@ -456,6 +484,10 @@ def _supports(group: ProcessGroup, call: Call, device: torch.device) -> bool | N
         return all(
             group.supports("send", device=kind, dtype=dtype) and group.supports("recv", device=kind, dtype=dtype)
             for dtype in [None, *(dtype_of(d) for d in sorted(_value_dtypes(call)))]
+        )
+    if call.op == "any_source":
+        return all(
+            group.supports(op, device=device.type, dtype=call.torch_dtype) for op in ("send", "recv", "recv_anysource")
         )
     if call.op == "p2p":
         return all(
@@ -581,6 +613,8 @@ def _call_once(group: ProcessGroup, op: str, device: torch.device, dtype: torch.
         group.send(t, peer if n > 1 else 0)
     elif op == "recv":
         group.recv(t, peer if n > 1 else 0)
+    elif op == "recv_anysource":
+        group.recv(t, None)
     elif op == "send_object":
         group.send_object([1, "x"], peer if n > 1 else 0)
     elif op == "broadcast_object":

@@ -25,13 +25,13 @@ import hypothesis.strategies as st
 import torch
 
 from ..backend import DTYPES, Capabilities
-from ..ops import COLLECTIVE_OPS, RedOpType
+from ..ops import COLLECTIVE_OPS, OPTIONAL_OPS, RedOpType
 from ..tags import TagMap
 from .cases import Call, Example, Lane, dtype_name
 from .rank import BAD_INPUTS
 from .values import MESSAGE_COLLECTIVES
 
-__all__ = ["Target", "examples_for"]
+__all__ = ["Target", "any_source_plan", "examples_for"]
 
 _REDUCING = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
 _FACTORS = (2.0, 0.5, -1.5, 3.0)
@@ -95,6 +95,11 @@ class Target:
             return []
         return [d for d in DTYPES if d in caps.dtypes]
 
+    def any_source(self, device: str) -> list[torch.dtype]:
+        """The dtypes a receive from any source takes: those of point to point, where
+        ``recv_anysource`` is declared."""
+        return self.p2p_dtypes(device) if "recv_anysource" in self.caps[device].ops else []
+
     def ops(self, device: str) -> list[str]:
         return [op for op in COLLECTIVE_OPS if self.declared(op, device)]
 
@@ -102,7 +107,7 @@ class Target:
         """Every (op, dtype, reduce kind) combination not declared for ``device``."""
         caps = self.caps[device]
         out: list[tuple[str, torch.dtype, RedOpType | None]] = []
-        for op in (*COLLECTIVE_OPS, "send", "recv"):
+        for op in (*COLLECTIVE_OPS, "send", "recv", *OPTIONAL_OPS):
             for dtype in DTYPES:
                 if op in _REDUCING:
                     for kind in sorted(RedOpType, key=lambda k: k.value):
@@ -210,6 +215,55 @@ def _p2p(draw: Any, target: Target, device: str, n: int) -> Call:
     layout = draw(st.sampled_from(["contig", "strided"])) if all(len(s) >= 1 for s in shapes) else "contig"
     params = {"messages": messages, "mode": mode, "recv_order": recv_order}
     return Call("p2p", "float32", (), layout, mode != "blocking", late, params)
+
+
+def any_source_plan(messages: Sequence[Sequence[int]], order: Sequence[int], named: Sequence[bool]) -> list[list[Any]]:
+    """The receives of an ``any_source`` call: one per message, on the tags of ``order`` (a
+    permutation of the messages' indices, read for their tags), each from any source unless
+    ``named[i]`` asks to name a sender and some sender can be named there: one whose messages
+    on that tag cannot all have been taken by the receives before it, so the plan never waits
+    for a message another receive may have taken (every sender's message count on the tag is
+    above its named receives there so far plus the tag's any-source receives so far)."""
+    count: dict[tuple[int, int], int] = {}
+    for src, tag in messages:
+        count[(src, tag)] = count.get((src, tag), 0) + 1
+    taken: dict[tuple[int, int], int] = {}
+    anyone: dict[int, int] = {}
+    plan: list[list[Any]] = []
+    for i, m in enumerate(order):
+        tag = messages[m][1]
+        can = sorted(src for (src, t), c in count.items() if t == tag and c > taken.get((src, t), 0) + anyone.get(t, 0))
+        if named[i] and can:
+            src = can[i % len(can)]
+            taken[(src, tag)] = taken.get((src, tag), 0) + 1
+            plan.append([src, tag])
+        else:
+            anyone[tag] = anyone.get(tag, 0) + 1
+            plan.append([None, tag])
+    return plan
+
+
+def _any_source(draw: Any, target: Target, device: str, n: int) -> Call:
+    """Every rank but a drawn receiver sends it one to three messages on one or two drawn tags;
+    the receiver takes them in a drawn order, from any source or (blocking) naming a sender,
+    or (async) posts any-source receives all at once. One dtype and shape per call: a
+    receive from any source must fit whichever message it gets."""
+    dtype = draw(st.sampled_from(target.any_source(device)))
+    shape = _piece(draw, dtype, allow_large=False)
+    receiver = draw(st.integers(0, n - 1))
+    tags = draw(st.lists(st.sampled_from(target.tags(device)), min_size=1, max_size=2, unique=True))
+    messages = [
+        [src, draw(st.sampled_from(tags))]
+        for src in range(n)
+        if src != receiver
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    mode = draw(st.sampled_from(["blocking", "async"]))
+    order = draw(st.permutations(range(len(messages))))
+    named = [mode == "blocking" and draw(st.booleans()) for _ in messages]
+    layout = draw(st.sampled_from(["contig", "strided"])) if len(shape) >= 1 else "contig"
+    params = {"receiver": receiver, "messages": messages, "plan": any_source_plan(messages, order, named), "mode": mode}
+    return Call("any_source", dtype_name(dtype), shape, layout, mode == "async", None, params)
 
 
 def _lane_calls(draw: Any, target: Target, device: str, n: int, count: int, *, p2p: bool = True) -> list[Call]:
@@ -461,14 +515,14 @@ def _seed(draw: Any) -> int:
 
 def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
     """The strategy behind conformance test ``test`` (an op name, or one of ``p2p``,
-    ``objects``, ``unknown_shape``, ``subgroups``, ``sequences``, ``coalescing``,
+    ``any_source``, ``objects``, ``unknown_shape``, ``subgroups``, ``sequences``, ``coalescing``,
     ``concurrent_groups``, ``undeclared``, ``bad_input``, ``timeouts``)."""
 
     @st.composite
     def draw_example(draw: Any) -> Example:
         device = draw(st.sampled_from(_devices_for(test, target)))
         sizes = list(target.world_sizes)
-        if test in ("p2p", "concurrent_groups", "timeouts"):
+        if test in ("p2p", "any_source", "concurrent_groups", "timeouts"):
             sizes = [s for s in sizes if s >= 2]
         elif test in ("objects", "unknown_shape"):  # one rank only sends to itself: a few examples at most
             sizes = [s for s in sizes if s >= 2] or sizes
@@ -478,6 +532,8 @@ def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
             calls = [_collective(draw, target, device, test, n)]
         elif test == "p2p":
             calls = [_p2p(draw, target, device, n) for _ in range(draw(st.integers(1, 2)))]
+        elif test == "any_source":  # one call: a later one's messages could meet this one's receives
+            calls = [_any_source(draw, target, device, n)]
         elif test == "objects":
             calls = _value_calls(
                 draw, target, device, n, ops=_OBJECT_OPS, kinds=("object", "object", "plain", "tensor")
@@ -516,6 +572,8 @@ def _devices_for(test: str, target: Target) -> list[str]:
         found = [d for d in target.devices if target.declared(test, d)]
     elif test in ("p2p", "timeouts"):
         found = [d for d in target.devices if target.p2p_dtypes(d) or target.ops(d)]
+    elif test == "any_source":
+        found = [d for d in target.devices if target.any_source(d)]
     elif test in ("objects", "unknown_shape"):
         found = [d for d in target.devices if target.messages(d)]
     else:
@@ -560,7 +618,7 @@ def _undeclared(draw: Any, target: Target, device: str, n: int) -> list[Call]:
     ]
     choices.append(("all_reduce", torch.float32, None, "meta"))  # a device type the group has no backend for
     op, dtype, kind, other_device = draw(st.sampled_from(choices))
-    if n == 1 and op in ("send", "recv", "send_object"):
+    if n == 1 and op in ("send", "recv", "send_object", "recv_anysource"):
         op, dtype, kind, other_device = "all_reduce", torch.float32, None, "meta"
     params: dict[str, Any] = {
         "target": op,
@@ -659,6 +717,8 @@ def _timeout(draw: Any, target: Target, device: str, n: int) -> Call:
     choices = [op for op in ("all_reduce", "barrier", "all_gather", "broadcast") if target.declared(op, device)]
     if target.p2p_dtypes(device):
         choices.append("recv")
+    if target.any_source(device):
+        choices.append("recv_anysource")
     if target.messages(device):
         choices += ["recv_object", "broadcast_object"]
     op = draw(st.sampled_from(choices))
@@ -667,7 +727,11 @@ def _timeout(draw: Any, target: Target, device: str, n: int) -> Call:
     if op in ("recv_object", "broadcast_object"):
         dtypes = [torch.float32]
     else:
-        dtypes = [d for d, _ in target.declared(op, device)] if op != "recv" else target.p2p_dtypes(device)
+        dtypes = (
+            [d for d, _ in target.declared(op, device)]
+            if op not in ("recv", "recv_anysource")
+            else target.p2p_dtypes(device)
+        )
     if op == "all_reduce":
         dtypes = [d for d in dtypes if caps.supports("all_reduce", d, RedOpType.SUM)] or dtypes
     dtype = draw(st.sampled_from(sorted(set(dtypes), key=str)))
