@@ -470,7 +470,10 @@ def test_any_source_receives_of_a_tag_are_one_stream_in_call_order_on_the_core_h
         assert [first.result(10), blocking.result(10)] == [2, 2]
     streams = [(tag, name.rpartition("-recv-any-")[2]) for _, tag, name in log]
     assert [tag for tag, _ in streams] == [2, 4, 2, 2]  # wire tags, in call order per tag
-    assert all(str(tag) == stream for tag, stream in streams), streams  # each on its tag's helper thread
+    # the irecvs run on their tag's helper thread; the blocking recv there too, or inline on
+    # this thread if the helper had finished the ones before it (both keep the tag's order)
+    assert all(str(tag) == stream for tag, stream in streams[:3]), streams
+    assert streams[3][1] in ("2", "MainThread"), streams
 
 
 def test_batch_isend_irecv_takes_peer_none_for_a_receive_from_any_source(log):

@@ -244,7 +244,10 @@ class C10dBackend(Backend):
                 raise self._error(exc, what, timeout, peers) from exc
             return batch[1]
         try:
-            with self._posting:
+            if self.coalesces:  # a batch may be posting on another thread: keep out of it
+                with self._posting:
+                    work = post()
+            else:
                 work = post()
             if async_op:
                 return self._launched(work, what, timeout, peers)

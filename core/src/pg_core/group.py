@@ -325,7 +325,6 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """Reduce ``tensor`` across the group, in place, on every rank."""
-        tensor = check_tensor(tensor)
         rop = as_reduce_op(op)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
@@ -342,7 +341,6 @@ class ProcessGroup:
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: float | timedelta | None = None
     ) -> Work | None:
         """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank."""
-        tensor = check_tensor(tensor)
         check_rank(src, self._size, "src")
         st = Staging("broadcast")
         t = st.stage(tensor, written=True) if self._rank != src else st.stage(tensor)
@@ -365,7 +363,6 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """Reduce ``tensor`` across the group into ``tensor`` on ``dst``; others' tensors are unchanged."""
-        tensor = check_tensor(tensor)
         check_rank(dst, self._size, "dst")
         rop = as_reduce_op(op)
         st = Staging("reduce")
