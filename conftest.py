@@ -18,6 +18,7 @@ from pg_core.testing.pool import RankPool
 IN_REPO_BACKENDS = {
     "tcp": ("pg-tcp", "backends/tcp_reference"),
     "gloo": ("pg-gloo", "backends/gloo"),
+    "mpi": ("pg-mpi", "backends/mpi"),
     "storecomm": ("pg-storecomm", "examples/third_party_plugin"),
 }
 
@@ -41,6 +42,14 @@ def in_repo_backend_problem(name: str) -> str | None:
     found = [entry for entry in default_registry().entries() if entry.name == name]
     if any(e.status == "available" and e.distribution == distribution for e in found):
         return None
+    for e in found:  # a backend started through a launcher runs where that launcher starts it, not here
+        if e.status == "unavailable" and e.distribution == distribution and e.spec is not None and e.spec.launcher:
+            from pg_core.launchers import why_unavailable_launched
+
+            why = why_unavailable_launched(f"{name}@{distribution}", e.spec.launcher)
+            if why is None:
+                return None
+            return f"{prefix} unavailable (from {distribution}) {why}"
     if not found:
         return f"{prefix} not installed: no distribution provides it (pip install -e {folder}, which is {distribution})"
     why = [

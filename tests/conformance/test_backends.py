@@ -23,6 +23,7 @@ HERE = Path(__file__).parent
 IN_REPO = {
     "tcp": "pg-tcp",
     "gloo": "pg-gloo",
+    "mpi": "pg-mpi",  # started through mpiexec (its spec declares launcher="mpiexec")
     "storecomm": "pg-storecomm",  # examples/third_party_plugin: written from the README alone
 }
 
