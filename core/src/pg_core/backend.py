@@ -340,7 +340,9 @@ class BackendSpec:
 
     def __post_init__(self) -> None:
         if self.launcher is not None and self.launcher not in LAUNCHERS:
-            raise ValueError(f"backend {self.name!r}: unknown launcher {self.launcher!r} (known: {', '.join(LAUNCHERS)})")
+            raise ValueError(
+                f"backend {self.name!r}: unknown launcher {self.launcher!r} (known: {', '.join(LAUNCHERS)})"
+            )
         if not self.name or not isinstance(self.name, str) or any(c in self.name for c in ",:@ \t"):
             raise ValueError(f"backend name must be a non-empty string without ',:@' or spaces, got {self.name!r}")
         devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)
