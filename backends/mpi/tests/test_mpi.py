@@ -342,3 +342,25 @@ def test_closing_a_launched_pool_ends_mpiexec_and_its_ranks() -> None:
     pool.close()
     assert launcher.poll() is not None
     assert _gone(pids)
+
+
+# -- pg-core bench: ranks through mpiexec, raw mpi4py as the baseline ---------------------------------
+
+
+@pytest.mark.slow
+def test_bench_runs_pg_mpi_beside_raw_mpi4py_under_mpiexec() -> None:
+    cmd = [sys.executable, "-m", "pg_core", "bench", "--backends", "mpi", "--baseline", "mpi4py", "--world-size", "2"]
+    cmd += ["--ops", "all_reduce,send_recv", "--sizes", "4,64K", "--iters", "5", "--warmup", "1", "--json", "--quiet"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    got = {(r["op"], r["requested_size"], r["backend"]) for r in rows}
+    assert got == {
+        (op, size, b) for op in ("all_reduce", "send_recv") for size in (4, 65536) for b in ("mpi4py", "mpi")
+    }
+    for r in rows:
+        assert r["status"] == "ok", r  # correctness-checked on every rank
+        if r["backend"] == "mpi":
+            assert r["ratio_to"] == "mpi4py" and r["ratio"] > 0, r
+        else:
+            assert r["baseline"] and r["ratio"] is None, r

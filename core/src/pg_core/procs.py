@@ -32,7 +32,15 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["EXIT_UNKNOWN", "LaunchedRanks", "RankProcesses", "die_with_parent", "prepare_rank", "tail"]
+__all__ = [
+    "EXIT_UNKNOWN",
+    "LaunchedRanks",
+    "RankProcesses",
+    "adopt_launched_rank",
+    "die_with_parent",
+    "prepare_rank",
+    "tail",
+]
 
 #: How long :meth:`RankProcesses.dump_stacks` waits at most for the dumps to be written.
 STACK_DUMP_S = 3.0
@@ -200,7 +208,8 @@ class LaunchedRanks(RankProcesses):
     each rank writes its own ``log_dir/rank{r}.log`` (the rank opens it, knowing its rank
     from the launcher) and reports its pid (:meth:`bind`), which is what stack dumps signal
     and :meth:`poll` watches. A rank that is gone while the launcher runs reports
-    :data:`EXIT_UNKNOWN`; once the launcher exits, every rank reports its status. Stopping
+    :data:`EXIT_UNKNOWN`; once the launcher exits, every rank reports its status. A rank that
+    does not report its pid itself writes it next to its log (:func:`adopt_launched_rank`). Stopping
     ends the launcher's whole session (the launcher, its helpers, the ranks) and the bound
     pids, so no rank outlives it.
     """
@@ -217,6 +226,7 @@ class LaunchedRanks(RankProcesses):
         self.logs = [Path(log_dir) / f"rank{r}.log" for r in range(size)]
         for log in self.logs:
             log.touch()
+            log.with_suffix(".pid").unlink(missing_ok=True)  # an earlier launch's ranks
         self.launcher_log = Path(log_dir) / "launcher.log"
         self.pids: list[int | None] = [None] * size
         self.procs = []
@@ -238,11 +248,19 @@ class LaunchedRanks(RankProcesses):
         """Rank ``rank`` runs as process ``pid`` (what the rank reported when it connected)."""
         self.pids[rank] = pid
 
+    def _bound(self) -> list[int | None]:
+        """The ranks' pids: as bound, else as the rank wrote it (:func:`adopt_launched_rank`)."""
+        for rank, pid in enumerate(self.pids):
+            if pid is None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.pids[rank] = int(self.logs[rank].with_suffix(".pid").read_text())
+        return self.pids
+
     def poll(self) -> list[int | None]:
         code = self.launcher.poll()
         if code is not None:
             return [code] * len(self)
-        return [None if pid is None or _alive(pid) else EXIT_UNKNOWN for pid in self.pids]
+        return [None if pid is None or _alive(pid) else EXIT_UNKNOWN for pid in self._bound()]
 
     def wait(self, rank: int, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
@@ -256,7 +274,7 @@ class LaunchedRanks(RankProcesses):
             os.truncate(self.launcher_log, 0)
 
     def _signal(self, rank: int, sig: int) -> bool:
-        pid = self.pids[rank]
+        pid = self._bound()[rank]
         if pid is None or not _alive(pid):
             return False
         try:
@@ -281,7 +299,7 @@ class LaunchedRanks(RankProcesses):
         wait (bounded) until the ranks are gone."""
         with contextlib.suppress(OSError):
             os.killpg(self.launcher.pid, signal.SIGKILL)
-        for pid in self.pids:
+        for pid in self._bound():
             if pid is not None:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
@@ -290,6 +308,31 @@ class LaunchedRanks(RankProcesses):
         deadline = time.monotonic() + 10.0
         while any(pid is not None and _alive(pid) for pid in self.pids) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def adopt_launched_rank(log_dir: str | os.PathLike[str]) -> int:
+    """For a rank process a launcher started (:class:`LaunchedRanks`): its rank, read from the
+    launcher's environment; its stdout and stderr moved to ``log_dir/rank{r}.log``; its pid
+    written to ``log_dir/rank{r}.pid``. Raises ``RuntimeError`` if no launcher started it."""
+    from .launchers import launched_rank
+
+    found = launched_rank()
+    if found is None:
+        raise RuntimeError(
+            "this process was not started by an MPI launcher (no PMI_RANK, OMPI_COMM_WORLD_RANK or PMIX_RANK)"
+        )
+    rank = found[0]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    pid_file = Path(log_dir, f"rank{rank}.pid")
+    partial = pid_file.with_suffix(".pid.partial")
+    partial.write_text(str(os.getpid()))
+    partial.replace(pid_file)  # atomic: the parent never reads half a pid
+    return rank
 
 
 def _alive(pid: int) -> bool:

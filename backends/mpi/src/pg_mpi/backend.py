@@ -67,9 +67,16 @@ from .plugin import HOW_TO_LAUNCH
 
 __all__ = ["MPIBackend"]
 
-#: Polls of a request before the waiting loop starts to nap, and the longest nap (seconds).
-_SPINS: Final = 64
+#: How long a wait tests its request back to back (seconds), then how long it yields the CPU
+#: between tests (``sched_yield``: other ranks on a shared core run), then the longest nap, which
+#: doubles from 10 us. MPI progresses an operation only inside MPI calls, on every rank, so
+#: a rank that naps while its peers wait for its part delays them all: spin first.
+_SPIN_S: Final = 2e-4
+_YIELD_S: Final = 2e-2
 _MAX_NAP: Final = 1e-3
+
+#: Give the CPU to another runnable process (a rank sharing this core), keeping the GIL free.
+_yield: Final[Callable[[], None]] = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 #: Environment variables that name a launcher's job (where it sets one); Hydra sets none.
 _JOB_ENV: Final = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID", "SLURM_STEP_ID")
@@ -94,7 +101,7 @@ class MPIBackend(Backend):
         self._busy = 0
         self._idle = threading.Condition(self._lock)
         #: sends in flight: (request, the message's own buffer, destination)
-        self._sends: list[tuple[Any, bytearray, int]] = []
+        self._sends: list[tuple[Any, bytearray | torch.Tensor, int]] = []
         self._send_errors: dict[int, BaseException] = {}
         #: user-defined MPI_Ops by (dtype, reduce op), made on first use, freed at shutdown
         self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
@@ -108,19 +115,26 @@ class MPIBackend(Backend):
     # -- waiting --------------------------------------------------------------------------
     def _wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Poll ``ready()`` until it is true (``True``) or ``deadline`` passes (``False``):
-        spinning first, then naps doubling to 1 ms. Raises ``GroupClosedError`` once aborted."""
+        back to back at first, then yielding the CPU between polls, then naps doubling to 1 ms.
+        Raises ``GroupClosedError`` once aborted."""
+        if ready():
+            return True
         with self._lock:
             self._busy += 1
         try:
-            spins = 0
+            start = time.monotonic()
+            nap = 1e-5
             while not ready():
                 if self._closed is not None:
                     raise GroupClosedError(f"group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     return False
-                spins += 1
-                if spins > _SPINS:
-                    time.sleep(min(_MAX_NAP, 1e-5 * 2 ** min((spins - _SPINS) // 4, 7)))
+                if now - start > _SPIN_S + _YIELD_S:
+                    time.sleep(nap)
+                    nap = min(nap * 2, _MAX_NAP)
+                elif now - start > _SPIN_S:
+                    _yield()
             return True
         finally:
             with self._lock:
@@ -496,10 +510,8 @@ class MPIBackend(Backend):
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
         """The tensor copied into a buffer of the message's own, posted with ``MPI_Isend``;
         returns at once (MPI_Bsend's semantics: the send never waits for its receiver)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        payload = bytearray(nbytes)
-        if nbytes:
-            torch.frombuffer(payload, dtype=torch.uint8).copy_(_flat_bytes(tensor))
+        payload = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)  # not zeroed: overwritten
+        payload.copy_(_flat_bytes(tensor))
         self._post(payload, dst, tag, "send")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
@@ -585,12 +597,13 @@ class MPIBackend(Backend):
             offset += view.nbytes
         self._post(payload, dst, tag, "send_bytes")
 
-    def _post(self, payload: bytearray, dst: int, tag: int, what: str) -> None:
+    def _post(self, payload: bytearray | torch.Tensor, dst: int, tag: int, what: str) -> None:
         """``MPI_Isend`` of a message's own buffer, kept until MPI is done with it (a later
         MPI call completes it; ``shutdown`` waits for it)."""
         comm = self._check(what, [dst])
+        buf = [payload, len(payload), self._mpi.BYTE] if isinstance(payload, bytearray) else self._bytes(payload)
         try:
-            request = comm.Isend([payload, len(payload), self._mpi.BYTE], dst, tag)
+            request = comm.Isend(buf, dst, tag)
         except self._mpi.Exception as exc:
             raise self._error(exc, what, [dst]) from exc
         with self._lock:

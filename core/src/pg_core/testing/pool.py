@@ -41,8 +41,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
-from ..launchers import launch_command, launched_rank
-from ..procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, prepare_rank, tail
+from ..launchers import launch_command
+from ..procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, adopt_launched_rank, prepare_rank, tail
 
 __all__ = ["RankContext", "RankPool", "RanksFailed", "leaks", "resources"]
 
@@ -394,22 +394,6 @@ def _bind_devices(rank: int) -> None:
         torch.empty(1, device=device_type)  # the context exists now, not during the first call
 
 
-def _launched(log_dir: str) -> int:
-    """This worker's rank, read from the launcher that started it, with its stdout and stderr
-    moved to the log the pool reads (``log_dir/rank{r}.log``)."""
-    found = launched_rank()
-    if found is None:
-        raise SystemExit("pg_core.testing.pool: rank '-' but no launcher's rank in the environment")
-    rank = found[0]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    return rank
-
-
 def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None:
     from torch.distributed import PrefixStore, TCPStore
 
@@ -449,5 +433,5 @@ def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None
 
 if __name__ == "__main__":
     # host port RANK size store_port [log_dir]: RANK "-" when a launcher started the workers
-    _rank = _launched(sys.argv[6]) if sys.argv[3] == "-" else int(sys.argv[3])
+    _rank = adopt_launched_rank(sys.argv[6]) if sys.argv[3] == "-" else int(sys.argv[3])
     _worker(sys.argv[1], int(sys.argv[2]), _rank, int(sys.argv[4]), int(sys.argv[5]))
