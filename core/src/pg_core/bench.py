@@ -14,7 +14,10 @@ conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`), plus, unl
 ``ProcessGroupGloo`` used directly through its own API: the baseline, labelled
 ``torch-gloo``. Rows are measured in the order op, size, backend, so the
 baseline and the pg-core backends are measured one right after the other at
-each op and size.
+each op and size. ``--baseline mpi4py`` measures raw mpi4py instead
+(``MPI_COMM_WORLD`` on numpy views of the tensors, labelled ``mpi4py``). A
+backend whose spec declares a launcher (pg-mpi: ``mpiexec``), or the mpi4py
+baseline, has every rank started by that launcher, in one command.
 
 **Objects and unknown shapes.** Besides the tensor collectives, three ops measure
 what torch.distributed makes painful. ``send_object`` (pg-core's
