@@ -9,6 +9,7 @@ third parties run against their own plugin; the workspace's own tests do not use
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from pg_core.testing.pool import RankPool
 IN_REPO_BACKENDS = {
     "tcp": ("pg-tcp", "backends/tcp_reference"),
     "gloo": ("pg-gloo", "backends/gloo"),
+    "mpi": ("pg-mpi", "backends/mpi"),
     "storecomm": ("pg-storecomm", "examples/third_party_plugin"),
 }
 
@@ -30,7 +32,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def in_repo_backend_problem(name: str) -> str | None:
-    """``None`` if the in-repo backend ``name`` is installed and can run here, else the
+    """``None`` if the in-repo backend ``name`` is installed and can run here (a backend whose
+    spec declares a launcher: in a process started through it, as its ranks are), else the
     failure message: ``in-repo backend 'tcp' is required by make test but is <why>``."""
     from pg_core.registry import default_registry
 
@@ -41,6 +44,12 @@ def in_repo_backend_problem(name: str) -> str | None:
     found = [entry for entry in default_registry().entries() if entry.name == name]
     if any(e.status == "available" and e.distribution == distribution for e in found):
         return None
+    for e in found:  # a backend started through a launcher runs where that launcher starts it, not here
+        if e.status == "unavailable" and e.distribution == distribution and e.spec is not None and e.spec.launcher:
+            why = _launched_problem(f"{name}@{distribution}", e.spec.launcher)
+            if why is None:
+                return None
+            return f"{prefix} unavailable (from {distribution}) {why}"
     if not found:
         return f"{prefix} not installed: no distribution provides it (pip install -e {folder}, which is {distribution})"
     why = [
@@ -51,6 +60,14 @@ def in_repo_backend_problem(name: str) -> str | None:
         for e in found
     ]
     return f"{prefix} {'; and '.join(why)}"
+
+
+@functools.cache
+def _launched_problem(ref: str, launcher: str) -> str | None:
+    """``why_unavailable_launched``, asked once per session (it starts a process through the launcher)."""
+    from pg_core.launchers import why_unavailable_launched
+
+    return why_unavailable_launched(ref, launcher)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -7,6 +7,8 @@ cannot run here, fails its certification with the reason (the root conftest's
 GPU, so where ``is_available()`` says there is none (or no CUDA/NCCL in torch) its
 certification skips with that reason; it is still installed and listed either way. Its known gaps, if any, are listed in
 ``xfail/<name>.txt`` (strict: a gap that closes fails the run until the line goes).
+pg-mpi's spec declares ``launcher="mpiexec"``: the suite starts its ranks through ``mpiexec``
+(the ``mpich`` wheel's, installed by ``make test``) and asks its availability there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ HERE = Path(__file__).parent
 IN_REPO = {
     "tcp": "pg-tcp",
     "gloo": "pg-gloo",
+    "mpi": "pg-mpi",  # started through mpiexec (its spec declares launcher="mpiexec")
     "storecomm": "pg-storecomm",  # examples/third_party_plugin: written from the README alone
 }
 

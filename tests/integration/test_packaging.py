@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ DISTS = {
     "pg-tcp": ("backends/tcp_reference", "pg_tcp"),
     "pg-gloo": ("backends/gloo", "pg_gloo"),
     "pg-nccl": ("backends/nccl", "pg_nccl"),
+    "pg-mpi": ("backends/mpi", "pg_mpi"),
     "pg-storecomm": ("examples/third_party_plugin", "pg_storecomm"),
 }
 
@@ -97,7 +99,7 @@ def venv(built: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFac
     cmd: list[str | Path] = [BIN / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # pg-core with its extras resolves pg-tcp to the wheel beside it: `pip install pg-core[tcp]` works
     cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,gloo,nccl,testing]", wheels["pg-tcp"], wheels["pg-gloo"]]
-    cmd += [wheels["pg-nccl"], wheels["pg-storecomm"]]
+    cmd += [wheels["pg-nccl"], wheels["pg-mpi"], wheels["pg-storecomm"]]  # pg-mpi brings mpi4py and mpich
     _run(cmd, cwd=ROOT, env=_outside_env(), timeout=900)
     return tmp_path_factory.mktemp("user")
 
@@ -207,7 +209,20 @@ def test_pg_core_backends_lists_every_in_repo_backend_as_available(venv: Path) -
         if _python(venv, "import pg_nccl.plugin as p; print(p.is_available())").strip() == "None"
         else "unavailable"
     )
-    assert statuses == {"tcp": "available", "gloo": "available", "nccl": nccl, "storecomm": "available"}, entries
+    # pg-mpi is unavailable outside mpiexec, and says how to launch; under mpiexec it is available
+    assert statuses == {
+        "tcp": "available",
+        "gloo": "available",
+        "nccl": nccl,
+        "mpi": "unavailable",
+        "storecomm": "available",
+    }, entries
+    assert "mpiexec -n N python script.py" in next(e["reason"] for e in entries if e["name"] == "mpi")
+    launched = _run(
+        [BIN / "mpiexec", "-n", "1", BIN / "pg-core", "backends"], cwd=venv, env=_outside_env(), timeout=120
+    )
+    row = next(line for line in launched.stdout.splitlines() if line.startswith("mpi "))
+    assert f"pg-mpi=={_declared_version('pg-mpi')}" in row and row.rstrip().endswith("available"), launched.stdout
 
 
 ALL_REDUCE = '''
@@ -248,6 +263,39 @@ def test_two_ranks_all_reduce_over_an_installed_backend(venv: Path, backend: str
     for r in results:
         assert r["value"] == [10.0, 12.0, 14.0, 16.0], results
         assert r["backends"] == {"cpu": backend}, results
+
+
+MPI_ALL_REDUCE = '''
+"""Started by mpiexec: every rank all_reduces over pg-mpi, with only the installed packages."""
+import json, os, sys
+from datetime import timedelta
+
+import torch
+from pg_core import ProcessGroup, TCPStore
+
+rank, size, port = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"]), int(sys.argv[1])
+store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+with ProcessGroup(store, rank=rank, size=size, backends="mpi", timeout=60) as group:
+    t = torch.arange(4, dtype=torch.float32) + 10 * rank
+    group.all_reduce(t)
+    result = {"rank": rank, "value": t.tolist(), "backends": dict(group.backends)}
+with open(f"mpi-result-{rank}.json", "w") as f:  # a file each: mpiexec may interleave the ranks' output
+    json.dump(result, f)
+'''
+
+
+def test_pip_install_pg_mpi_is_all_it_takes_to_all_reduce_under_its_mpiexec(venv: Path) -> None:
+    from torch.distributed import TCPStore
+
+    script = venv / "mpi_all_reduce.py"
+    script.write_text(MPI_ALL_REDUCE)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    cmd: list[str | Path] = [BIN / "mpiexec", "-n", "2", BIN / "python", script, str(store.port)]
+    _run(cmd, cwd=venv, env=_outside_env(), timeout=180)
+    results = [json.loads((venv / f"mpi-result-{rank}.json").read_text()) for rank in range(2)]
+    assert [r["rank"] for r in results] == [0, 1], results
+    for r in results:
+        assert r["value"] == [10.0, 12.0, 14.0, 16.0] and r["backends"] == {"cpu": "mpi"}, results
 
 
 def test_the_shipped_conformance_suite_runs_from_the_installed_packages(venv: Path) -> None:

@@ -156,6 +156,10 @@ After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.
 
+**Launch.** A spec's ``launcher`` (:class:`BackendSpec`) is data the tools that start rank
+processes read: with ``"mpiexec"``, the conformance suite starts its ranks through one
+``mpiexec -n N`` and asks ``is_available()`` in a process started that way, not in its own.
+
 Only ``send`` and ``recv`` are required: every collective has a default in
 :mod:`pg_core.algorithms` written on them (inherited from :class:`Backend`, and
 callable through ``super()``), so two methods make a complete, correct backend.
@@ -185,6 +189,7 @@ import torch
 from . import algorithms, tags
 from .dtypes import DTYPES
 from .errors import NotSupportedError
+from .launchers import LAUNCHERS
 from .ops import OPS, OPTIONAL_OPS, RedOpType, ReduceOp
 from .work import Work
 
@@ -350,6 +355,13 @@ class BackendSpec:
     ``is_available()`` returns ``None`` or the reason the backend cannot run
     here. Higher ``priority`` wins when the user does not name a backend.
     ``distribution`` and ``version`` are filled in by the registry.
+
+    ``launcher`` says how the backend's rank processes must be started: ``None`` (any way
+    at all), or one of :data:`pg_core.launchers.LAUNCHERS`: ``"mpiexec"``, the ``N`` ranks
+    of a job started together by one ``mpiexec -n N`` command, each reading its rank from
+    the launcher's environment. Tools that start ranks (the conformance suite's pools) read
+    it and start them that way, and ask ``is_available()`` in a process started that way:
+    such a backend is unavailable, and says so, in any other process.
     """
 
     name: str
@@ -362,8 +374,13 @@ class BackendSpec:
     description: str = ""
     distribution: str | None = None
     version: str | None = None
+    launcher: str | None = None
 
     def __post_init__(self) -> None:
+        if self.launcher is not None and self.launcher not in LAUNCHERS:
+            raise ValueError(
+                f"backend {self.name!r}: unknown launcher {self.launcher!r} (known: {', '.join(LAUNCHERS)})"
+            )
         if not self.name or not isinstance(self.name, str) or any(c in self.name for c in ",:@ \t"):
             raise ValueError(f"backend name must be a non-empty string without ',:@' or spaces, got {self.name!r}")
         devices = (self.devices,) if isinstance(self.devices, str) else tuple(self.devices)

@@ -14,7 +14,10 @@ conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`), plus, unl
 ``ProcessGroupGloo`` used directly through its own API: the baseline, labelled
 ``torch-gloo``. Rows are measured in the order op, size, backend, so the
 baseline and the pg-core backends are measured one right after the other at
-each op and size.
+each op and size. ``--baseline mpi4py`` measures raw mpi4py instead
+(``MPI_COMM_WORLD`` on numpy views of the tensors, labelled ``mpi4py``). A
+backend whose spec declares a launcher (pg-mpi: ``mpiexec``), or the mpi4py
+baseline, has every rank started by that launcher, in one command.
 
 **Objects and unknown shapes.** Besides the tensor collectives, three ops measure
 what torch.distributed makes painful. ``send_object`` (pg-core's
@@ -116,7 +119,8 @@ from typing import Any, Final, Protocol, TextIO
 import torch
 
 from .dtypes import NAMES, dtype_code, dtype_from_code, dtype_name
-from .procs import RankProcesses, prepare_rank
+from .launchers import launch_command
+from .procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, adopt_launched_rank, prepare_rank, tail
 
 __all__ = [
     "BASELINE",
@@ -172,6 +176,10 @@ REFERENCE_OPS: Final[dict[str, str]] = {"send_tensor": "send_recv"}
 
 #: The label of torch's Gloo, measured as the baseline.
 BASELINE: Final[str] = "torch-gloo"
+#: The label of raw mpi4py on numpy arrays, the baseline with ``--baseline mpi4py``.
+MPI4PY: Final[str] = "mpi4py"
+#: The baselines ``--baseline`` takes.
+BASELINES: Final[tuple[str, ...]] = (BASELINE, MPI4PY)
 
 #: ``--dtype`` choices: the dtypes of :data:`pg_core.dtypes.NAMES` whose inputs and
 #: expected outputs (:func:`input_values`, :func:`expected_output`) are exact or within
@@ -655,6 +663,10 @@ class _Config:
     port: int = 0
     results: str = ""
     parent_pid: int = 0
+    #: how the ranks are started (BackendSpec.launcher of a backend measured, or the mpi4py baseline's)
+    launcher: str | None = None
+    #: the baseline: torch's Gloo (BASELINE) or raw mpi4py on numpy arrays (MPI4PY)
+    baseline_label: str = "torch-gloo"
 
     def runners(self) -> int:
         return len(self.backends) * (2 if self.to_torch else 1) + int(self.baseline)
@@ -900,6 +912,79 @@ class _TorchGlooRunner:
             self._dist.destroy_process_group()
 
 
+class _Mpi4pyRunner:
+    """Raw mpi4py on ``MPI_COMM_WORLD``, on numpy views of the tensors (``Tensor.numpy()``, no
+    copy): the baseline with ``--baseline mpi4py``, whose ranks an MPI launcher started. Tensor
+    collectives and ``send_recv``; the value ops are pg-core's business, not MPI's."""
+
+    is_baseline = True
+    label = MPI4PY
+
+    def __init__(self) -> None:
+        from mpi4py import MPI  # initialises MPI (mpi4py's defaults: MPI_THREAD_MULTIPLE), unless it is already
+
+        self._mpi = MPI
+        self.comm: Any = MPI.COMM_WORLD
+
+    def why_not(self, op: str, dtype: torch.dtype) -> str | None:
+        if op in ("send_tensor", *OBJECT_OPS):
+            return "raw mpi4py has no such operation (it is what pg-core adds)"
+        try:
+            torch.empty(0, dtype=dtype).numpy()
+        except TypeError:
+            return f"numpy has no {dtype_name(dtype)}"
+        return None
+
+    def barrier(self) -> bool:
+        self.comm.Barrier()
+        return True
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.comm.Allreduce(self._mpi.IN_PLACE, t.numpy())
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self.comm.Bcast(t.numpy(), root=src)
+
+    def reduce(self, t: torch.Tensor, dst: int) -> None:
+        if self.comm.Get_rank() == dst:
+            self.comm.Reduce(self._mpi.IN_PLACE, t.numpy(), root=dst)
+        else:
+            self.comm.Reduce(t.numpy(), None, root=dst)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.Allgather(inp.numpy(), out.numpy())
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.Reduce_scatter_block(inp.numpy(), out.numpy())
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.Alltoall(inp.numpy(), out.numpy())
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.comm.Send(t.numpy(), dst, 0)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self.comm.Recv(t.numpy(), src, 0)
+
+    def send_tensor(self, t: torch.Tensor, dst: int) -> None:
+        raise NotImplementedError
+
+    def recv_tensor(self, src: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def send_object(self, obj: object, dst: int) -> None:
+        raise NotImplementedError
+
+    def recv_object(self, src: int) -> object:
+        raise NotImplementedError
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.comm = None  # MPI_COMM_WORLD is MPI's; mpi4py finalises MPI at exit
+
+
 class _ToTorchRunner(_TorchGlooRunner):
     """A pg-core group's ``to_torch()``, through torch's ``ProcessGroup`` API: the calls the
     torch-gloo baseline makes, so the two rows compare the group's torch face with raw Gloo."""
@@ -1051,7 +1136,9 @@ class _Rank:
         self.store = store
         self.ctl = PrefixStore("pg-core-bench", store)
         self.runners: list[_Runner] = []
-        if cfg.baseline:
+        if cfg.baseline and cfg.baseline_label == MPI4PY:
+            self.runners.append(_Mpi4pyRunner())
+        elif cfg.baseline:
             objects = any(op in OBJECT_OPS for op in cfg.ops)
             self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
         for spec, label in zip(cfg.backends, cfg.labels, strict=True):
@@ -1188,12 +1275,16 @@ class _Rank:
 
 
 def _worker_main(argv: Sequence[str]) -> int:
-    rank, config_path = int(argv[0]), argv[1]
+    config_path = argv[1]
     cfg = _Config(**json.loads(Path(config_path).read_text()))
+    # "-": a launcher started the ranks; the rank is the launcher's, the log and pid go next to the config
+    rank = adopt_launched_rank(Path(config_path).parent) if argv[0] == "-" else int(argv[0])
     if cfg.pin_ranks:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
-    prepare_rank(parent_pid=cfg.parent_pid)  # one intra-op thread, stacks on SIGUSR1, dies with the parent
+    # one intra-op thread, stacks on SIGUSR1, dies with the parent (a launched rank's parent is the
+    # launcher's helper: stopping the launcher's session ends it instead)
+    prepare_rank(parent_pid=None if cfg.launcher else cfg.parent_pid)
     worker = _Rank(cfg, rank)
     try:
         worker.run()
@@ -1254,7 +1345,13 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
         results = _Results(Path(cfg.results))
         ranks: RankProcesses | None = None
         try:
-            ranks = RankProcesses(commands, env=env, log_dir=tmpdir)
+            if cfg.launcher is not None:  # one launcher command starts them all (BackendSpec.launcher)
+                argv = [sys.executable, "-c", boot, _WORKER_FLAG, "-", str(config_path)]
+                # the launcher's default: a rank that fails ends the job, and the launcher's status is its
+                command = launch_command(cfg.launcher, cfg.world_size, argv)
+                ranks = LaunchedRanks(command, cfg.world_size, env=env, log_dir=tmpdir)
+            else:
+                ranks = RankProcesses(commands, env=env, log_dir=tmpdir)
             failure = _supervise(cfg, ranks=ranks, results=results, rows=rows, total=total, progress=progress)
         finally:
             if ranks is not None:
@@ -1300,6 +1397,8 @@ def _supervise(
                 done, waiting_for = True, "the ranks to exit"
                 deadline = now + t + 30.0
         codes = ranks.poll()
+        if isinstance(ranks, LaunchedRanks):  # a rank gone before its launcher: exiting; the launcher says how
+            codes = [None if c == EXIT_UNKNOWN else c for c in codes]
         failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             running = [r for r, c in enumerate(codes) if c is None]
@@ -1310,6 +1409,8 @@ def _supervise(
                 for r in failed
             ]
             parts += [f"rank {r} was still running (stopped); its stacks:\n{_said(stacks[r])}" for r in running]
+            if isinstance(ranks, LaunchedRanks):
+                parts.append(f"{cfg.launcher}'s own output ends with:\n{_said(tail(ranks.launcher_log, lines=40))}")
             return "\n\n".join(parts)
         if all(c == 0 for c in codes):
             for event in results.read():  # anything written just before exit
@@ -1381,7 +1482,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "of a BackendSpec (or of a Backend subclass) not installed yet; '' for the baseline alone (default: every "
         "backend available for cpu)",
     )
-    parser.add_argument("--no-baseline", action="store_true", help=f"do not measure {BASELINE}")
+    parser.add_argument("--no-baseline", action="store_true", help="do not measure a baseline")
+    parser.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        default=BASELINE,
+        help=f"what the backends are compared with: {BASELINE} (torch's ProcessGroupGloo, default) or {MPI4PY} "
+        "(raw mpi4py on numpy arrays; the ranks are then started by mpiexec)",
+    )
     parser.add_argument(
         "--ops", default="all", metavar="LIST", help=f"comma-separated, or 'all' (default): {', '.join(OPS)}"
     )
@@ -1489,17 +1597,23 @@ def _config(args: argparse.Namespace) -> _Config:
         raise BenchError(str(exc)) from None
     if not sizes or min(sizes) < 1:
         raise BenchError("sizes must be at least 1 byte")
-    backends, labels = _backends(args.backends)
+    backends, labels, launchers = _backends(args.backends)
     baseline = not args.no_baseline
-    if baseline:
+    if baseline and args.baseline == MPI4PY:
+        if importlib.util.find_spec("mpi4py") is None:
+            raise BenchError(f"--baseline {MPI4PY} needs mpi4py (pip install pg-mpi brings it); or pass --no-baseline")
+        launchers.add("mpiexec")
+    elif baseline:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_gloo_available()):
             raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
+    if len(launchers) > 1:
+        raise BenchError(f"--backends: their ranks must be started by different launchers ({sorted(launchers)})")
     if not backends and not baseline:
         raise BenchError("nothing to measure: no pg-core backend named and --no-baseline")
-    if len(set(labels)) != len(labels) or BASELINE in labels or any("/" in label for label in labels):
-        raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and not {BASELINE!r}")
+    if len(set(labels)) != len(labels) or set(BASELINES) & set(labels) or any("/" in label for label in labels):
+        raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and none of {BASELINES}")
     return _Config(
         world_size=n,
         backends=backends,
@@ -1514,14 +1628,18 @@ def _config(args: argparse.Namespace) -> _Config:
         timeout=args.timeout,
         pin_ranks=args.pin_ranks,
         to_torch=args.to_torch,
+        launcher=next(iter(launchers), None),
+        baseline_label=args.baseline,
     )
 
 
-def _backends(text: str | None) -> tuple[list[str], list[str]]:
+def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
     """``--backends`` as references and the labels of their rows, resolved here (with
     :func:`pg_core.registry.resolve_backend_ref`, as the ranks do), so a wrong one fails
     before any rank starts. A name's label is the name; a ``module:attr`` or
-    ``file.py:attr`` one's, the name of the spec it resolves to."""
+    ``file.py:attr`` one's, the name of the spec it resolves to. A backend whose spec declares
+    a launcher is resolved where its ranks will run (``here=False``); the third value is the
+    launchers the named backends declare."""
     from .errors import PGError
     from .registry import default_registry, resolve_backend_ref
 
@@ -1533,16 +1651,19 @@ def _backends(text: str | None) -> tuple[list[str], list[str]]:
                 registry.default_for("cpu")
             except PGError as exc:
                 raise BenchError(f"{exc} Pass --backends '' to measure the {BASELINE} baseline alone.") from None
-        return names, list(names)
+        return names, list(names), set()
     refs = list(dict.fromkeys(_csv_list(text)))
     labels = []
+    launchers: set[str] = set()
     for ref in refs:
         try:
-            spec = resolve_backend_ref(ref, "cpu", registry=registry)
+            spec = resolve_backend_ref(ref, "cpu", registry=registry, here=False)
         except PGError as exc:
             raise BenchError(f"--backends: {exc}") from None
         labels.append(spec.name if ":" in ref else ref)
-    return refs, labels
+        if spec.launcher is not None:
+            launchers.add(spec.launcher)
+    return refs, labels, launchers
 
 
 def main(args: argparse.Namespace) -> int:

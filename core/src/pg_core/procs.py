@@ -32,7 +32,15 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["RankProcesses", "die_with_parent", "prepare_rank", "tail"]
+__all__ = [
+    "EXIT_UNKNOWN",
+    "LaunchedRanks",
+    "RankProcesses",
+    "adopt_launched_rank",
+    "die_with_parent",
+    "prepare_rank",
+    "tail",
+]
 
 #: How long :meth:`RankProcesses.dump_stacks` waits at most for the dumps to be written.
 STACK_DUMP_S = 3.0
@@ -119,15 +127,9 @@ class RankProcesses:
         their threads into their logs (``SIGUSR1``, which :func:`prepare_rank` hands to
         faulthandler), wait until each log stops growing (at most ``wait_s``), and return
         what each rank wrote meanwhile (``""`` for a rank that wrote nothing, or had exited)."""
-        ranks = list(range(len(self.procs)) if ranks is None else ranks)
+        ranks = list(range(len(self)) if ranks is None else ranks)
         start = {r: self._size(r) for r in ranks}
-        signalled = []
-        for rank in ranks:
-            proc = self.procs[rank]
-            if _STACK_SIGNAL is not None and proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    proc.send_signal(_STACK_SIGNAL)
-                    signalled.append(rank)
+        signalled = [r for r in ranks if _STACK_SIGNAL is not None and self._signal(r, _STACK_SIGNAL)]
         # faulthandler writes from its signal handler: wait (bounded) until each log stops growing
         deadline = time.monotonic() + wait_s
         last = dict(start)
@@ -148,6 +150,17 @@ class RankProcesses:
             except OSError:
                 dumps[rank] = ""
         return dumps
+
+    def _signal(self, rank: int, sig: int) -> bool:
+        """Send ``sig`` to rank ``rank`` if it runs; whether it was sent."""
+        proc = self.procs[rank]
+        if proc.poll() is not None:
+            return False
+        try:
+            proc.send_signal(sig)
+        except OSError:
+            return False
+        return True
 
     def _size(self, rank: int) -> int:
         try:
@@ -180,6 +193,164 @@ class RankProcesses:
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(10.0)  # SIGKILL cannot be ignored; a process in uninterruptible sleep is not waited out
+
+
+#: The exit status :class:`LaunchedRanks` reports for a rank that is gone while its launcher
+#: still runs: the launcher reaped it, so its own status is not known here.
+EXIT_UNKNOWN = 255
+
+
+class LaunchedRanks(RankProcesses):
+    """``size`` ranks started together by one launcher command (``mpiexec -n N ...``, see
+    :func:`pg_core.launchers.launch_command`), with :class:`RankProcesses`' interface.
+
+    The launcher runs in a session of its own with its output in ``log_dir/launcher.log``;
+    each rank writes its own ``log_dir/rank{r}.log`` (the rank opens it, knowing its rank
+    from the launcher) and reports its pid (:meth:`bind`), which is what stack dumps signal
+    and :meth:`poll` watches. A rank that is gone while the launcher runs reports
+    :data:`EXIT_UNKNOWN`; once the launcher exits, every rank reports its status. A rank that
+    does not report its pid itself writes it next to its log (:func:`adopt_launched_rank`). Stopping
+    ends the launcher's whole session (the launcher, its helpers, the ranks) and the bound
+    pids, so no rank outlives it.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        size: int,
+        *,
+        env: Mapping[str, str] | None = None,
+        log_dir: str | os.PathLike[str],
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.logs = [Path(log_dir) / f"rank{r}.log" for r in range(size)]
+        for log in self.logs:
+            log.touch()
+            log.with_suffix(".pid").unlink(missing_ok=True)  # an earlier launch's ranks
+        self.launcher_log = Path(log_dir) / "launcher.log"
+        self.pids: list[int | None] = [None] * size
+        self.procs = []
+        with self.launcher_log.open("ab") as out:
+            self.launcher = subprocess.Popen(
+                list(command),
+                env=None if env is None else dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def __len__(self) -> int:
+        return len(self.pids)
+
+    def bind(self, rank: int, pid: int) -> None:
+        """Rank ``rank`` runs as process ``pid`` (what the rank reported when it connected)."""
+        self.pids[rank] = pid
+
+    def _bound(self) -> list[int | None]:
+        """The ranks' pids: as bound, else as the rank wrote it (:func:`adopt_launched_rank`)."""
+        for rank, pid in enumerate(self.pids):
+            if pid is None:
+                with contextlib.suppress(OSError, ValueError):
+                    self.pids[rank] = int(self.logs[rank].with_suffix(".pid").read_text())
+        return self.pids
+
+    def poll(self) -> list[int | None]:
+        code = self.launcher.poll()
+        if code is not None:
+            return [code] * len(self)
+        return [None if pid is None or _alive(pid) else EXIT_UNKNOWN for pid in self._bound()]
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()[rank]) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # not our child: no exit to wait on
+        return code
+
+    def truncate_logs(self) -> None:
+        super().truncate_logs()
+        with contextlib.suppress(OSError):
+            os.truncate(self.launcher_log, 0)
+
+    def _signal(self, rank: int, sig: int) -> bool:
+        pid = self._bound()[rank]
+        if pid is None or not _alive(pid):
+            return False
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            return False
+        return True
+
+    def stop(self, grace_s: float = 3.0, *, terminate: bool = True) -> None:
+        """``SIGTERM`` to the launcher (which passes it on to its ranks) unless ``terminate=False``,
+        up to ``grace_s`` seconds for it to exit, then :meth:`kill`."""
+        if self.launcher.poll() is None:
+            if terminate:
+                with contextlib.suppress(OSError):
+                    self.launcher.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.launcher.wait(grace_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """``SIGKILL`` the launcher's session and every bound rank, now; reap the launcher and
+        wait (bounded) until the ranks are gone."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.launcher.pid, signal.SIGKILL)
+        for pid in self._bound():
+            if pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.launcher.wait(10.0)
+        deadline = time.monotonic() + 10.0
+        while any(pid is not None and _alive(pid) for pid in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def adopt_launched_rank(log_dir: str | os.PathLike[str]) -> int:
+    """For a rank process a launcher started (:class:`LaunchedRanks`): its rank, read from the
+    launcher's environment; its stdout and stderr moved to ``log_dir/rank{r}.log``; its pid
+    written to ``log_dir/rank{r}.pid``. Raises ``RuntimeError`` if no launcher started it."""
+    from .launchers import launched_rank
+
+    found = launched_rank()
+    if found is None:
+        raise RuntimeError(
+            "this process was not started by an MPI launcher (no PMI_RANK, OMPI_COMM_WORLD_RANK or PMIX_RANK)"
+        )
+    rank = found[0]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    pid_file = Path(log_dir, f"rank{rank}.pid")
+    partial = pid_file.with_suffix(".pid.partial")
+    partial.write_text(str(os.getpid()))
+    partial.replace(pid_file)  # atomic: the parent never reads half a pid
+    return rank
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (read from ``/proc`` where there is one)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def tail(path: str | os.PathLike[str], *, lines: int | None = None, chars: int | None = None) -> str:

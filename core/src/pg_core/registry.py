@@ -784,7 +784,13 @@ _FILE_MODULE_PREFIX: Final = "pg_core_backend_file_"
 
 
 def resolve_backend_ref(
-    ref: str, device: str | None = None, *, registry: Registry | None = None, factories: bool = True
+    ref: str,
+    device: str | None = None,
+    *,
+    registry: Registry | None = None,
+    factories: bool = True,
+    here: bool = True,
+    _available: bool = True,
 ) -> BackendSpec:
     """The backend that a command-line reference names, ready to use here. One function
     for every command that takes a backend (``pg-core conformance``, ``pg-core bench``):
@@ -806,12 +812,33 @@ def resolve_backend_ref(
     the file fails, :class:`~pg_core.errors.PluginVersionError` for a spec of another API
     major version, :class:`~pg_core.errors.NotSupportedError` /
     :class:`~pg_core.errors.BackendUnavailableError` as :meth:`Registry.require` does.
+
+    ``here=False`` is for a process that starts the backend's ranks rather than being one: a
+    backend that declares a ``launcher`` is then asked whether it can run in a process started
+    through it (:func:`pg_core.launchers.why_unavailable_launched`), not in this one.
     """
+    if not here:
+        spec = resolve_backend_ref(ref, device, registry=registry, factories=factories, here=True, _available=False)
+        if spec.launcher is None:
+            reason = spec.why_unavailable()
+        else:
+            from .launchers import why_unavailable_launched
+
+            reason = why_unavailable_launched(ref, spec.launcher)
+        if reason is not None:
+            raise BackendUnavailableError(f"Backend {spec.name!r} ({ref}) cannot run here: {_clause(reason)}.")
+        return spec
     if not isinstance(ref, str):
         raise TypeError(f"a backend reference is a str, got {type(ref).__name__}: {ref!r}")
     ref = ref.strip()
     if ":" not in ref:
-        return (registry or default_registry()).require(ref, device)
+        chosen = registry or default_registry()
+        if not _available:
+            spec = chosen.get(ref)
+            if device is not None and device not in spec.devices:
+                return chosen.require(ref, device)  # its error, naming the alternatives
+            return spec
+        return chosen.require(ref, device)
     where, _, attr = (part.strip() for part in ref.rpartition(":"))
     if not where or not attr or not all(part.isidentifier() for part in attr.split(".")):
         raise BackendNotFoundError(
@@ -853,7 +880,7 @@ def resolve_backend_ref(
         raise NotSupportedError(
             f"Backend {spec.name!r} ({ref}) does not support device {device!r}: it declares {', '.join(spec.devices)}."
         )
-    reason = spec.why_unavailable()
+    reason = spec.why_unavailable() if _available else None
     if reason is not None:
         raise BackendUnavailableError(f"Backend {spec.name!r} ({ref}) cannot run here: {_clause(reason)}.")
     return spec

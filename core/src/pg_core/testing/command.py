@@ -108,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
     from ..registry import resolve_backend_ref
 
     try:  # the suite's ranks take a BackendSpec (or a name), not a bare Backend class
-        resolve_backend_ref(args.backend, factories=False)
+        resolve_backend_ref(args.backend, factories=False, here=False)  # where its ranks run
     except Exception as exc:  # unknown, broken or unavailable: say so before pytest starts
         print(f"pg-core conformance: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

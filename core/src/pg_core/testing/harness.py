@@ -165,7 +165,7 @@ class Conformance:
         self.world_sizes = tuple(sorted(set(world_sizes)))
         if not self.world_sizes or min(self.world_sizes) < 1:
             raise ValueError(f"world sizes must be >= 1, got {list(world_sizes)}")
-        self.spec = resolve_backend_ref(backend, factories=False)
+        self.spec = resolve_backend_ref(backend, factories=False, here=False)
         #: ``backend`` as the ranks resolve it, whatever their working directory.
         self.rank_ref = absolute_backend_ref(backend)
         usable, self.skipped_devices = _usable_devices(self.spec, devices)
@@ -195,11 +195,15 @@ class Conformance:
             return self._pools(world_size)
         if world_size not in self._own_pools:
             accelerators = [d for d in self.devices if d != "cpu"]
+            # what a library starts once per process (a device's context; MPI_Init's shared memory
+            # and sockets, for a launched backend) is started before the first call's leak check
+            warm = list(self.devices) if self.spec.launcher is not None else accelerators
             self._own_pools[world_size] = RankPool(
                 world_size,
                 op_timeout=self.profile.op_timeout,
                 devices=accelerators,
-                prelude=(run_warm_up, (self.rank_ref, accelerators, self.profile.op_timeout)) if accelerators else None,
+                prelude=(run_warm_up, (self.rank_ref, warm, self.profile.op_timeout)) if warm else None,
+                launcher=self.spec.launcher,
             )
         return self._own_pools[world_size]
 
@@ -822,7 +826,8 @@ class NotApplicable(Exception):
 
 
 def _usable_devices(spec: BackendSpec, wanted: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
-    why = spec.why_unavailable()
+    # a launched backend was asked where its ranks run (resolve_backend_ref(here=False)); here it is unavailable
+    why = None if spec.launcher is not None else spec.why_unavailable()
     if why is not None:
         from ..errors import BackendUnavailableError
 

@@ -41,7 +41,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
-from ..procs import RankProcesses, prepare_rank, tail
+from ..launchers import launch_command
+from ..procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, adopt_launched_rank, prepare_rank, tail
 
 __all__ = ["RankContext", "RankPool", "RanksFailed", "leaks", "resources"]
 
@@ -108,23 +109,28 @@ class RankPool:
         env: dict[str, str] | None = None,
         devices: Iterable[str] = (),
         prelude: tuple[Callable[..., Any], tuple[Any, ...]] | None = None,
+        launcher: str | None = None,
     ) -> None:
         """``devices``: accelerator types (``"cuda"``) each worker binds (device ``rank % count``)
         and initialises at start, before any call: a device's context belongs to the process,
         so its threads and file descriptors are not counted as a call's leaks. ``prelude``:
         ``(fn, args)`` run on every rank each time the workers (re)start, before any call and
         without the leak check: what a library starts once per process (NCCL's RAS service,
-        say) is started there."""
+        say) is started there. ``launcher``: a backend's ``BackendSpec.launcher``
+        (``"mpiexec"``): the workers are started together by one launcher command
+        (:class:`~pg_core.procs.LaunchedRanks`, a dying rank leaving the others running), each
+        learning its rank from the launcher's environment; every guarantee above holds."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.op_timeout = op_timeout
         self._env = dict(env or {})
         self._prelude = prelude
+        self.launcher = launcher
         accelerators = sorted(set(devices) - {"cpu"})
         if accelerators:
             self._env["PG_CORE_POOL_DEVICES"] = ",".join(accelerators)
-        self._ranks: RankProcesses | None = None
+        self._ranks: RankProcesses | LaunchedRanks | None = None
         self._conns: list[Connection] = []
         self._logs: list[Path] = []
         self._store: Any = None
@@ -148,11 +154,19 @@ class RankPool:
             host, port = listener.address
             worker = [sys.executable, "-m", "pg_core.testing.pool", host, str(port)]
             size, store_port = str(self.world_size), str(self._store.port)
-            self._ranks = ranks = RankProcesses(
-                [[*worker, str(rank), size, store_port] for rank in range(self.world_size)],
-                env=env,
-                log_dir=self._tmp,
-            )
+            ranks: RankProcesses | LaunchedRanks
+            if self.launcher is not None:  # one command starts them all; each reads its rank from the launcher
+                command = launch_command(
+                    self.launcher, self.world_size, [*worker, "-", size, store_port, self._tmp], keep_going=True
+                )
+                ranks = LaunchedRanks(command, self.world_size, env=env, log_dir=self._tmp)
+            else:
+                ranks = RankProcesses(
+                    [[*worker, str(rank), size, store_port] for rank in range(self.world_size)],
+                    env=env,
+                    log_dir=self._tmp,
+                )
+            self._ranks = ranks
             self._logs = ranks.logs
             conns: dict[int, Connection] = {}
             deadline = time.monotonic() + 120.0
@@ -167,7 +181,9 @@ class RankPool:
                     conn = listener.accept()
                 except (TimeoutError, OSError):
                     continue
-                rank = conn.recv()
+                rank, pid = conn.recv()
+                if isinstance(ranks, LaunchedRanks):
+                    ranks.bind(rank, pid)
                 conns[rank] = conn
             self._conns = [conns[r] for r in range(self.world_size)]
         except BaseException:
@@ -205,6 +221,10 @@ class RankPool:
             text = tail(self._logs[rank], chars=limit)
             if text.strip():
                 out.append(f"--- rank {rank} output (tail) ---\n{text}")
+        if isinstance(self._ranks, LaunchedRanks):
+            text = tail(self._ranks.launcher_log, chars=limit)
+            if text.strip():
+                out.append(f"--- {self.launcher} output (tail) ---\n{text}")
         return "\n".join(out)
 
     # -- running -----------------------------------------------------------------
@@ -261,7 +281,11 @@ class RankPool:
                     if rank in may_exit:
                         results[rank] = None
                     else:
-                        said = "unknown: it closed its connection but is still running" if code is None else code
+                        said: object = code
+                        if code is None:
+                            said = "unknown: it closed its connection but is still running"
+                        elif code == EXIT_UNKNOWN and isinstance(ranks, LaunchedRanks):
+                            said = f"unknown: its launcher, {self.launcher}, reaped it"
                         outcomes[rank] = f"died (exit code {said})"
                     continue
                 if status == "ok":
@@ -376,7 +400,7 @@ def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None
     prepare_rank()  # stacks on SIGUSR1 for the parent's dump_stacks; one intra-op thread
     _bind_devices(rank)
     conn = Client((host, port), authkey=bytes.fromhex(os.environ["PG_CORE_POOL_AUTHKEY"]))
-    conn.send(rank)
+    conn.send((rank, os.getpid()))
     base = TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
     while True:
         try:
@@ -408,4 +432,6 @@ def _worker(host: str, port: int, rank: int, size: int, store_port: int) -> None
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    # host port RANK size store_port [log_dir]: RANK "-" when a launcher started the workers
+    _rank = adopt_launched_rank(sys.argv[6]) if sys.argv[3] == "-" else int(sys.argv[3])
+    _worker(sys.argv[1], int(sys.argv[2]), _rank, int(sys.argv[4]), int(sys.argv[5]))

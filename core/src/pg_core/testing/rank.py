@@ -843,10 +843,11 @@ def run_dead_peer(
 
 
 def run_warm_up(ctx: Any, backend_ref: Any, device_types: list[str], op_timeout: float) -> None:
-    """Form a group on each accelerator type and run one declared collective, then shut it down:
+    """Form a group on each device type given and run one declared collective, then shut it down:
     what a device's library starts once per process (a CUDA context; NCCL's RAS service with
-    its listening sockets and pipe) exists before the examples, whose leak check then counts
-    what each group leaves behind. Run by the pools without the leak check."""
+    its listening sockets and pipe; MPI_Init's shared memory and sockets, for a backend with a
+    launcher) exists before the examples, whose leak check then counts what each group leaves
+    behind. Run by the pools without the leak check."""
     candidates = [(op, d) for op in ("all_reduce", "broadcast") for d in (torch.float32, torch.uint8, torch.int64)]
     for device_type in device_types:
         backend = resolve_backend_ref(backend_ref, device_type, factories=False)

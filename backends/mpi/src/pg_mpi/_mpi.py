@@ -1,0 +1,129 @@
+"""MPI itself, for the backend: loading mpi4py without initialising MPI, initialising it once
+with ``MPI_THREAD_MULTIPLE`` when a group first needs it, and torch's dtypes and reduce ops as
+MPI's.
+
+Importing ``mpi4py.MPI`` initialises MPI unless ``mpi4py.rc`` says otherwise, so the first
+import (if this module makes it) sets ``rc.initialize = False`` and ``rc.finalize = True``:
+MPI is initialised by :func:`initialized_mpi` and finalised by mpi4py at exit. If the user
+imported ``mpi4py.MPI`` first, MPI is theirs, initialised their way; :func:`thread_level_problem`
+says whether pg-mpi can use it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+from pg_core.errors import BackendUnavailableError
+from pg_core.ops import RedOpType
+
+__all__ = ["TYPE_NAMES", "initialized_mpi", "load_mpi", "thread_level_problem", "user_op"]
+
+#: MPI is one per process: initialising it is the one thing done once per process.
+_INIT_LOCK: Final = threading.Lock()
+
+#: torch dtype -> the MPI datatype its reductions use (bool as bytes of 0 and 1). float16 and
+#: bfloat16 are not here: MPI has no type for them (see :func:`user_op`).
+TYPE_NAMES: Final[dict[torch.dtype, str]] = {
+    torch.float32: "FLOAT",
+    torch.float64: "DOUBLE",
+    torch.complex64: "C_FLOAT_COMPLEX",
+    torch.complex128: "C_DOUBLE_COMPLEX",
+    torch.bool: "UINT8_T",
+    torch.uint8: "UINT8_T",
+    torch.int8: "INT8_T",
+    torch.int16: "INT16_T",
+    torch.int32: "INT32_T",
+    torch.int64: "INT64_T",
+}
+
+#: pg-core's reduce ops as MPI's (AVG and PREMUL_SUM are SUMs with work around them).
+OP_NAMES: Final[dict[RedOpType, str]] = {
+    RedOpType.SUM: "SUM",
+    RedOpType.AVG: "SUM",
+    RedOpType.PREMUL_SUM: "SUM",
+    RedOpType.PRODUCT: "PROD",
+    RedOpType.MIN: "MIN",
+    RedOpType.MAX: "MAX",
+    RedOpType.BAND: "BAND",
+    RedOpType.BOR: "BOR",
+    RedOpType.BXOR: "BXOR",
+}
+
+#: torch's elementwise ops for the reductions of dtypes MPI has no type for.
+_TORCH_OPS: Final[dict[RedOpType, Callable[..., torch.Tensor]]] = {
+    RedOpType.SUM: torch.add,
+    RedOpType.AVG: torch.add,
+    RedOpType.PREMUL_SUM: torch.add,
+    RedOpType.PRODUCT: torch.mul,
+    RedOpType.MIN: torch.minimum,
+    RedOpType.MAX: torch.maximum,
+}
+
+
+def load_mpi() -> Any:
+    """The ``mpi4py.MPI`` module, imported (not initialised) the first time with the ``rc``
+    settings in the module docstring."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = True
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    return MPI
+
+
+def thread_level_problem(mpi: Any) -> str | None:
+    """Why an already initialised (or finalised) MPI cannot serve pg-mpi, or ``None``."""
+    if mpi.Is_finalized():
+        return "MPI was already finalised in this process"
+    if mpi.Is_initialized() and mpi.Query_thread() < mpi.THREAD_MULTIPLE:
+        return (
+            f"MPI was initialised with thread level {_level_name(mpi, mpi.Query_thread())}, pg-mpi needs "
+            "MPI_THREAD_MULTIPLE (point to point comes from the group's helper threads): initialise it with "
+            "MPI_THREAD_MULTIPLE, or leave initialising it to pg-mpi"
+        )
+    return None
+
+
+def _level_name(mpi: Any, level: int) -> str:
+    names = ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED", "THREAD_MULTIPLE")
+    return next((f"MPI_{n}" for n in names if getattr(mpi, n) == level), str(level))
+
+
+def initialized_mpi() -> Any:
+    """``mpi4py.MPI``, with MPI initialised (``MPI_THREAD_MULTIPLE``) if it was not. Raises
+    :class:`~pg_core.errors.BackendUnavailableError` if the library gives less."""
+    mpi = load_mpi()
+    with _INIT_LOCK:
+        if not mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Init_thread(mpi.THREAD_MULTIPLE)
+    problem = thread_level_problem(mpi)
+    if problem is None and mpi.Query_thread() < mpi.THREAD_MULTIPLE:
+        problem = (
+            f"the MPI library gives thread level {_level_name(mpi, mpi.Query_thread())} where pg-mpi needs "
+            "MPI_THREAD_MULTIPLE; use an MPI built with thread support (the mpich wheel is)"
+        )
+    if problem is not None:
+        raise BackendUnavailableError(f"Backend 'mpi' cannot run here: {problem}")
+    return mpi
+
+
+def user_op(mpi: Any, dtype: torch.dtype, kind: RedOpType) -> Any:
+    """A new commutative ``MPI_Op`` that reduces ``dtype`` (carried as 2-byte elements) with
+    torch's own elementwise op for ``kind``: ``inout = in (op) inout``, rounded to ``dtype`` as
+    torch's CPU ops round. The caller frees it."""
+    fn = _TORCH_OPS[kind]
+
+    def reduce(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
+        inout = torch.frombuffer(inoutbuf, dtype=dtype)
+        if inout.numel():
+            source = torch.frombuffer(bytearray(inbuf), dtype=dtype)  # MPI's input may be read-only
+            inout.copy_(fn(source, inout))
+
+    return mpi.Op.Create(reduce, commute=True)

@@ -1,0 +1,781 @@
+"""``MPIBackend``: a group's operations on an MPI communicator of its own, through mpi4py.
+
+**Forming.** A group maps its ranks to ``MPI_COMM_WORLD`` ranks through its store (each
+member sets its world rank, world size and launcher job id under its group rank), checks
+that they are one MPI job (the same world size and job id, distinct world ranks, and a
+ring of messages over ``MPI_COMM_WORLD`` that each member receives from the world rank its
+neighbour claimed, within the group's timeout), then builds its communicator with
+``MPI_Comm_create_group`` over exactly its members: several groups per process, overlapping
+or not, subgroups (``new_group``/``split`` form new groups the same way). Members that are
+not one job raise :class:`~pg_core.errors.BackendUnavailableError` saying how to launch.
+MPI is initialised (``MPI_THREAD_MULTIPLE``) by the first group that needs it; ``shutdown``
+frees the communicator; mpi4py finalises MPI at exit.
+
+**Operations** are MPI's own, on the tensors' memory (no copy) where the call's buffers are
+one tensor each: ``Iallreduce``, ``Ibcast``, ``Ireduce``, ``Iallgather``,
+``Ireduce_scatter_block``, ``Ialltoallv``, ``Igather``, ``Iscatter``, ``Ibarrier``,
+``Isend``/``Improbe``+``Imrecv``. Lists of tensors are joined into (or split out of) one
+buffer. A blocking call polls its request (``MPI_Test``, backing off from spinning to 1 ms
+naps) until it completes or its timeout passes (:class:`~pg_core.errors.CollectiveTimeout`);
+an asynchronous one returns a :class:`~pg_core.work.Work` that tests the request when it is
+waited for or polled (API 1.2: no thread per operation). ``AVG`` is MPI's sum divided by the
+group size, ``PREMUL_SUM`` the input times the factor summed by MPI; ``float16`` and
+``bfloat16`` reduce through user-defined ``MPI_Op``\\ s that run torch's elementwise ops.
+
+**Point to point.** A send never waits for its receiver (the contract's rule): ``send``,
+``isend`` and ``send_bytes`` copy the message once into a buffer of its own and post it with
+``MPI_Isend`` (``MPI_Bsend``'s semantics); the request completes in a later MPI call of this
+process, and ``shutdown`` waits for the ones still in flight. A receive is zero-copy and
+matches its message first (``MPI_Improbe``), so a message of the wrong size is drained and
+refused with :class:`~pg_core.errors.CollectiveMismatchError` instead of MPI's truncation
+error, and ``recv_bytes`` receives a message of unknown size with one receive; ``irecv``
+progresses when its work is waited for or polled.
+
+**Faults.** MPI reports no peer's death to the others: a survivor's operation ends at its
+timeout with ``CollectiveTimeout``, if the launcher lets it live (MPICH's Hydra kills the
+whole job when one rank dies, unless started with ``-disable-auto-cleanup``). After a
+collective times out its request stays with MPI; the core refuses the group's later
+collectives, as after any collective failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import torch
+from pg_core.backend import Backend, BackendContext, tensor_bytes
+from pg_core.errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    GroupClosedError,
+    PeerFailureError,
+)
+from pg_core.ops import RedOpType, ReduceOp
+from pg_core.store import wait_for
+from pg_core.work import Work
+
+from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, user_op
+from .plugin import HOW_TO_LAUNCH
+
+__all__ = ["MPIBackend"]
+
+#: How long a wait tests its request back to back (seconds), then how long it yields the CPU
+#: between tests (``sched_yield``: other ranks on a shared core run), then the longest nap, which
+#: doubles from 10 us. MPI progresses an operation only inside MPI calls, on every rank, so
+#: a rank that naps while its peers wait for its part delays them all: spin first.
+_SPIN_S: Final = 2e-4
+_YIELD_S: Final = 2e-2
+_MAX_NAP: Final = 1e-3
+
+#: Give the CPU to another runnable process (a rank sharing this core), keeping the GIL free.
+_yield: Final[Callable[[], None]] = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+#: Environment variables that name a launcher's job (where it sets one); Hydra sets none.
+_JOB_ENV: Final = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID", "SLURM_STEP_ID")
+
+#: dtypes MPI has no type for: carried as 2-byte elements, reduced by torch in a user MPI_Op.
+_TORCH_REDUCED: Final = frozenset({torch.float16, torch.bfloat16})
+
+
+class MPIBackend(Backend):
+    """One MPI communicator per group formation (see the module docstring)."""
+
+    #: collectives take ``async_op`` and launch MPI's non-blocking forms (API 1.2)
+    launches = True
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx, self.rank, self.size = ctx, ctx.rank, ctx.size
+        self._mpi = initialized_mpi()
+        #: why operations are refused (shutdown or abort), or None
+        self._closed: str | None = None
+        self._lock = threading.Lock()
+        #: polling loops running now, so that abort frees the communicator after they leave it
+        self._busy = 0
+        self._idle = threading.Condition(self._lock)
+        #: sends in flight: (request, the message's own buffer, destination)
+        self._sends: list[tuple[Any, bytearray | torch.Tensor, int]] = []
+        self._send_errors: dict[int, BaseException] = {}
+        #: user-defined MPI_Ops by (dtype, reduce op), made on first use, freed at shutdown
+        self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
+        self._comm: Any = _form(ctx, self._mpi, self._wait_until)
+
+    @property
+    def comm(self) -> Any:
+        """The group's ``mpi4py.MPI.Intracomm`` (its ranks are the group's ranks)."""
+        return self._comm
+
+    # -- waiting --------------------------------------------------------------------------
+    def _wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """Poll ``ready()`` until it is true (``True``) or ``deadline`` passes (``False``):
+        back to back at first, then yielding the CPU between polls, then naps doubling to 1 ms.
+        Raises ``GroupClosedError`` once aborted."""
+        if ready():
+            return True
+        with self._lock:
+            self._busy += 1
+        try:
+            start = time.monotonic()
+            nap = 1e-5
+            while not ready():
+                if self._closed is not None:
+                    raise GroupClosedError(f"group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                if now - start > _SPIN_S + _YIELD_S:
+                    time.sleep(nap)
+                    nap = min(nap * 2, _MAX_NAP)
+                elif now - start > _SPIN_S:
+                    _yield()
+            return True
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if self._busy == 0:
+                    self._idle.notify_all()
+
+    def _check(self, what: str, peers: Sequence[int] = ()) -> Any:
+        """The communicator, or the error this backend's state calls for, before anything is posted."""
+        if self._closed is not None:
+            raise GroupClosedError(f"{what}: group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
+        for peer in peers:
+            failed = self._send_errors.get(peer)
+            if failed is not None:
+                raise PeerFailureError(f"{what}: an earlier send to rank {peer} failed: {failed}", peers=[peer])
+        return self._comm
+
+    def _error(self, exc: BaseException, what: str, peers: Sequence[int] = ()) -> BaseException:
+        """An ``MPI.Exception`` as pg-core's error (a failed or aborted process: ``PeerFailureError``)."""
+        mpi = self._mpi
+        if isinstance(exc, mpi.Exception):
+            failed = {getattr(mpi, name, None) for name in ("ERR_PROC_FAILED", "ERR_PROC_ABORTED")} - {None}
+            text = f"{what}: MPI failed: {exc.Get_error_string()}"
+            if exc.Get_error_class() in failed:
+                return PeerFailureError(text, peers=peers)
+            return RuntimeError(text)
+        return exc
+
+    def _timeout(self, what: str, timeout: float, peers: Sequence[int] = ()) -> CollectiveTimeout:
+        who = f"rank {', '.join(map(str, peers))}" if peers else "the other ranks (MPI does not say which)"
+        return CollectiveTimeout(f"{what}: not complete after {timeout:g} s; waiting for {who}", op=what, peers=peers)
+
+    def _finish(self, request: Any, what: str, timeout: float, peers: Sequence[int] = ()) -> None:
+        """Wait for ``request`` at most ``timeout`` seconds, in pg-core's errors."""
+        try:
+            if not self._wait_until(request.Test, time.monotonic() + timeout):
+                raise self._timeout(what, timeout, peers)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, peers) from exc
+
+    def _work(
+        self,
+        request: Any,
+        what: str,
+        timeout: float,
+        *,
+        then: Callable[[], None] | None = None,
+        peers: Sequence[int] = (),
+        keep: object = None,
+    ) -> Work:
+        """A :class:`Work` that completes with ``request`` (then runs ``then``), failing with
+        ``CollectiveTimeout`` ``timeout`` seconds after now. ``keep`` is held until it completes
+        (the buffers MPI reads and writes)."""
+        deadline = time.monotonic() + timeout
+        testing = threading.Lock()  # MPI_Test of one request from one thread at a time
+        held = [keep]
+
+        def drive(work: Work, budget: float) -> None:
+            if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
+                return
+            try:
+                if work._done:  # completed by another thread meanwhile
+                    return
+                if budget <= 0:
+                    done = request.Test()
+                else:
+                    done = self._wait_until(request.Test, min(deadline, time.monotonic() + budget))
+                if not done:
+                    if time.monotonic() >= deadline:
+                        work.set_exception(self._timeout(what, timeout, peers))
+                    return
+                if then is not None:
+                    then()
+            except BaseException as exc:
+                work.set_exception(self._error(exc, what, peers))
+            else:
+                work.set_result(None)
+            finally:
+                if work._done:
+                    held.clear()
+                testing.release()
+
+        return Work(what, driver=drive)
+
+    def _run(
+        self,
+        what: str,
+        post: Callable[[Any], Any],
+        timeout: float,
+        *,
+        async_op: bool,
+        then: Callable[[], None] | None = None,
+        keep: object = None,
+    ) -> Work | None:
+        """Post a non-blocking collective (``post(comm)`` returns MPI's request); wait for it, or
+        with ``async_op`` return its work."""
+        comm = self._check(what)
+        try:
+            request = post(comm)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what) from exc
+        if async_op:
+            return self._work(request, what, timeout, then=then, keep=keep)
+        self._finish(request, what, timeout)
+        if then is not None:
+            then()
+        return None
+
+    # -- buffers and types ----------------------------------------------------------------
+    def _bytes(self, t: torch.Tensor) -> list[Any]:
+        """``t``'s memory as MPI bytes (copies of any dtype are exact this way)."""
+        return [tensor_bytes(t), t.numel() * t.element_size(), self._mpi.BYTE]
+
+    def _typed(self, t: torch.Tensor) -> list[Any]:
+        """``t``'s memory as MPI elements of its dtype (float16/bfloat16: 2-byte elements)."""
+        name = TYPE_NAMES.get(t.dtype, "INT16_T")
+        return [tensor_bytes(t), t.numel(), getattr(self._mpi, name)]
+
+    def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
+        """MPI's op for ``op`` on ``dtype``: a predefined one, or this backend's user-defined one."""
+        if dtype not in _TORCH_REDUCED:
+            return getattr(self._mpi, OP_NAMES[op.type])
+        key = (dtype, op.type)
+        with self._lock:
+            made = self._user_ops.get(key)
+            if made is None:
+                made = self._user_ops[key] = user_op(self._mpi, dtype, op.type)
+        return made
+
+    @staticmethod
+    def _scaled(t: torch.Tensor, op: ReduceOp, *, in_place: bool) -> torch.Tensor:
+        """``t`` times the PREMUL_SUM factor (in place, or a new tensor), else ``t``."""
+        if op.type is not RedOpType.PREMUL_SUM:
+            return t
+        factor = op.factor_value()
+        return t.mul_(factor) if in_place else torch.mul(t, factor)
+
+    def _averaged(self, t: torch.Tensor, op: ReduceOp) -> Callable[[], None] | None:
+        """The AVG finish (divide the sum by the group size), or ``None``."""
+        if op.type is not RedOpType.AVG:
+            return None
+
+        def divide() -> None:
+            if t.numel():
+                t.div_(self.size)
+
+        return divide
+
+    # -- collectives ----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        mpi_op = self._op(tensor.dtype, op)
+        self._scaled(tensor, op, in_place=True)
+        buf = self._typed(tensor)
+        return self._run(
+            "all_reduce",
+            lambda comm: comm.Iallreduce(self._mpi.IN_PLACE, buf, mpi_op),
+            timeout,
+            async_op=async_op,
+            then=self._averaged(tensor, op),
+            keep=tensor,
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
+        buf = self._bytes(tensor)
+        return self._run("broadcast", lambda comm: comm.Ibcast(buf, root=src), timeout, async_op=async_op, keep=tensor)
+
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        mpi_op = self._op(tensor.dtype, op)
+        if self.rank == dst:
+            self._scaled(tensor, op, in_place=True)
+            buf = self._typed(tensor)
+            return self._run(
+                "reduce",
+                lambda comm: comm.Ireduce(self._mpi.IN_PLACE, buf, mpi_op, root=dst),
+                timeout,
+                async_op=async_op,
+                then=self._averaged(tensor, op),
+                keep=tensor,
+            )
+        source = self._scaled(tensor, op, in_place=False)  # off the root the input stays as it is
+        sbuf = self._typed(source)
+        return self._run(
+            "reduce", lambda comm: comm.Ireduce(sbuf, None, mpi_op, root=dst), timeout, async_op=async_op, keep=source
+        )
+
+    def all_gather(
+        self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        nbytes = tensor.numel() * tensor.element_size()
+        joined = torch.empty(nbytes * self.size, dtype=torch.uint8)
+        sbuf, rbuf = self._bytes(tensor), [tensor_bytes(joined), nbytes, self._mpi.BYTE]
+
+        def split() -> None:
+            for out, piece in zip(output_list, joined.split(nbytes) if nbytes else [joined] * self.size, strict=True):
+                _flat_bytes(out).copy_(piece)
+
+        return self._run(
+            "all_gather",
+            lambda comm: comm.Iallgather(sbuf, rbuf),
+            timeout,
+            async_op=async_op,
+            then=split,
+            keep=(tensor, joined),
+        )
+
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        nbytes = input.numel() * input.element_size()
+        sbuf, rbuf = self._bytes(input), [tensor_bytes(output), nbytes, self._mpi.BYTE]
+        return self._run(
+            "all_gather_into_tensor",
+            lambda comm: comm.Iallgather(sbuf, rbuf),
+            timeout,
+            async_op=async_op,
+            keep=(input, output),
+        )
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        joined = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
+        return self._reduce_scatter(
+            "reduce_scatter", output, self._scaled(joined, op, in_place=True), op, timeout=timeout, async_op=async_op
+        )
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        source = self._scaled(input, op, in_place=False)
+        return self._reduce_scatter("reduce_scatter_tensor", output, source, op, timeout=timeout, async_op=async_op)
+
+    def _reduce_scatter(
+        self, what: str, output: torch.Tensor, source: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool
+    ) -> Work | None:
+        mpi_op = self._op(output.dtype, op)
+        rbuf = self._typed(output)
+        sbuf = [tensor_bytes(source), rbuf[1], rbuf[2]]  # a block's count, as the receive's
+        return self._run(
+            what,
+            lambda comm: comm.Ireduce_scatter_block(sbuf, rbuf, mpi_op),
+            timeout,
+            async_op=async_op,
+            then=self._averaged(output, op),
+            keep=(source, output),
+        )
+
+    def all_to_all(
+        self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        out_sizes = [t.numel() * t.element_size() for t in output_list]
+        in_sizes = [t.numel() * t.element_size() for t in input_list]
+        joined = torch.cat([_flat_bytes(t) for t in input_list])
+        received = torch.empty(sum(out_sizes), dtype=torch.uint8)
+
+        def split() -> None:
+            for out, piece in zip(output_list, received.split(out_sizes), strict=True):
+                _flat_bytes(out).copy_(piece)
+
+        return self._all_to_all(
+            "all_to_all", received, joined, out_sizes, in_sizes, timeout=timeout, async_op=async_op, then=split
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        out_row = math.prod(output.shape[1:]) * output.element_size()
+        in_row = math.prod(input.shape[1:]) * input.element_size()
+        return self._all_to_all(
+            "all_to_all_single",
+            output,
+            input,
+            [n * out_row for n in output_split_sizes],
+            [n * in_row for n in input_split_sizes],
+            timeout=timeout,
+            async_op=async_op,
+        )
+
+    def _all_to_all(
+        self,
+        what: str,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        out_sizes: list[int],
+        in_sizes: list[int],
+        *,
+        timeout: float,
+        async_op: bool,
+        then: Callable[[], None] | None = None,
+    ) -> Work | None:
+        byte = self._mpi.BYTE
+        sbuf = [tensor_bytes(input), (in_sizes, _offsets(in_sizes)), byte]
+        rbuf = [tensor_bytes(output), (out_sizes, _offsets(out_sizes)), byte]
+        return self._run(
+            what, lambda comm: comm.Ialltoallv(sbuf, rbuf), timeout, async_op=async_op, then=then, keep=(input, output)
+        )
+
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list[torch.Tensor] | None,
+        dst: int,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        nbytes = tensor.numel() * tensor.element_size()
+        sbuf = self._bytes(tensor)
+        if gather_list is None:
+            return self._run(
+                "gather", lambda comm: comm.Igather(sbuf, None, root=dst), timeout, async_op=async_op, keep=tensor
+            )
+        joined = torch.empty(nbytes * self.size, dtype=torch.uint8)
+        rbuf = [tensor_bytes(joined), nbytes, self._mpi.BYTE]
+
+        def split() -> None:
+            for out, piece in zip(gather_list, joined.split(nbytes) if nbytes else [joined] * self.size, strict=True):
+                _flat_bytes(out).copy_(piece)
+
+        return self._run(
+            "gather",
+            lambda comm: comm.Igather(sbuf, rbuf, root=dst),
+            timeout,
+            async_op=async_op,
+            then=split,
+            keep=(tensor, joined),
+        )
+
+    def scatter(
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list[torch.Tensor] | None,
+        src: int,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        nbytes = tensor.numel() * tensor.element_size()
+        rbuf = self._bytes(tensor)
+        if scatter_list is None:
+            return self._run(
+                "scatter", lambda comm: comm.Iscatter(None, rbuf, root=src), timeout, async_op=async_op, keep=tensor
+            )
+        joined = torch.cat([_flat_bytes(t) for t in scatter_list])
+        sbuf = [tensor_bytes(joined), nbytes, self._mpi.BYTE]
+        return self._run(
+            "scatter",
+            lambda comm: comm.Iscatter(sbuf, rbuf, root=src),
+            timeout,
+            async_op=async_op,
+            keep=(tensor, joined),
+        )
+
+    def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
+        return self._run("barrier", lambda comm: comm.Ibarrier(), timeout, async_op=async_op)
+
+    # -- point to point -------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        """The tensor copied into a buffer of the message's own, posted with ``MPI_Isend``;
+        returns at once (MPI_Bsend's semantics: the send never waits for its receiver)."""
+        payload = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)  # not zeroed: overwritten
+        payload.copy_(_flat_bytes(tensor))
+        self._post(payload, dst, tag, "send")
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        """The message is MPI's (in a buffer of its own) when this returns: the work is done."""
+        self.send(tensor, dst, tag, timeout=timeout)
+        return Work.completed("isend")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        self.irecv(tensor, src, tag, timeout=timeout).wait()
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        """``MPI_Irecv`` into the tensor's memory, posted now (so receives on one stream match
+        messages in the order they were called), tested when the work is waited for or polled.
+        A message of another size is refused with ``CollectiveMismatchError`` (it was received,
+        so the stream stays in step); past ``timeout`` the receive is cancelled."""
+        what = f"recv from rank {src} (tag {tag})"
+        comm = self._check(what, [src])
+        want = tensor.numel() * tensor.element_size()
+        status = self._mpi.Status()
+        try:
+            request = comm.Irecv(self._bytes(tensor), src, tag)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [src]) from exc
+        deadline = time.monotonic() + timeout
+        testing = threading.Lock()
+
+        def drive(work: Work, budget: float) -> None:
+            if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
+                return
+            try:
+                if work._done:
+                    return
+                try:
+                    if budget <= 0:
+                        done = request.Test(status)
+                    else:
+                        done = self._wait_until(lambda: request.Test(status), min(deadline, time.monotonic() + budget))
+                except self._mpi.Exception as exc:
+                    if exc.Get_error_class() == self._mpi.ERR_TRUNCATE:
+                        raise self._mismatch(what, f"larger than {want} bytes", tensor, want, src) from None
+                    raise
+                if not done:
+                    if time.monotonic() >= deadline:
+                        self._cancel(request)
+                        work.set_exception(self._timeout(what, timeout, [src]))
+                    return
+                got = status.Get_count(self._mpi.BYTE)
+                if got != want:
+                    raise self._mismatch(what, f"{got} bytes", tensor, want, src)
+            except BaseException as exc:
+                work.set_exception(self._error(exc, what, [src]))
+            else:
+                work.set_result(None)
+            finally:
+                testing.release()
+
+        return Work("recv", driver=drive)
+
+    @staticmethod
+    def _mismatch(what: str, sent: str, tensor: torch.Tensor, want: int, src: int) -> CollectiveMismatchError:
+        return CollectiveMismatchError(
+            f"{what}: the message is {sent}, the receiving tensor {tuple(tensor.shape)} x "
+            f"{str(tensor.dtype).removeprefix('torch.')} is {want} bytes",
+            peers=[src],
+        )
+
+    def _cancel(self, request: Any) -> None:
+        """Withdraw a receive that timed out (``MPI_Cancel``), unless it completed meanwhile."""
+        try:
+            request.Cancel()
+            self._wait_until(request.Test, time.monotonic() + 1.0)
+        except (self._mpi.Exception, GroupClosedError):
+            pass
+
+    def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
+        """The message's parts copied into one buffer of its own, posted with ``MPI_Isend``;
+        returns at once."""
+        views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
+        payload = bytearray(sum(v.nbytes for v in views))
+        offset = 0
+        for view in views:
+            payload[offset : offset + view.nbytes] = view
+            offset += view.nbytes
+        self._post(payload, dst, tag, "send_bytes")
+
+    def _post(self, payload: bytearray | torch.Tensor, dst: int, tag: int, what: str) -> None:
+        """``MPI_Isend`` of a message's own buffer, kept until MPI is done with it (a later
+        MPI call completes it; ``shutdown`` waits for it)."""
+        comm = self._check(what, [dst])
+        buf = [payload, len(payload), self._mpi.BYTE] if isinstance(payload, bytearray) else self._bytes(payload)
+        try:
+            request = comm.Isend(buf, dst, tag)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [dst]) from exc
+        with self._lock:
+            self._sends.append((request, payload, dst))
+        self._reap()
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
+        deadline = time.monotonic() + timeout
+        what = f"recv_bytes from rank {src} (tag {tag})"
+        message, nbytes = self._probe(src, tag, deadline, timeout, what)
+        buffer = bytearray(nbytes)
+        self._receive(message, [buffer, nbytes, self._mpi.BYTE], deadline, what, src)
+        return buffer
+
+    def _probe(self, src: int, tag: int, deadline: float, timeout: float, what: str) -> tuple[Any, int]:
+        """The next message from ``src`` with ``tag``, matched (``MPI_Improbe``), and its size in bytes."""
+        comm = self._check(what, [src])
+        status = self._mpi.Status()
+        found: list[Any] = []
+
+        def probe() -> bool:
+            message = comm.Improbe(src, tag, status)
+            if message is None:
+                return False
+            found.append(message)
+            return True
+
+        try:
+            if not self._wait_until(probe, deadline):
+                raise CollectiveTimeout(f"{what}: no message within {timeout:g} s", op=what, peers=[src])
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [src]) from exc
+        return found[0], status.Get_count(self._mpi.BYTE)
+
+    def _receive(self, message: Any, buf: list[Any], deadline: float, what: str, src: int) -> None:
+        try:
+            request = message.Irecv(buf)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [src]) from exc
+        self._finish(request, what, max(deadline - time.monotonic(), 0.0), [src])
+
+    def _reap(self) -> None:
+        """Drop the sends that completed; record a failed one for its peer."""
+        with self._lock:
+            pending, self._sends = self._sends, []
+        left = []
+        for request, payload, dst in pending:
+            try:
+                if not request.Test():
+                    left.append((request, payload, dst))
+            except self._mpi.Exception as exc:
+                self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", [dst]))
+        with self._lock:
+            self._sends[:0] = left
+
+    def _sent(self) -> bool:
+        """Whether every send has completed (reaping the ones that have)."""
+        self._reap()
+        return not self._sends
+
+    # -- life -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Wait (at most the group's timeout) for sends still in flight, then
+        free the communicator and this backend's MPI ops."""
+        deadline = time.monotonic() + self.ctx.timeout
+        if self._closed is None:
+            try:
+                self._wait_until(self._sent, deadline)
+            except GroupClosedError:
+                pass
+        self._free("shut down")
+
+    def abort(self) -> None:
+        """Refuse everything from now on; polling loops in other threads raise
+        ``GroupClosedError`` within a nap, then the communicator is freed."""
+        self._free("aborted")
+
+    def _free(self, how: str) -> None:
+        with self._lock:
+            if self._closed is None:
+                self._closed = how
+            self._idle.wait_for(lambda: self._busy == 0, timeout=5.0)
+            comm, self._comm = self._comm, None
+            ops, self._user_ops = list(self._user_ops.values()), {}
+            self._sends.clear()
+        if comm is not None and not self._mpi.Is_finalized():
+            comm.Free()
+            for op in ops:
+                op.Free()
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a 1-D ``uint8`` view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
+def _job_id() -> str:
+    """The launcher's name for this job, where it gives one (Hydra gives none)."""
+    return "/".join(f"{k}={os.environ[k]}" for k in _JOB_ENV if k in os.environ)
+
+
+def _form(ctx: BackendContext, mpi: Any, wait_until: Callable[[Callable[[], bool], float], bool]) -> Any:
+    """The group's communicator over exactly its members (see the module docstring)."""
+    world = mpi.COMM_WORLD
+    name = f"group {ctx.group_name!r}"
+    me = {"world_rank": world.Get_rank(), "world_size": world.Get_size(), "job": _job_id()}
+    ctx.store.set(f"member/{ctx.rank}", json.dumps(me))
+    keys = [f"member/{r}" for r in range(ctx.size)]
+    wait_for(ctx.store, keys, ctx.timeout, what=f"{name} rank {ctx.rank}: the MPI ranks of its members")
+    members = [json.loads(ctx.store.get(k)) for k in keys]
+    worlds = {(m["world_size"], m["job"]) for m in members}
+    ranks = [int(m["world_rank"]) for m in members]
+    if len(worlds) > 1 or len(set(ranks)) != len(ranks):
+        seen = ", ".join(
+            f"rank {r}: MPI world rank {m['world_rank']} of {m['world_size']}{' in ' + m['job'] if m['job'] else ''}"
+            for r, m in enumerate(members)
+        )
+        raise BackendUnavailableError(
+            f"Backend 'mpi' cannot form {name}: its members are not processes of one MPI job ({seen}); {HOW_TO_LAUNCH}"
+        )
+    digest = hashlib.sha256(ctx.group_uid.encode()).digest()
+    tag = int.from_bytes(digest[:8], "big") % (int(world.Get_attr(mpi.TAG_UB)) + 1)
+    if ctx.size > 1:
+        _handshake(ctx, mpi, ranks, token=digest[:16], tag=tag, wait_until=wait_until, name=name)
+    world_group = world.Get_group()
+    members_group = world_group.Incl(ranks)
+    try:
+        return world.Create_group(members_group, tag)
+    finally:
+        members_group.Free()
+        world_group.Free()
+
+
+def _handshake(
+    ctx: BackendContext,
+    mpi: Any,
+    ranks: list[int],
+    *,
+    token: bytes,
+    tag: int,
+    wait_until: Callable[[Callable[[], bool], float], bool],
+    name: str,
+) -> None:
+    """Each member sends ``token`` to the next member's world rank and receives it from the
+    previous one's, within the group's timeout: proof that the world ranks in the store are
+    these processes (members of different jobs with equal world sizes would otherwise meet
+    in ``MPI_Comm_create_group`` and wait forever)."""
+    world = mpi.COMM_WORLD
+    after, before = ranks[(ctx.rank + 1) % ctx.size], ranks[(ctx.rank - 1) % ctx.size]
+    got = bytearray(len(token))
+    send = world.Isend([token, len(token), mpi.BYTE], after, tag)
+    recv = world.Irecv([got, len(got), mpi.BYTE], before, tag)
+    requests = [send, recv]
+    if not wait_until(lambda: bool(mpi.Request.Testall(requests)), time.monotonic() + ctx.timeout):
+        recv.Cancel()
+        recv.Wait()
+        send.Free()
+        raise BackendUnavailableError(
+            f"Backend 'mpi' cannot form {name}: rank {ctx.rank} heard nothing over MPI from MPI world rank {before} "
+            f"(group rank {(ctx.rank - 1) % ctx.size}) within {ctx.timeout:g} s, though every member set its world "
+            f"rank in the store: the members are not processes of one MPI job; {HOW_TO_LAUNCH}"
+        )
+    if bytes(got) != token:
+        raise BackendUnavailableError(
+            f"Backend 'mpi' cannot form {name}: MPI world rank {before} sent another group's handshake "
+            f"(tag {tag}): two groups formed at once whose tags collide, or the members are not one MPI job"
+        )

@@ -1,0 +1,366 @@
+"""pg-mpi across real processes started by ``mpiexec``: what the backend adds to MPI, and what
+pg-core's launcher support guarantees for it.
+
+The conformance suite (``tests/conformance/test_backends.py``) certifies the backend; these
+tests pin down what the contract leaves to it: MPI is not initialised by listing, groups are
+communicators of exactly their members (several, overlapping, concurrent), members that are
+not one MPI job are refused with the way to launch, a receive of the wrong size is an error
+and not MPI's truncation, timeouts and abort, and the launched pool's guarantees (a dead rank
+reported, a hang dumped and killed, nothing left behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from pg_core import ProcessGroup
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout
+from pg_core.launchers import find_launcher, launch_command
+from pg_core.ops import ReduceOp
+from pg_core.store import wait_for
+from pg_core.testing.pool import RankContext, RankPool, RanksFailed
+from pg_core.testing.rank import run_warm_up
+from pg_mpi.plugin import MAX_TAG, is_available
+
+pytestmark = pytest.mark.requires_backend("mpi")
+
+
+Pools = Callable[[int], RankPool]
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Pools]:
+    """Launched pools by world size, MPI initialised once per rank before the first test."""
+    made: dict[int, RankPool] = {}
+
+    def get(n: int) -> RankPool:
+        if n not in made:
+            made[n] = RankPool(n, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
+        return made[n]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def _group(ctx: RankContext, timeout: float | None = None, **kw: Any) -> ProcessGroup:
+    return ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=timeout or 30.0, **kw)
+
+
+# -- availability: from the environment, without initialising MPI ------------------------------------
+
+
+def test_outside_mpiexec_it_is_unavailable_and_says_how_to_launch() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    code = (
+        "from pg_mpi.plugin import is_available; import sys; print(is_available()); print('mpi4py.MPI' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    reason, imported = out.stdout.strip().splitlines()
+    assert "not started by an MPI launcher" in reason and "mpiexec -n N python script.py" in reason
+    assert imported == "False"  # not even the library is loaded
+    assert is_available() is not None  # this test process was not started by mpiexec either
+
+
+LISTING = """
+import json
+from pg_core.registry import default_registry
+entries = {e.name: e.status for e in default_registry().entries()}
+from mpi4py import MPI
+print(json.dumps({"mpi": entries["mpi"], "initialized": MPI.Is_initialized()}))
+"""
+
+
+def test_listing_under_mpiexec_says_available_without_initialising_mpi() -> None:
+    command = launch_command("mpiexec", 1, [sys.executable, "-c", LISTING])
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True, stdin=subprocess.DEVNULL)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"mpi": "available", "initialized": False}
+
+
+def tag_bound(ctx: RankContext) -> list[int]:
+    from mpi4py import MPI
+
+    return [int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)), MPI.Query_thread() == MPI.THREAD_MULTIPLE]
+
+
+def test_the_declared_tags_fit_the_librarys_bound_and_mpi_runs_multithreaded(pools: Pools) -> None:
+    [(tag_ub, multiple)] = pools(1).run(tag_bound, timeout=120)
+    assert MAX_TAG == 32767 <= tag_ub
+    assert multiple
+
+
+# -- groups are communicators of exactly their members ------------------------------------------------
+
+
+def overlapping_groups(ctx: RankContext) -> dict[str, Any]:
+    """Three ranks: the world, {0, 1} and {1, 2} formed at once from two threads on rank 1,
+    and a split; each reduces its own values."""
+    out: dict[str, Any] = {}
+    with _group(ctx) as world:
+        pairs = {"a": [0, 1], "b": [1, 2]}
+        mine = {k: m for k, m in pairs.items() if ctx.rank in m}
+
+        def use(key: str, members: list[int]) -> None:
+            with ProcessGroup(
+                ctx.store, members.index(ctx.rank), 2, backends="mpi", name=f"pair-{key}", timeout=30
+            ) as pair:
+                t = torch.full((3,), float(ctx.rank + 1))
+                for _ in range(5):
+                    pair.all_reduce(t)
+                out[key] = t.tolist()
+                comm = pair._dispatch.instance(torch.device("cpu")).backend.comm
+                out[f"{key}-size"] = comm.Get_size()
+
+        threads = [threading.Thread(target=use, args=item) for item in mine.items()]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        sub = world.split(color=ctx.rank % 2, key=-ctx.rank)
+        assert sub is not None
+        with sub:
+            t = torch.tensor([ctx.rank], dtype=torch.int64)
+            sub.all_reduce(t, ReduceOp.MAX)
+            out["split"] = (sub.rank, sub.size, int(t.item()))
+    return out
+
+
+def test_several_overlapping_groups_at_once_and_a_split(pools: Pools) -> None:
+    r0, r1, r2 = pools(3).run(overlapping_groups, timeout=180)
+    # pair a: ranks 0 and 1 (1 + 2 = 3, then doubled four more times)
+    assert r0["a"] == r1["a"] == [3.0 * 2**4] * 3 and r0["a-size"] == 2
+    assert r1["b"] == r2["b"] == [5.0 * 2**4] * 3 and r2["b-size"] == 2
+    assert r0["split"] == (1, 2, 2) and r2["split"] == (0, 2, 2) and r1["split"] == (0, 1, 1)
+
+
+JOINER = """
+import sys
+from datetime import timedelta
+import torch
+from pg_core import ProcessGroup, TCPStore
+from pg_core.errors import BackendUnavailableError
+port, rank = int(sys.argv[1]), int(sys.argv[2])
+from mpi4py import MPI  # noqa: E402  (the world rank, to pick this job's member)
+if MPI.COMM_WORLD.Get_rank() == int(sys.argv[3]):
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    try:
+        ProcessGroup(store, rank, 2, backends="mpi", timeout=3).all_reduce(torch.ones(1))
+    except BackendUnavailableError as exc:
+        print("REFUSED", " ".join(str(exc).split()), flush=True)
+    else:
+        print("FORMED", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("world", "members"), [(1, (0, 0)), (2, (0, 1))], ids=["two-singleton-jobs", "two-jobs-of-two"]
+)
+def test_members_of_different_mpi_jobs_are_refused_saying_how_to_launch(world: int, members: tuple[int, int]) -> None:
+    """Two ``mpiexec`` jobs, one member from each: world rank 0 twice (seen in the store at
+    once), or world ranks 0 and 1 of two jobs of two (seen by the handshake, within the timeout)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    jobs = [
+        subprocess.Popen(
+            launch_command("mpiexec", world, [sys.executable, "-c", JOINER, str(store.port), str(r), str(members[r])]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [job.communicate(timeout=120)[0] for job in jobs]
+    for out in outputs:
+        said = [line for line in out.splitlines() if line.startswith(("REFUSED", "FORMED"))]
+        assert said and said[0].startswith("REFUSED"), out
+        assert "not processes of one MPI job" in said[0] and "mpiexec -n N python script.py" in said[0]
+
+
+# -- point to point: MPI's truncation becomes a mismatch, the stream stays in step -------------------
+
+
+def wrong_size_then_right(ctx: RankContext) -> str:
+    with _group(ctx) as group:
+        if ctx.rank == 0:
+            group.send(torch.arange(8, dtype=torch.float32), 1)
+            group.send(torch.arange(2, dtype=torch.float32), 1)
+            group.send(torch.arange(4, dtype=torch.float32) + 100, 1)
+            group.barrier()
+            return "sent"
+        small = torch.empty(4)
+        with pytest.raises(CollectiveMismatchError, match=r"larger than 16 bytes") as err:
+            group.recv(small, 0)  # MPI's truncation error, as the contract's mismatch
+        assert err.value.peers == (0,)
+        with pytest.raises(CollectiveMismatchError, match=r"the message is 8 bytes"):
+            group.recv(small, 0)
+        group.recv(small, 0)  # both refused messages were consumed: the stream is in step
+        assert small.tolist() == [100.0, 101.0, 102.0, 103.0]
+        group.barrier()
+        return "refused"
+
+
+def test_a_receive_of_the_wrong_size_is_a_mismatch_and_the_stream_stays_in_step(pools: Pools) -> None:
+    assert pools(2).run(wrong_size_then_right, timeout=120) == ["sent", "refused"]
+
+
+def large_sends_before_receives(ctx: RankContext) -> list[float]:
+    """Both ranks send 32 MiB before either receives; the sender then changes its tensor."""
+    with _group(ctx) as group:
+        peer = 1 - ctx.rank
+        out = torch.full((8 << 20,), float(ctx.rank + 1))
+        group.send(out, peer, tag=5)
+        out.fill_(-1.0)  # the message was taken when send returned
+        got = torch.empty(8 << 20)
+        group.recv(got, peer, tag=5)
+        return [float(got.min()), float(got.max())]
+
+
+def test_a_send_never_waits_for_its_receiver(pools: Pools) -> None:
+    assert pools(2).run(large_sends_before_receives, timeout=180) == [[2.0, 2.0], [1.0, 1.0]]
+
+
+# -- timeouts and abort --------------------------------------------------------------------------------
+
+
+def collective_timeout(ctx: RankContext) -> str:
+    with _group(ctx) as group:
+        group.barrier()
+        if ctx.rank == 0:
+            start = time.monotonic()
+            with pytest.raises(CollectiveTimeout) as err:
+                group.all_reduce(torch.ones(2), timeout=1.0)
+            assert time.monotonic() - start >= 0.9
+            ctx.store.set("timed-out", "1")
+            return str(err.value)
+        wait_for(ctx.store, ["timed-out"], 60)
+        return ""
+
+
+def test_a_collective_that_a_rank_never_joins_times_out(pools: Pools) -> None:
+    said, _ = pools(2).run(collective_timeout, timeout=120)
+    assert "all_reduce" in said and "1 s" in said
+
+
+def abort_unblocks_a_receive(ctx: RankContext) -> str:
+    """Rank 0 receives what rank 1 never sends, in another thread; aborting the group makes it raise."""
+    group = _group(ctx)
+    group.barrier()  # formed on both ranks
+    if ctx.rank == 1:
+        wait_for(ctx.store, ["aborted"], 60)
+        group.shutdown()
+        return ""
+    caught: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            group.recv(torch.empty(2), 1, timeout=60)
+        except BaseException as exc:
+            caught.append(exc)
+
+    th = threading.Thread(target=receive)
+    th.start()
+    backend = group._dispatch.instance(torch.device("cpu")).backend
+    deadline = time.monotonic() + 30
+    while backend._busy == 0 and th.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a condition, with a deadline: the receive is waiting in MPI
+    group.abort()
+    th.join(30)
+    ctx.store.set("aborted", "1")
+    assert not th.is_alive()
+    return type(caught[0]).__name__ if caught else "nothing raised"
+
+
+def test_abort_makes_a_blocked_receive_raise(pools: Pools) -> None:
+    assert pools(2).run(abort_unblocks_a_receive, timeout=120)[0] == "GroupClosedError"
+
+
+# -- the launched pool: failures reported, nothing left behind -----------------------------------------
+
+
+def hang(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        threading.Event().wait(3600)
+
+
+def die(ctx: RankContext) -> None:
+    if ctx.rank == 1:
+        os._exit(7)
+
+
+def pid(ctx: RankContext) -> int:
+    return os.getpid()
+
+
+def _gone(pids: list[int], within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_launched_pool_dumps_a_hang_reports_a_death_respawns_and_leaves_no_process() -> None:
+    assert find_launcher("mpiexec") is not None
+    pool = RankPool(2, launcher="mpiexec")
+    try:
+        first = pool.run(pid, timeout=120)
+        with pytest.raises(RanksFailed) as hung:
+            pool.run(hang, timeout=5)
+        assert "did not finish within 5 s" in str(hung.value) and "threading.py" in str(hung.value)
+        assert _gone(first)  # the hung job's whole launch was killed
+        second = pool.run(pid, timeout=120)  # a fresh launch
+        assert set(second).isdisjoint(first)
+        with pytest.raises(RanksFailed) as died:
+            pool.run(die, timeout=60)
+        assert "rank 1: died" in str(died.value)
+        third = pool.run(pid, timeout=120)
+    finally:
+        pool.close()
+    assert _gone(second) and _gone(third)
+    assert find_launcher("mpiexec") is not None
+
+
+def test_closing_a_launched_pool_ends_mpiexec_and_its_ranks() -> None:
+    pool = RankPool(3, launcher="mpiexec")
+    pids = pool.run(pid, timeout=120)
+    ranks = pool._ranks
+    assert ranks is not None
+    launcher = ranks.launcher  # type: ignore[union-attr]
+    pool.close()
+    assert launcher.poll() is not None
+    assert _gone(pids)
+
+
+# -- pg-core bench: ranks through mpiexec, raw mpi4py as the baseline ---------------------------------
+
+
+@pytest.mark.slow
+def test_bench_runs_pg_mpi_beside_raw_mpi4py_under_mpiexec() -> None:
+    cmd = [sys.executable, "-m", "pg_core", "bench", "--backends", "mpi", "--baseline", "mpi4py", "--world-size", "2"]
+    cmd += ["--ops", "all_reduce,send_recv", "--sizes", "4,64K", "--iters", "5", "--warmup", "1", "--json", "--quiet"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    got = {(r["op"], r["requested_size"], r["backend"]) for r in rows}
+    assert got == {
+        (op, size, b) for op in ("all_reduce", "send_recv") for size in (4, 65536) for b in ("mpi4py", "mpi")
+    }
+    for r in rows:
+        assert r["status"] == "ok", r  # correctness-checked on every rank
+        if r["backend"] == "mpi":
+            assert r["ratio_to"] == "mpi4py" and r["ratio"] > 0, r
+        else:
+            assert r["baseline"] and r["ratio"] is None, r

@@ -1,0 +1,36 @@
+"""``pg_core.launchers`` and ``BackendSpec.launcher``: the data, read without starting anything.
+
+Starting ranks through ``mpiexec`` (``RankPool(launcher=...)``, ``LaunchedRanks``) is tested
+where an MPI is installed: ``backends/mpi/tests``."""
+
+from __future__ import annotations
+
+import pytest
+from pg_core.backend import BackendSpec
+from pg_core.launchers import LAUNCHERS, launched_rank
+
+
+@pytest.mark.parametrize(
+    ("env", "found"),
+    [
+        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, (3, 4)),  # MPICH's Hydra
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, (1, 2)),  # Open MPI
+        ({"PMIX_RANK": "0"}, (0, None)),  # a PMIx launcher that gives no size
+        ({"PMIX_RANK": "5", "SLURM_NTASKS": "8"}, (5, 8)),  # srun --mpi=pmix
+        ({"RANK": "0", "WORLD_SIZE": "2"}, None),  # torchrun is not an MPI launcher
+        ({"PMI_RANK": "x"}, None),
+        ({}, None),
+    ],
+)
+def test_the_rank_an_mpi_launcher_gave_is_read_from_the_environment(
+    env: dict[str, str], found: tuple[int, int | None] | None
+) -> None:
+    assert launched_rank(env) == found
+
+
+def test_a_spec_declares_a_known_launcher_or_none() -> None:
+    assert LAUNCHERS == ("mpiexec",)
+    assert BackendSpec("x", factory="m:f", devices=("cpu",)).launcher is None
+    assert BackendSpec("x", factory="m:f", devices=("cpu",), launcher="mpiexec").launcher == "mpiexec"
+    with pytest.raises(ValueError, match="unknown launcher 'srun'"):
+        BackendSpec("x", factory="m:f", devices=("cpu",), launcher="srun")
