@@ -308,7 +308,7 @@ def _gone(pids: list[int], within: float = 20.0) -> bool:
     while time.monotonic() < deadline:
         if not any(os.path.exists(f"/proc/{p}") for p in pids):
             return True
-        time.sleep(0.1)
+        time.sleep(0.1)  # processes of another session (mpiexec's): no event tells their exit; polled with a deadline
     return False
 
 

@@ -108,6 +108,8 @@ class C10dBackend(Backend):
         #: torch's options objects by (kind, timeout, reduce op, root): see :meth:`_opts`
         self._options_cache: dict[tuple[Any, ...], Any] = {}
         self._rendezvous: PolledStore | None = None
+        #: the torch object's ``supports_coalescing``, once read (see :attr:`coalesces`)
+        self._coalesces: bool | None = None
         #: held while a call is posted, and through a whole coalesced launch: torch's coalescing
         #: state belongs to the object, so another thread's call must not land inside a batch
         self._posting = threading.Lock()
@@ -131,9 +133,14 @@ class C10dBackend(Backend):
     def coalesces(self) -> bool:  # type: ignore[override]  # read from the torch object, which subclasses build
         """Whether :meth:`coalesced` launches a batch as one: the torch backend's own
         ``supports_coalescing`` (ProcessGroupNCCL: yes; ProcessGroupGloo, torch 2.13: no, and
-        its ``_start_coalescing`` raises)."""
-        pg = self._pg
-        return pg is not None and bool(pg.supports_coalescing)
+        its ``_start_coalescing`` raises). Read once from the torch object, not on every call."""
+        known = self._coalesces
+        if known is None:
+            pg = self._pg
+            if pg is None:
+                return False
+            known = self._coalesces = bool(pg.supports_coalescing)
+        return known
 
     def coalesced(self, calls: Sequence[Call]) -> Work:
         """Post every call (each method's torch call, not waited for) between the torch
