@@ -528,3 +528,76 @@ def test_a_receive_from_any_source_needs_another_rank(log):
         with pytest.raises(ValueError, match="src=0 is this rank"):
             group.recv(torch.zeros(1), 0)
     assert log == []
+
+
+# -- a prepared all_reduce (API 1.5) ---------------------------------------------------------------
+class Prepared(CpuRecorder):
+    """Offers a prepared all_reduce (it adds 10, the plain one adds 1); a non-empty option
+    ``fail`` makes the prepared call time out once."""
+
+    def prepared_all_reduce(self, op, *, timeout):
+        self.log.append(("prepare", op.type.name, timeout))
+
+        def run(tensor):
+            self._rec("prepared", tensor, op=op.type.name)
+            if self.ctx.options["fail"]:
+                self.ctx.options["fail"].clear()
+                raise CollectiveTimeout("rank 1 did not answer", peers=[1])
+            tensor.add_(10)
+
+        return run
+
+
+@pytest.fixture
+def prepared(log):
+    options = {"log": log, "fail": []}
+    g = ProcessGroup(HashStore(), rank=0, size=2, backends=Prepared, options={"cpu-rec": options}, timeout=30)
+    yield g, options
+    g.abort()
+
+
+def test_a_prepared_all_reduce_takes_the_blocking_calls_of_a_kind_once_one_went_the_full_way(prepared, log):
+    g, _ = prepared
+    t = torch.zeros(3)
+    g.all_reduce(t)
+    g.all_reduce(t)
+    assert [e[0] for e in log] == ["all_reduce", "prepare", "prepared"]
+    assert log[1] == ("prepare", "SUM", 30.0)  # asked once per kind, with the group's timeout
+    assert t.tolist() == [11.0] * 3
+    g.all_reduce(t, op=ReduceOp.MAX)  # another reduce op, another dtype: each its own kind
+    g.all_reduce(t, op=ReduceOp.MAX)
+    g.all_reduce(torch.zeros(2, dtype=torch.int64))
+    g.all_reduce(torch.zeros(2, dtype=torch.int64))
+    assert [e[0] for e in log[3:]] == ["all_reduce", "prepare", "prepared", "all_reduce", "prepare", "prepared"]
+    assert g._executor.seq == 6  # numbered in the group's order like any collective
+    del log[:]
+    # what the prepared call does not take: asynchronous, its own timeout, a layout to stage,
+    # autograd, a tensor subclass, a block being coalesced
+    g.all_reduce(t, async_op=True).wait()
+    g.all_reduce(t, timeout=5)
+    strided = torch.zeros(4)[::2]
+    g.all_reduce(strided)
+    g.all_reduce(torch.zeros(3, requires_grad=True))
+    g.all_reduce(torch.nn.Parameter(torch.zeros(3)))
+    with g.coalescing():
+        g.all_reduce(t)
+    assert [e[0] for e in log] == ["all_reduce"] * 6
+    assert strided.tolist() == [1.0, 1.0]
+    with pytest.raises(NotSupportedError):  # the capability check is not skipped
+        g.all_reduce(torch.zeros(1, dtype=torch.float16))
+
+
+def test_a_prepared_all_reduce_waits_behind_queued_collectives_and_its_failure_stops_the_group(prepared, log):
+    g, options = prepared
+    t = torch.zeros(1)
+    g.all_reduce(t)
+    works = [g.all_reduce(torch.zeros(1), async_op=True) for _ in range(3)]
+    g.all_reduce(t)
+    assert all(w.is_completed() for w in works)
+    assert [e[0] for e in log] == ["all_reduce", "prepare"] + ["all_reduce"] * 3 + ["prepared"]
+    options["fail"].append(True)
+    with pytest.raises(CollectiveTimeout) as info:
+        g.all_reduce(t)
+    assert (info.value.op, info.value.seq) == ("all_reduce", 6)
+    with pytest.raises(CollectiveTimeout, match="stopped after all_reduce \\(collective #6\\) failed"):
+        g.all_reduce(t)

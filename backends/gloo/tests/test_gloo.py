@@ -19,7 +19,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from pg_core import ProcessGroup
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, NotSupportedError, PeerFailureError
-from pg_core.ops import ReduceOp
+from pg_core.ops import RedOpType, ReduceOp
 from pg_core.store import HashStore, PrefixStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_gloo.plugin import CAPABILITIES, MAX_TAG
@@ -227,6 +227,37 @@ def test_a_timeout_is_a_collective_timeout_and_the_backend_then_refuses_with_the
     assert "after 0.5 s" in timed_out and "form a new group" in timed_out
     assert "all_reduce timed out" in refused and "form a new group" in refused
     assert "closed" in peer_side  # the other rank sees Gloo close the connection: a PeerFailureError
+
+
+def prepared_timeout(ctx: RankContext) -> list[str]:
+    group = _group(ctx, timeout=5)
+    said = []
+    try:
+        for _ in range(2):  # the first goes the full way, the second takes the prepared call
+            x = torch.full((2,), float(ctx.rank + 1))
+            group.all_reduce(x)
+            said.append(str(x.tolist()))
+        said.append(str(group._lanes[(x.device, x.dtype, RedOpType.SUM)] is not None))
+        if ctx.rank == 0:  # alone, through the prepared call, on the group's 5 s
+            with pytest.raises(CollectiveTimeout) as err:
+                group.all_reduce(x)
+            said.append(str(err.value))
+            with pytest.raises(CollectiveTimeout) as refused:
+                group.all_reduce(x)
+            said.append(str(refused.value))
+            ctx.store.set("timed_out", "1")
+        else:
+            wait_for(ctx.store, ["timed_out"], 60)
+    finally:
+        group.shutdown()
+    return said
+
+
+def test_a_timeout_in_the_prepared_all_reduce_is_pg_cores_and_stops_the_group(rank_pools: Pools) -> None:
+    (*values, prepared, timed_out, refused), peer = rank_pools(2).run(prepared_timeout, timeout=120)
+    assert values == ["[3.0, 3.0]"] * 2 and peer == values + ["True"] and prepared == "True"
+    assert "after 5 s" in timed_out and "form a new group" in timed_out
+    assert "stopped after all_reduce (collective #3) failed" in refused
 
 
 # -- coalescing: Gloo has none, so pg-gloo claims none ------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Final
@@ -50,6 +51,17 @@ REDUCE_OPS: Final[dict[RedOpType, Any]] = {
     RedOpType.BOR: dist.ReduceOp.BOR,
     RedOpType.BXOR: dist.ReduceOp.BXOR,
 }
+
+
+#: How long closing a backend lets go of the GIL. A torch worker thread (ProcessGroupGloo's
+#: run loop) drops a finished work under its queue's mutex, and a work launched with Python
+#: objects in its thread-local state (DDP's, from autograd hooks) needs the GIL for that; the
+#: torch object's destructor joins those threads while holding the GIL. So if the last
+#: reference goes (say, with a DDP reducer) while a worker is still waiting for the GIL, which
+#: it does after a last collective when the caller then runs under 5 ms of Python without
+#: letting go, the process deadlocks (seen in tests/integration/test_to_torch.py under load;
+#: torch 2.13). Closing lets go of the GIL once, so such a worker finishes first.
+_GIL_HANDOFF_S: Final[float] = 0.01
 
 
 def torch_reduce_op(op: ReduceOp) -> Any:
@@ -202,10 +214,12 @@ class C10dBackend(Backend):
         self._close("abort")
 
     def _close(self, how: str) -> None:
-        """The torch object's ``shutdown`` or ``abort``, once."""
+        """The torch object's ``shutdown`` or ``abort``, once; then the GIL is let go for a
+        moment (see :data:`_GIL_HANDOFF_S`)."""
         pg, self._pg = self._pg, None
         if pg is not None:
             getattr(pg, how)()
+            time.sleep(_GIL_HANDOFF_S)
 
     def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
         """The torch object, or the error this backend's state calls for, before anything is sent."""
@@ -323,6 +337,30 @@ class C10dBackend(Backend):
         pg = self._ready("all_reduce")
         opts = self._opts("allreduce", timeout, op=op)
         return self._wait(lambda: pg.allreduce([tensor], opts), "all_reduce", timeout, async_op=async_op)
+
+    def prepared_all_reduce(self, op: ReduceOp, *, timeout: float) -> Callable[[torch.Tensor], None] | None:
+        """:meth:`all_reduce` for blocking calls, its options built once: the torch call, its wait
+        and :meth:`_error`, nothing else (about a microsecond of Python over the raw torch call).
+        ``None`` where that would skip something: a subclass's own ``all_reduce``, a backend that
+        coalesces (its posts take a lock), ``PREMUL_SUM`` (a factor per call)."""
+        if (
+            type(self).all_reduce is not C10dBackend.all_reduce
+            or self.coalesces
+            or op.type is RedOpType.PREMUL_SUM
+            or self._pg is None
+        ):
+            return None
+        opts = self._opts("allreduce", timeout, op=op)
+        ready, error = self._ready, self._error
+
+        def run(tensor: torch.Tensor) -> None:
+            pg = ready("all_reduce")
+            try:
+                pg.allreduce([tensor], opts).wait()
+            except RuntimeError as exc:
+                raise error(exc, "all_reduce", timeout) from exc
+
+        return run
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
         pg = self._ready("broadcast")

@@ -16,6 +16,7 @@ import torch
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
 from .errors import BackendNotFoundError, CollectiveTimeout, GroupClosedError
 from .instance import Instance
+from .ops import ReduceOp
 from .store import PrefixStore, Store
 
 if TYPE_CHECKING:
@@ -176,6 +177,14 @@ class Dispatcher:
         an ``async_op=True`` call must not."""
         inst = self._by_device.get(device) or self._instances.get(device.type)
         return inst is not None and inst.launches
+
+    def prepared_all_reduce(
+        self, device: torch.device, op: ReduceOp, timeout: float
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The prepared all_reduce (API 1.5) of ``device``'s backend, if it exists and offers one."""
+        inst = self._by_device.get(device) or self._instances.get(device.type)
+        prepare = getattr(inst.backend, "prepared_all_reduce", None) if inst is not None else None
+        return None if prepare is None else prepare(op, timeout=timeout)  # type: ignore[no-any-return]
 
     def instance(self, device: torch.device, op: str | None = None) -> Instance:
         """The instance for ``device``'s type, created on first use (the caller checked that

@@ -27,6 +27,9 @@ __all__ = ["Executor"]
 
 _Item = tuple[Work, str, Callable[[int], Any]]
 
+#: ``arg`` of :meth:`Executor.call` meaning "the sequence number" (what :meth:`Executor.run` passes)
+_SEQ: Any = object()
+
 
 class Executor:
     """Runs one group's collectives in order; ``name`` is the group's, for messages."""
@@ -78,22 +81,32 @@ class Executor:
     def run(self, op: str, fn: Callable[[int], Any], *, async_op: bool) -> Any:
         """Run collective ``op`` as ``fn(seq)`` in order. Blocking: returns ``fn``'s result;
         ``async_op``: a :class:`Work` whose ``result()`` it is."""
-        if not async_op:
-            if self._worker_ident == threading.get_ident():
-                raise RuntimeError(
-                    f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
-                    "callback); pass async_op=True there"
-                )
-            if self._pending == 0:  # nothing queued (read again under the lock that queued ones need)
-                running = self._exec_lock
-                running.acquire()  # not `with`: on this hot path, acquire/release cost half as much
-                try:
-                    if self._pending == 0:
-                        if self._state is not None:
-                            self.check_open()
-                        return self._invoke(op, fn)
-                finally:
-                    running.release()
+        if async_op:
+            return self._queued(op, fn, async_op=True)
+        return self.call(op, fn, _SEQ)
+
+    def call(self, op: str, fn: Callable[[Any], Any], arg: Any) -> Any:
+        """Run collective ``op`` as ``fn(arg)``, blocking, in order; return its result. In the
+        caller's thread when nothing is queued (the hot path: no closure, no handoff), else
+        queued behind what is. :meth:`run` passes the sequence number as ``arg``."""
+        if self._worker_ident == threading.get_ident():
+            raise RuntimeError(
+                f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
+                "callback); pass async_op=True there"
+            )
+        if self._pending == 0:  # nothing queued (read again under the lock that queued ones need)
+            running = self._exec_lock
+            running.acquire()  # not `with`: on this hot path, acquire/release cost half as much
+            try:
+                if self._pending == 0:
+                    if self._state is not None:
+                        self.check_open()
+                    return self._invoke(op, fn, arg)
+            finally:
+                running.release()
+        return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False)
+
+    def _queued(self, op: str, fn: Callable[[int], Any], *, async_op: bool) -> Any:
         work = Work(op)
         with self._lock:
             self.check_open()
@@ -107,13 +120,13 @@ class Executor:
             self._queue.put((work, op, fn))
         return work if async_op else work.result()
 
-    def _invoke(self, op: str, fn: Callable[[int], Any]) -> Any:
+    def _invoke(self, op: str, fn: Callable[[Any], Any], arg: Any = _SEQ) -> Any:
         seq = self.seq = self._next_seq
         self._next_seq = seq + 1
         if self._broken is not None:
             raise self._stopped(op)
         try:
-            return fn(seq)
+            return fn(seq if arg is _SEQ else arg)
         except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
             self.latch(op, seq, exc)
             raise

@@ -43,6 +43,7 @@ from .validation import (
     check_rank,
     check_tensor,
     check_tensor_list,
+    dense,
     device_arg,
     same_numel,
     split_sizes,
@@ -151,6 +152,8 @@ class ProcessGroup:
         self._barrier_device = message_device(self._specs)
         #: the open coalescing blocks on this group, by thread (empty but while one is open)
         self._coalescing: dict[int, Batch] = {}
+        #: blocking all_reduce's fast path: the backend's prepared call (or None) per (device, dtype, reduce op type)
+        self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
         self._objects = Objects(
             rank=m.rank,
             size=m.size,
@@ -325,17 +328,22 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
     ) -> Work | None:
         """Reduce ``tensor`` across the group, in place, on every rank."""
+        # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
+        # that went through the full path once): the backend's prepared all_reduce, in order.
+        plain = not async_op and timeout is None and type(tensor) is torch.Tensor and type(op) is ReduceOp
+        if plain and not self._coalescing:
+            lane = self._lanes.get((tensor.device, tensor.dtype, op.type))  # type: ignore[union-attr]
+            if lane is not None and not tensor.requires_grad and dense(tensor):
+                return self._executor.call("all_reduce", lane, tensor)  # type: ignore[no-any-return]
         rop = as_reduce_op(op)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
-        return self._collective(
-            "all_reduce",
-            st,
-            (t, rop),
-            reduce_op=rop,
-            async_op=async_op,
-            timeout=timeout,
-        )
+        result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
+        if plain and not self._coalescing:  # it ran: the backend exists, and declares this kind
+            key = (tensor.device, tensor.dtype, rop.type)
+            if key not in self._lanes:
+                self._lanes[key] = self._dispatch.prepared_all_reduce(tensor.device, rop, self._timeout)
+        return result
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: float | timedelta | None = None

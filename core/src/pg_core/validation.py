@@ -24,6 +24,7 @@ __all__ = [
     "check_rank",
     "check_tensor",
     "check_tensor_list",
+    "dense",
     "device_arg",
     "same_numel",
     "split_sizes",
@@ -68,17 +69,8 @@ class Staging:
             raise ValueError(f"{self.op}: all tensors of one call must have one dtype, got {self.dtype} and {dtype}")
         if t.requires_grad:
             t = t.detach()
-        if not (t.is_neg() or (dtype.is_complex and t.is_conj())):
-            strides = t.stride()
-            if strides == (1,) or not strides:  # the common case first: 1-D with unit stride, or 0-D
-                return t
-            expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
-            for size, stride in zip(reversed(t.shape), reversed(strides)):  # noqa: B905 - equal lengths
-                if stride != expected:
-                    break
-                expected *= size
-            else:
-                return t
+        if dense(t):
+            return t
         staged = t.clone(memory_format=torch.contiguous_format)  # (a clone applies lazy conjugation and negation)
         if written:
             self.back.append((t, staged))
@@ -125,6 +117,22 @@ class Supported:
         if reason is not None:
             raise NotSupportedError(f"backend {spec.name!r} on {device_type}: {reason}")
         self._allowed.add(key)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether a backend may be handed ``t`` as it is (see :meth:`Staging.stage`): laid out
+    exactly as ``torch.empty(t.shape)`` would be, with no lazy negation or conjugation."""
+    if t.is_neg() or (t.dtype.is_complex and t.is_conj()):
+        return False
+    strides = t.stride()
+    if strides == (1,) or not strides:  # the common case first: 1-D with unit stride, or 0-D
+        return True
+    expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
+    for size, stride in zip(reversed(t.shape), reversed(strides)):  # noqa: B905 - equal lengths
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def check_tensor(t: object, what: str = "tensor") -> torch.Tensor:
