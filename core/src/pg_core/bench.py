@@ -114,13 +114,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Final, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO
 
 import torch
 
 from .dtypes import NAMES, dtype_code, dtype_from_code, dtype_name
 from .launchers import launch_command
 from .procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, adopt_launched_rank, prepare_rank, tail
+from .progress import ProgressBar
+
+if TYPE_CHECKING:
+    from .backend import BackendSpec
+    from .registry import PluginEntry
 
 __all__ = [
     "BASELINE",
@@ -180,6 +185,10 @@ BASELINE: Final[str] = "torch-gloo"
 MPI4PY: Final[str] = "mpi4py"
 #: The baselines ``--baseline`` takes.
 BASELINES: Final[tuple[str, ...]] = (BASELINE, MPI4PY)
+#: Each baseline's library, as the pg-core backend that wraps it is named: that backend's
+#: rows are compared with this baseline (every other backend's with the first one measured),
+#: and ``--plot`` draws the baseline dashed in that backend's colour.
+BASELINE_OF: Final[dict[str, str]] = {BASELINE: "gloo", MPI4PY: "mpi"}
 
 #: ``--dtype`` choices: the dtypes of :data:`pg_core.dtypes.NAMES` whose inputs and
 #: expected outputs (:func:`input_values`, :func:`expected_output`) are exact or within
@@ -189,6 +198,10 @@ DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 DEFAULT_SIZES: Final[str] = "4,1K,64K,1M,64M"
+#: ``-b``, ``-e`` and ``-f`` where a sweep names only some of them.
+DEFAULT_SWEEP: Final[tuple[str, str, str]] = ("4", "64M", "2")
+#: The most sizes one sweep may have (a step factor barely above 1 would make millions).
+MAX_SIZES: Final[int] = 1000
 MIN_ITERS: Final[int] = 5
 
 _ROOT: Final[int] = 0  # root of broadcast and reduce
@@ -241,11 +254,22 @@ def sweep_order(ops: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int
 
 
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
-    """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes`` (nccl-tests' ``-b -e -f``)."""
+    """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes`` (nccl-tests' ``-b -e -f``),
+    each rounded to whole bytes, repeats dropped.
+
+    The one rule for a sweep: ``1 <= min_bytes <= max_bytes``, ``factor`` a finite number
+    greater than 1, and at most :data:`MAX_SIZES` sizes. Raises ``ValueError`` saying which
+    is broken and how."""
     if min_bytes < 1 or max_bytes < min_bytes:
-        raise ValueError(f"need 1 <= --min-bytes <= --max-bytes, got {min_bytes} and {max_bytes}")
-    if not factor > 1:
-        raise ValueError(f"--factor must be greater than 1, got {factor}")
+        raise ValueError(f"a sweep needs 1 <= -b/--minbytes <= -e/--maxbytes, got {min_bytes} and {max_bytes} bytes")
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"-f/--stepfactor must be a finite number greater than 1, got {factor:g}")
+    steps = math.floor(math.log(max_bytes / min_bytes) / math.log(factor) + 1e-9) + 1
+    if steps > MAX_SIZES:
+        raise ValueError(
+            f"-b {min_bytes} -e {max_bytes} -f {factor:g} makes {steps} sizes, more than {MAX_SIZES}: "
+            "raise -f/--stepfactor or narrow the range"
+        )
     sizes: list[int] = []
     size = float(min_bytes)
     while round(size) <= max_bytes:
@@ -253,6 +277,43 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
             sizes.append(round(size))
         size *= factor
     return sizes
+
+
+def parse_factor(text: str) -> float:
+    """The step factor of a sweep from ``"2"`` or ``"1.5"`` (checked by :func:`sweep_sizes`)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"-f/--stepfactor: cannot read {text!r} as a number, such as 2 or 1.5") from None
+
+
+def requested_sizes(
+    sizes: str | None, min_bytes: str | None = None, max_bytes: str | None = None, factor: str | None = None
+) -> list[int]:
+    """The sizes a run sweeps, from the command line's text: either ``--sizes`` (a
+    comma-separated list) or nccl-tests' ``-b``/``-e``/``-f`` (``--minbytes``,
+    ``--maxbytes``, ``--stepfactor``; any of them, the others defaulting to
+    :data:`DEFAULT_SWEEP`), never both; neither gives :data:`DEFAULT_SIZES`. Sizes take
+    K/M/G suffixes (:func:`parse_size`). Raises ``ValueError`` with what to change."""
+    sweep = (min_bytes, max_bytes, factor)
+    if any(v is not None for v in sweep):
+        if sizes is not None:
+            raise ValueError("give either --sizes or -b/-e/-f (--minbytes/--maxbytes/--stepfactor), not both")
+        lo, hi, f = (d if v is None else v for v, d in zip(sweep, DEFAULT_SWEEP, strict=True))
+        return sweep_sizes(_option_size("-b/--minbytes", lo), _option_size("-e/--maxbytes", hi), parse_factor(f))
+    listed = [parse_size(s) for s in _csv_list(sizes or DEFAULT_SIZES)]
+    if not listed:
+        raise ValueError(f"--sizes: no size given in {sizes!r}; give bytes such as 4,64K,1M")
+    if min(listed) < 1:
+        raise ValueError(f"--sizes: every size must be at least 1 byte, got {min(listed)}")
+    return list(dict.fromkeys(listed))
+
+
+def _option_size(option: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def element_count(op: str, nbytes: int, world_size: int, itemsize: int) -> int:
@@ -501,14 +562,24 @@ class Row:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def compared_with(label: str, baselines: Sequence[str]) -> str | None:
+    """The baseline that backend ``label``'s rows are compared with, of ``baselines`` (those
+    measured, in order): the one whose library it wraps (:data:`BASELINE_OF`; ``gloo`` with
+    ``torch-gloo``, ``mpi`` with ``mpi4py``), else the first; ``None`` if none was measured."""
+    own = [b for b in baselines if BASELINE_OF.get(b) == label]
+    return own[0] if own else next(iter(baselines), None)
+
+
 def _add_ratios(rows: list[Row]) -> None:
-    base = {(r.op, r.size): r for r in rows if r.baseline and r.median_us}
+    baselines = list(dict.fromkeys(r.backend for r in rows if r.baseline))
+    base = {(r.op, r.size, r.backend): r for r in rows if r.baseline and r.median_us}
     same = {(r.op, r.size, r.backend): r for r in rows if r.median_us}
     for row in rows:
         if row.median_us is None:
             continue
-        ref = base.get((row.op, row.size))
-        if not row.baseline and ref is not None and ref.median_us:
+        against = None if row.baseline else compared_with(row.backend.split(".")[0], baselines)
+        ref = None if against is None else base.get((row.op, row.size, against))
+        if ref is not None and ref.median_us:
             row.ratio = row.median_us / ref.median_us
             row.ratio_to = ref.backend
         ref_op = REFERENCE_OPS.get(row.op)
@@ -558,7 +629,8 @@ def format_table(rows: Sequence[Row]) -> str:
     out.append(
         "# size: bytes of the largest buffer per rank; count: its elements. min/median/max: microseconds per\n"
         "# iteration (slowest rank). algbw = size / median, busbw = algbw * nccl-tests factor, in GB/s.\n"
-        "# ratio: median time / the baseline's median at the same op and size (below 1x is faster).\n"
+        "# ratio: median time / its baseline's median at the same op and size (below 1x is faster); a backend's\n"
+        "# baseline is the raw library it wraps (gloo: torch-gloo, mpi: mpi4py) when measured, else the first.\n"
         "# Compare ratios measured side by side in one run, not absolute times across runs or machines."
     )
     if any(r.op in OBJECT_OPS for r in rows):
@@ -650,7 +722,7 @@ class _Config:
     world_size: int
     backends: list[str]  # registry names or module:attr
     labels: list[str]
-    baseline: bool
+    baselines: list[str]  # of BASELINES, measured in this order
     ops: list[str]
     sizes: list[int]
     dtype: str
@@ -665,11 +737,9 @@ class _Config:
     parent_pid: int = 0
     #: how the ranks are started (BackendSpec.launcher of a backend measured, or the mpi4py baseline's)
     launcher: str | None = None
-    #: the baseline: torch's Gloo (BASELINE) or raw mpi4py on numpy arrays (MPI4PY)
-    baseline_label: str = "torch-gloo"
 
     def runners(self) -> int:
-        return len(self.backends) * (2 if self.to_torch else 1) + int(self.baseline)
+        return len(self.backends) * (2 if self.to_torch else 1) + len(self.baselines)
 
 
 # -- the ranks -------------------------------------------------------------------------------------
@@ -1136,11 +1206,12 @@ class _Rank:
         self.store = store
         self.ctl = PrefixStore("pg-core-bench", store)
         self.runners: list[_Runner] = []
-        if cfg.baseline and cfg.baseline_label == MPI4PY:
-            self.runners.append(_Mpi4pyRunner())
-        elif cfg.baseline:
-            objects = any(op in OBJECT_OPS for op in cfg.ops)
-            self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
+        for baseline in cfg.baselines:
+            if baseline == MPI4PY:
+                self.runners.append(_Mpi4pyRunner())
+            else:
+                objects = any(op in OBJECT_OPS for op in cfg.ops)
+                self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
         for spec, label in zip(cfg.backends, cfg.labels, strict=True):
             runner = _PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout)
             self.runners.append(runner)
@@ -1325,7 +1396,10 @@ class _Results:
                 yield json.loads(line)
 
 
-def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
+def _run_ranks(cfg: _Config, progress: TextIO | None, *, bar: bool = False) -> _Outcome:
+    """Start the ranks, follow them to the end, stop them. ``progress``: where a line per row
+    goes (``None``: nowhere); ``bar``: also keep a :class:`~pg_core.progress.ProgressBar` on it
+    (only for a terminal: see :meth:`~pg_core.progress.ProgressBar.wanted`)."""
     from .store import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
@@ -1344,7 +1418,10 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
         commands = [[sys.executable, "-c", boot, _WORKER_FLAG, str(r), str(config_path)] for r in range(cfg.world_size)]
         results = _Results(Path(cfg.results))
         ranks: RankProcesses | None = None
+        shown = ProgressBar(progress, total) if bar and progress is not None else None
         try:
+            if shown is not None:
+                shown.update(current="starting the ranks, forming their groups")
             if cfg.launcher is not None:  # one launcher command starts them all (BackendSpec.launcher)
                 argv = [sys.executable, "-c", boot, _WORKER_FLAG, "-", str(config_path)]
                 # the launcher's default: a rank that fails ends the job, and the launcher's status is its
@@ -1352,8 +1429,12 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
                 ranks = LaunchedRanks(command, cfg.world_size, env=env, log_dir=tmpdir)
             else:
                 ranks = RankProcesses(commands, env=env, log_dir=tmpdir)
-            failure = _supervise(cfg, ranks=ranks, results=results, rows=rows, total=total, progress=progress)
+            failure = _supervise(
+                cfg, ranks=ranks, results=results, rows=rows, total=total, progress=progress, bar=shown
+            )
         finally:
+            if shown is not None:
+                shown.close()
             if ranks is not None:
                 ranks.stop()
             del store
@@ -1368,6 +1449,7 @@ def _supervise(
     rows: list[Row],
     total: int,
     progress: TextIO | None,
+    bar: ProgressBar | None = None,
 ) -> str | None:
     """Follow rank 0's events until every rank exits; return why the run failed, if it did."""
     t = cfg.timeout
@@ -1384,6 +1466,8 @@ def _supervise(
                 expected = event["runs"] * event["probe_ns"] / 1e9
                 deadline = now + 3 * expected + 2 * t + 30.0
                 waiting_for = f"{event['op']} {event['size']} B on {event['backend']}"
+                if bar is not None:
+                    bar.update(current=f"{event['op']} {_human(event['size'])} on {event['backend']}")
             elif kind == "row":
                 row = Row.from_dict(event)
                 rows.append(row)
@@ -1391,10 +1475,17 @@ def _supervise(
                 if progress is not None:
                     took = "" if row.median_us is None else f"median {row.median_us:.1f} us over {row.iters} iters, "
                     check = row.status if row.status != "skipped" else f"skipped ({row.detail})"
-                    progress.write(f"bench: [{len(rows)}/{total}] {row.op} {row.size} B {row.backend}: {took}{check}\n")
-                    progress.flush()
+                    line = f"bench: [{len(rows)}/{total}] {row.op} {row.size} B {row.backend}: {took}{check}"
+                    if bar is not None:
+                        bar.done = len(rows)
+                        bar.print(line)
+                    else:
+                        progress.write(line + "\n")
+                        progress.flush()
             elif kind == "done":
                 done, waiting_for = True, "the ranks to exit"
+                if bar is not None:
+                    bar.update(current="the ranks exit")
                 deadline = now + t + 30.0
         codes = ranks.poll()
         if isinstance(ranks, LaunchedRanks):  # a rank gone before its launcher: exiting; the launcher says how
@@ -1425,7 +1516,17 @@ def _supervise(
             ranks.stop()
             dumps = "\n\n".join(f"rank {r}:\n{_said(stacks[r] or ranks.tail(r, lines=40))}" for r in range(len(ranks)))
             return f"no progress while waiting for {waiting_for}; stopped every rank. Their stacks:\n{dumps}"
+        if bar is not None:
+            bar.tick()
         time.sleep(0.05)
+
+
+def _human(nbytes: int) -> str:
+    """``64 KiB`` for 65536, ``12 B`` for 12: binary units where the size is a whole number of them."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
 
 
 def _said(text: str) -> str:
@@ -1485,10 +1586,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="do not measure a baseline")
     parser.add_argument(
         "--baseline",
-        choices=BASELINES,
-        default=BASELINE,
-        help=f"what the backends are compared with: {BASELINE} (torch's ProcessGroupGloo, default) or {MPI4PY} "
-        "(raw mpi4py on numpy arrays; the ranks are then started by mpiexec)",
+        default="auto",
+        metavar="LIST",
+        help=f"comma-separated baselines, measured in the same run: {BASELINE} (torch's ProcessGroupGloo) and "
+        f"{MPI4PY} (raw mpi4py on numpy arrays; the ranks are then started by mpiexec). Each backend is compared "
+        f"with the baseline of its own library (gloo with {BASELINE}, mpi with {MPI4PY}), others with the first. "
+        f"Default 'auto': {BASELINE}, plus {MPI4PY} when mpiexec starts the ranks anyway (a backend such as mpi "
+        "needs it) and mpi4py is installed",
     )
     parser.add_argument(
         "--ops", default="all", metavar="LIST", help=f"comma-separated, or 'all' (default): {', '.join(OPS)}"
@@ -1497,15 +1601,36 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         default=None,
         metavar="LIST",
-        help=f"comma-separated bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES})",
+        help=f"comma-separated bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES}); or sweep with -b/-e/-f",
+    )
+    lo, hi, f = DEFAULT_SWEEP
+    parser.add_argument(
+        "-b",
+        "--minbytes",
+        "--min-bytes",
+        dest="min_bytes",
+        default=None,
+        metavar="SIZE",
+        help=f"sweep from this size, as nccl-tests' -b (default {lo} when -e or -f is given)",
     )
     parser.add_argument(
-        "--min-bytes", type=parse_size, default=None, metavar="SIZE", help="sweep from this size (instead of --sizes)"
+        "-e",
+        "--maxbytes",
+        "--max-bytes",
+        dest="max_bytes",
+        default=None,
+        metavar="SIZE",
+        help=f"sweep up to this size, K/M/G suffixes, as nccl-tests' -e (default {hi})",
     )
     parser.add_argument(
-        "--max-bytes", type=parse_size, default=None, metavar="SIZE", help="sweep up to this size (default 64M)"
+        "-f",
+        "--stepfactor",
+        "--factor",
+        dest="factor",
+        default=None,
+        metavar="F",
+        help=f"multiply the size by F (> 1) from one step to the next, as nccl-tests' -f (default {f})",
     )
-    parser.add_argument("--factor", type=float, default=None, metavar="F", help="sweep step factor (default 2)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="element type (default float32)")
     parser.add_argument(
         "--iters", type=int, default=200, metavar="N", help="most timed iterations per row (default 200)"
@@ -1539,7 +1664,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also write a log-log plot (needs matplotlib)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (otherwise a line per row, and a progress bar below them when stderr is a "
+        "terminal)",
+    )
     over = parser.add_argument_group(
         "core overhead (--overhead)",
         "Instead of the sweep: what the core adds per call, at world size 1 in this process, on a backend "
@@ -1584,43 +1715,27 @@ def _config(args: argparse.Namespace) -> _Config:
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
         raise BenchError(f"--ops: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(OPS)}")
-    sweep = (args.min_bytes, args.max_bytes, args.factor)
     try:
-        if any(v is not None for v in sweep):
-            if args.sizes is not None:
-                raise BenchError("give either --sizes or --min-bytes/--max-bytes/--factor, not both")
-            lo, hi, f = (args.min_bytes or 4), (args.max_bytes or 64 << 20), (args.factor or 2.0)
-            sizes = sweep_sizes(lo, hi, f)
-        else:
-            sizes = [parse_size(s) for s in _csv_list(args.sizes or DEFAULT_SIZES)]
+        sizes = requested_sizes(args.sizes, args.min_bytes, args.max_bytes, args.factor)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
-    if not sizes or min(sizes) < 1:
-        raise BenchError("sizes must be at least 1 byte")
     backends, labels, launchers = _backends(args.backends)
-    baseline = not args.no_baseline
-    if baseline and args.baseline == MPI4PY:
-        if importlib.util.find_spec("mpi4py") is None:
-            raise BenchError(f"--baseline {MPI4PY} needs mpi4py (pip install pg-mpi brings it); or pass --no-baseline")
+    baselines = [] if args.no_baseline else _baselines(args.baseline, launchers)
+    if MPI4PY in baselines:
         launchers.add("mpiexec")
-    elif baseline:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_gloo_available()):
-            raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
     if len(launchers) > 1:
         raise BenchError(f"--backends: their ranks must be started by different launchers ({sorted(launchers)})")
-    if not backends and not baseline:
-        raise BenchError("nothing to measure: no pg-core backend named and --no-baseline")
+    if not backends and not baselines:
+        raise BenchError("nothing to measure: no pg-core backend named and no baseline")
     if len(set(labels)) != len(labels) or set(BASELINES) & set(labels) or any("/" in label for label in labels):
         raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and none of {BASELINES}")
     return _Config(
         world_size=n,
         backends=backends,
         labels=labels,
-        baseline=baseline,
+        baselines=baselines,
         ops=ops,
-        sizes=list(dict.fromkeys(sizes)),
+        sizes=sizes,
         dtype=args.dtype,
         iters=args.iters,
         warmup=args.warmup,
@@ -1629,8 +1744,30 @@ def _config(args: argparse.Namespace) -> _Config:
         pin_ranks=args.pin_ranks,
         to_torch=args.to_torch,
         launcher=next(iter(launchers), None),
-        baseline_label=args.baseline,
     )
+
+
+def _baselines(text: str, launchers: set[str]) -> list[str]:
+    """``--baseline`` as the baselines to measure, in order; ``launchers``: those the backends
+    measured need (``auto`` adds mpi4py where mpiexec starts the ranks anyway)."""
+    import torch.distributed as dist
+
+    gloo = dist.is_available() and dist.is_gloo_available()
+    mpi4py = importlib.util.find_spec("mpi4py") is not None
+    if text.strip() == "auto":
+        return [BASELINE] * gloo + [MPI4PY] * (mpi4py and "mpiexec" in launchers)
+    chosen = list(dict.fromkeys(_csv_list(text)))
+    unknown = [b for b in chosen if b not in BASELINES]
+    if unknown or not chosen:
+        raise BenchError(
+            f"--baseline: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(BASELINES)} "
+            "(comma-separated), 'auto', or --no-baseline"
+        )
+    if BASELINE in chosen and not gloo:
+        raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
+    if MPI4PY in chosen and not mpi4py:
+        raise BenchError(f"--baseline {MPI4PY} needs mpi4py (pip install pg-mpi brings it); or pass --no-baseline")
+    return chosen
 
 
 def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
@@ -1645,13 +1782,15 @@ def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
 
     registry = default_registry()
     if text is None:
-        names = [spec.name for spec in registry.available_for("cpu")]
-        if not names:
+        specs = registry.available_for("cpu") + _launched_for("cpu", registry.entries())
+        if not specs:
             try:
                 registry.default_for("cpu")
             except PGError as exc:
                 raise BenchError(f"{exc} Pass --backends '' to measure the {BASELINE} baseline alone.") from None
-        return names, list(names), set()
+        specs.sort(key=lambda spec: (-spec.priority, spec.name))
+        names = [spec.name for spec in specs]
+        return names, list(names), {spec.launcher for spec in specs if spec.launcher is not None}
     refs = list(dict.fromkeys(_csv_list(text)))
     labels = []
     launchers: set[str] = set()
@@ -1664,6 +1803,24 @@ def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
         if spec.launcher is not None:
             launchers.add(spec.launcher)
     return refs, labels, launchers
+
+
+def _launched_for(device: str, entries: Sequence[PluginEntry]) -> list[BackendSpec]:
+    """The backends for ``device`` that are unavailable here only because a launcher must start
+    their ranks, and that are available in a process it starts (asked there: a second or two
+    each); those of the first such launcher, since one run's ranks are started one way."""
+    from .launchers import why_unavailable_launched
+
+    found: list[BackendSpec] = []
+    for entry in entries:
+        spec = entry.spec
+        if entry.status != "unavailable" or spec is None or spec.launcher is None or device not in spec.devices:
+            continue
+        if found and spec.launcher != found[0].launcher:
+            continue
+        if why_unavailable_launched(spec.name, spec.launcher) is None:
+            found.append(spec)
+    return found
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1679,7 +1836,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     progress = None if args.quiet else sys.stderr
     try:
-        outcome = _run_ranks(cfg, progress)
+        outcome = _run_ranks(cfg, progress, bar=ProgressBar.wanted(sys.stderr, args.quiet))
     except KeyboardInterrupt:  # the ranks are stopped already
         print("pg-core bench: interrupted", file=sys.stderr)
         return 130
