@@ -681,37 +681,75 @@ def _require_matplotlib() -> None:
         raise BenchError("--plot needs matplotlib, which is not installed: pip install matplotlib")
 
 
-def write_plot(rows: Sequence[Row], path: str) -> None:
-    """A log-log plot of median time against size, one panel per op, one line per backend."""
+_MARKERS: Final[str] = "os^Dv<>px*"
+
+
+def plot_colours(rows: Sequence[Row]) -> dict[str, str]:
+    """Each backend's colour in :func:`write_plot` (matplotlib's ``C0``, ``C1``, ...): the pg-core
+    backends in the order measured, then each baseline in the colour of the backend that wraps
+    its library (:data:`BASELINE_OF`) where that one was measured, else in one of its own."""
+    colours: dict[str, str] = {}
+    for backend in dict.fromkeys(r.backend for r in rows if not r.baseline):
+        colours[backend] = f"C{len(colours) % 10}"
+    for backend in dict.fromkeys(r.backend for r in rows if r.baseline):
+        own = colours.get(BASELINE_OF.get(backend, ""))
+        colours[backend] = own if own is not None else f"C{len(set(colours.values())) % 10}"
+    return colours
+
+
+def plot_figure(rows: Sequence[Row]) -> Any:
+    """The figure :func:`write_plot` saves (a ``matplotlib.figure.Figure``): median time (left)
+    and bus bandwidth (right) against size, log-log; one line per backend, and per op where
+    there are several (a marker each); baselines dashed in their backend's colour
+    (:func:`plot_colours`). Needs matplotlib (``BenchError`` without it)."""
     _require_matplotlib()
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
-    ops = [op for op in dict.fromkeys(r.op for r in rows) if any(r.median_us for r in rows if r.op == op)]
-    if not ops:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    timed = [r for r in rows if r.median_us]
+    if not timed:
         raise BenchError("--plot: no row has a time to plot")
-    cols = min(3, len(ops))
-    nrows = math.ceil(len(ops) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 4 * nrows), squeeze=False)
-    for ax, op in zip(axes.flat, ops, strict=False):
-        for backend in dict.fromkeys(r.backend for r in rows):
-            pts = [(r.size, r.median_us) for r in rows if r.op == op and r.backend == backend and r.median_us]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=backend)
+    ops = list(dict.fromkeys(r.op for r in timed))
+    colours = plot_colours(timed)
+    fig = Figure(figsize=(12, 4.8))
+    latency, bandwidth = fig.subplots(1, 2)
+    for op_index, op in enumerate(ops):
+        for backend in dict.fromkeys(r.backend for r in timed if r.op == op):
+            mine = sorted((r for r in timed if r.op == op and r.backend == backend), key=lambda r: r.size)
+            label = backend if len(ops) == 1 else f"{op}, {backend}"
+            style = {
+                "color": colours[backend],
+                "linestyle": "--" if mine[0].baseline else "-",
+                "marker": _MARKERS[op_index % len(_MARKERS)],
+                "markersize": 4,
+                "label": label,
+            }
+            latency.plot([r.size for r in mine], [r.median_us for r in mine], **style)
+            bw = [(r.size, r.busbw_gbps) for r in mine if r.busbw_gbps]
+            if bw:
+                bandwidth.plot(*zip(*bw, strict=True), **style)
+    for ax, what in ((latency, "median time per iteration (us)"), (bandwidth, "bus bandwidth (GB/s)")):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: _human(round(x)).replace(" ", "")))
         ax.set_yscale("log")
-        ax.set_title(op)
         ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("median time (us)")
+        ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    for ax in list(axes.flat)[len(ops) :]:
-        ax.set_visible(False)
-    first = rows[0]
-    fig.suptitle(f"pg-core bench: world size {first.world_size}, {first.dtype}")
+    latency.set_title("latency (lower is better)")
+    bandwidth.set_title("bus bandwidth (higher is better)")
+    latency.legend(fontsize="small")
+    first = timed[0]
+    dtypes = ", ".join(dict.fromkeys(r.dtype for r in timed))
+    fig.suptitle(
+        f"pg-core bench: {', '.join(ops)}, world size {first.world_size}, {dtypes} (dashed: raw library baselines)"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def write_plot(rows: Sequence[Row], path: str) -> None:
+    """Save :func:`plot_figure` of ``rows`` as ``path`` (PNG, or what its suffix names)."""
+    plot_figure(rows).savefig(path, dpi=120)
 
 
 # -- the configuration that travels to the ranks ------------------------------------------------
