@@ -1,8 +1,9 @@
 """``pg-core bench``: an nccl-tests-style sweep of collectives, correctness-checked,
-with torch's own Gloo measured side by side in the same run.
+with the raw libraries (torch's own Gloo, mpi4py) measured side by side in the same run.
 
     python -m pg_core.bench --world-size 2 --backends tcp --sizes 4,1K,64K,1M
-    pg-core bench --ops all_reduce,send_recv --min-bytes 8 --max-bytes 16M --factor 4 --json
+    pg-core bench --backends tcp,gloo,mpi --ops all_reduce -b 8 -e 64M -f 2 --plot allreduce.png
+    pg-core bench --ops all_reduce,send_recv --minbytes 8 --maxbytes 16M --stepfactor 4 --json
     pg-core bench --backends tcp --ops send_object,broadcast_object,send_tensor,send_recv --sizes 4K
 
 **What runs.** The program hosts a ``TCPStore`` and starts ``--world-size`` rank
@@ -10,14 +11,19 @@ processes of its own (one thread of intra-op parallelism each). Every rank forms
 one :class:`~pg_core.ProcessGroup` per pg-core backend named in ``--backends``
 (a name that ``pg-core backends`` lists, or ``module:attr`` / ``path/file.py:attr``
 of a ``BackendSpec`` or ``Backend`` subclass under development, read as ``pg-core
-conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`), plus, unless ``--no-baseline``, torch's
-``ProcessGroupGloo`` used directly through its own API: the baseline, labelled
-``torch-gloo``. Rows are measured in the order op, size, backend, so the
-baseline and the pg-core backends are measured one right after the other at
-each op and size. ``--baseline mpi4py`` measures raw mpi4py instead
-(``MPI_COMM_WORLD`` on numpy views of the tensors, labelled ``mpi4py``). A
-backend whose spec declares a launcher (pg-mpi: ``mpiexec``), or the mpi4py
-baseline, has every rank started by that launcher, in one command.
+conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`; by default
+every backend available for cpu, a backend whose ranks a launcher must start
+included when it is available in a process started that way), plus, unless
+``--no-baseline``, the baselines: torch's ``ProcessGroupGloo`` used directly
+through its own API, labelled ``torch-gloo``, and raw mpi4py (``MPI_COMM_WORLD``
+on numpy views of the tensors, labelled ``mpi4py``). ``--baseline`` names them
+(comma-separated); its default, ``auto``, is ``torch-gloo``, plus ``mpi4py``
+when mpiexec starts the ranks anyway. Rows are measured in the order op, size,
+backend, so the baselines and the pg-core backends are measured one right after
+the other at each op and size. A backend whose spec declares a launcher (pg-mpi:
+``mpiexec``), or the mpi4py baseline, has every rank started by that launcher,
+in one command; the other backends and baselines run in those ranks as well, so
+``--backends tcp,gloo,mpi`` is one run and one table.
 
 **Objects and unknown shapes.** Besides the tensor collectives, three ops measure
 what torch.distributed makes painful. ``send_object`` (pg-core's
@@ -34,7 +40,11 @@ data). Its table has a ``vs send_recv`` column, its median over the plain
 ``init_process_group``, which the baseline then calls in the rank processes (see
 ``_TorchGlooRunner``).
 
-**Sizes.** A size is the bytes of the largest buffer on one rank, as nccl-tests
+**Sizes.** ``--sizes 4,64K,1M`` lists them; ``-b 8 -e 64M -f 2`` (nccl-tests'
+spelling; also ``--minbytes``, ``--maxbytes``, ``--stepfactor`` and the older
+``--min-bytes``, ``--max-bytes``, ``--factor``) sweeps from ``-b`` to ``-e``,
+multiplying by ``-f`` (:func:`sweep_sizes`: the one rule, checked before any rank
+starts). A size is the bytes of the largest buffer on one rank, as nccl-tests
 counts it: the tensor of ``all_reduce``, ``broadcast``, ``reduce`` and the
 message of ``send_recv`` and ``send_tensor``; the *output* of ``all_gather_into_tensor`` (each rank
 contributes ``size / n``); the *input* of ``reduce_scatter_tensor``; input and
@@ -63,8 +73,14 @@ in microseconds; ``algbw = size / median time`` and ``busbw = algbw * factor``
 in GB/s (1e9 bytes/s), with nccl-tests' factors: ``2(n-1)/n`` for
 ``all_reduce``, ``(n-1)/n`` for ``all_gather_into_tensor``,
 ``reduce_scatter_tensor`` and ``all_to_all_single``, 1 for the others. For a pg-core backend, ``ratio`` is its median
-time divided by the baseline's median at the same op and size: ``0.85x
+time divided by its baseline's median at the same op and size: the baseline of
+the library it wraps (:func:`compared_with`: ``gloo`` against ``torch-gloo``,
+``mpi`` against ``mpi4py``) when measured, else the first baseline. ``0.85x
 torch-gloo`` means 15% less time than torch's Gloo, ``2.00x`` twice as long.
+``--json`` and ``--csv`` give every row; ``--plot PNG`` draws median time and
+bus bandwidth against size (:func:`plot_figure`). On stderr, a line per row
+(not with ``--quiet``) and, when stderr is a terminal, a progress bar below them
+(:class:`pg_core.progress.ProgressBar`).
 
 **Correctness.** Rank ``r`` fills its input with ``(r + 1) * (1 + i % 3)`` at
 element ``i`` (exact in every supported dtype for small world sizes); outputs
@@ -129,7 +145,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BASELINE",
+    "BASELINES",
+    "BASELINE_OF",
     "DTYPES",
+    "MAX_SIZES",
+    "MPI4PY",
     "OBJECT_OPS",
     "OPS",
     "REFERENCE_OPS",
@@ -140,6 +160,7 @@ __all__ = [
     "busbw_factor",
     "check_object",
     "check_output",
+    "compared_with",
     "element_count",
     "expected_output",
     "format_csv",
@@ -150,11 +171,17 @@ __all__ = [
     "object_size",
     "output_length",
     "output_shape",
+    "parse_factor",
     "parse_size",
     "plan_iterations",
+    "plot_colours",
+    "plot_figure",
     "request_object",
+    "requested_sizes",
+    "sweep_order",
     "sweep_sizes",
     "tensor_shape",
+    "write_plot",
 ]
 
 #: Ops on tensors, whose results :func:`check_output` checks.
@@ -1579,7 +1606,7 @@ def add_parser(subparsers: Any) -> None:
     ``add_subparsers()`` result); it sets ``handler=main``."""
     parser = subparsers.add_parser(
         "bench",
-        help="nccl-tests-style sweep of collectives, side by side with torch's Gloo",
+        help="nccl-tests-style sweep of collectives, side by side with torch's Gloo and mpi4py",
         description=_description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1589,9 +1616,11 @@ def add_parser(subparsers: Any) -> None:
 
 def _description() -> str:
     paragraphs = (
-        "Time collectives over a range of sizes on every pg-core backend named, side by side with torch's "
-        "ProcessGroupGloo, check every result, and print min/median/max time, algbw and busbw per op and size, "
-        "and each backend's median time relative to torch's.",
+        "Time collectives over a range of sizes (--sizes, or nccl-tests' -b/-e/-f) on every pg-core backend named, "
+        "in one run and one table, side by side with the raw libraries (torch's ProcessGroupGloo; mpi4py where "
+        "mpiexec starts the ranks), check every result, and print min/median/max time, algbw and busbw per op and "
+        "size, and each backend's median time relative to its baseline's. --plot draws latency and bus bandwidth "
+        "against size.",
         "send_object and broadcast_object time pickled Python objects against torch's send_object_list and "
         "broadcast_object_list; send_tensor times a tensor whose shape the receiver does not know against torch's "
         "three send/recv steps, and against send_recv (a known shape) on the same backend.",
@@ -1701,7 +1730,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
-    parser.add_argument("--plot", metavar="PNG", default=None, help="also write a log-log plot (needs matplotlib)")
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also write a plot of median time and bus bandwidth against size, log-log, a line per backend and "
+        "op, baselines dashed in their backend's colour (needs matplotlib)",
+    )
     parser.add_argument(
         "--quiet",
         "-q",
