@@ -495,6 +495,21 @@ def test_plot_has_latency_and_bandwidth_with_baselines_dashed_in_their_backends_
         bench.plot_figure([rows[-1]])
 
 
+def test_make_demo_ends_with_a_short_bench_whose_arguments_hold() -> None:
+    """The Makefile's demo target runs `pg-core bench $(DEMO_BENCH)`: the arguments parse and
+    validate (a renamed option would break `make demo`), and the run stays small."""
+    import re
+    import shlex
+
+    makefile = (HERE.parent.parent / "Makefile").read_text()
+    found = re.search(r"^DEMO_BENCH\s*:=\s*(.+)$", makefile, flags=re.MULTILINE)
+    assert found is not None
+    assert "pg-core bench $(DEMO_BENCH)" in makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    cfg = bench._config(_args(*shlex.split(found.group(1))))
+    assert cfg.ops == ["all_reduce"] and cfg.world_size == 2
+    assert len(cfg.sizes) <= 4 and cfg.time_budget <= 0.5  # a few rows, well under a minute
+
+
 # -- the progress bar ---------------------------------------------------------------------------------
 
 
