@@ -452,7 +452,6 @@ def _sized(row: bench.Row, size: int) -> bench.Row:
 
 
 def test_plot_has_latency_and_bandwidth_with_baselines_dashed_in_their_backends_colour(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="matplotlib (a dev dependency in the Makefile) is not installed")
     rows = [
         _sized(_row(backend, 100.0 * (k + 1), baseline=backend in bench.BASELINES, op=op), size)
         for op in ("all_reduce", "send_recv")
@@ -591,6 +590,7 @@ def _args(*argv: str) -> Any:
         (["--baseline", "torch-gloo,nccl"], "--baseline: unknown nccl; known: torch-gloo, mpi4py"),
         (["--baseline", ","], "--baseline: unknown nothing named"),
         (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--backends", "", "--plot", "no/such/folder/x.png"], "--plot no/such/folder/x.png: the folder"),
     ],
 )
 def test_bad_arguments_fail_before_any_rank_starts(

@@ -1904,6 +1904,9 @@ def main(args: argparse.Namespace) -> int:
         cfg = _config(args)
         if args.plot:
             _require_matplotlib()
+            folder = Path(args.plot).resolve().parent
+            if not folder.is_dir():
+                raise BenchError(f"--plot {args.plot}: the folder {folder} does not exist; create it or name another")
     except BenchError as exc:
         print(f"pg-core bench: {exc}", file=sys.stderr)
         return 2
@@ -1927,6 +1930,9 @@ def main(args: argparse.Namespace) -> int:
             write_plot(rows, args.plot)
         except BenchError as exc:
             print(f"pg-core bench: {exc}", file=sys.stderr)
+            status = 2
+        except OSError as exc:
+            print(f"pg-core bench: --plot {args.plot}: cannot write it: {exc}", file=sys.stderr)
             status = 2
     wrong = [r for r in rows if r.status == "WRONG"]
     if wrong:
