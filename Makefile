@@ -1,5 +1,6 @@
 # Two commands set everything up from nothing:
-#   make demo   installs, then runs a 4-rank example on the default backend
+#   make demo   installs, then runs a 4-rank example on the default backend and a short side-by-side
+#               benchmark of the installed backends
 #   make test   installs every in-repo distribution, runs ruff, mypy, `make package` and every test
 #   make package builds every distribution's sdist and wheel into build/dist and tests them
 #                installed (not editable) in a fresh venv, build/pkg-venv
@@ -28,8 +29,16 @@ $(STAMP): constraints-dev.txt pyproject.toml $(addsuffix /pyproject.toml,$(DISTS
 		numpy matplotlib pytest-timeout ruff mypy build
 	touch $@
 
+# The demo ends with the installed backends side by side: a short `pg-core bench` (a few sizes of
+# all_reduce, 2 ranks, a quarter second per row; every backend installed and available, mpi's
+# ranks through mpiexec, beside torch's Gloo and raw mpi4py).
+DEMO_BENCH := --world-size 2 --ops all_reduce --sizes 4,64K,1M --iters 50 --warmup 2 --time-budget 0.25 --quiet
+
 demo: $(STAMP)
 	$(PY) examples/allreduce_demo.py --world-size 4
+	@echo
+	@echo "Side by side: all_reduce on every installed backend at 2 ranks, beside the raw libraries (pg-core bench $(DEMO_BENCH)):"
+	@$(VENV)/bin/pg-core bench $(DEMO_BENCH)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,8 @@ too once it is installed and available.
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import itertools
 import json
 import os
@@ -284,10 +286,37 @@ def test_sweep_sizes() -> None:
     assert bench.sweep_sizes(4, 64, 2) == [4, 8, 16, 32, 64]
     assert bench.sweep_sizes(1024, 1 << 20, 32) == [1024, 32768, 1 << 20]
     assert bench.sweep_sizes(5, 5, 2) == [5]
-    with pytest.raises(ValueError, match="factor"):
+    assert bench.sweep_sizes(1, 10, 1.5) == [1, 2, 3, 5, 8]  # rounded, repeats dropped
+    with pytest.raises(ValueError, match="stepfactor must be a finite number greater than 1, got 1"):
         bench.sweep_sizes(4, 64, 1)
-    with pytest.raises(ValueError, match="min-bytes"):
+    with pytest.raises(ValueError, match="1 <= -b/--minbytes <= -e/--maxbytes, got 64 and 4"):
         bench.sweep_sizes(64, 4, 2)
+    with pytest.raises(ValueError, match="makes 1001 sizes, more than 1000"):
+        bench.sweep_sizes(1, 2**1000, 2)
+    assert len(bench.sweep_sizes(1, 2**999, 2)) == bench.MAX_SIZES
+
+
+def test_sizes_as_nccl_tests_spells_them() -> None:
+    nccl = bench._config(_args("--backends", "", "-b", "8", "-e", "64M", "-f", "2")).sizes
+    assert nccl == [8 << k for k in range(24)] and nccl[-1] == 64 << 20
+    for spelled in (
+        ["--minbytes", "8", "--maxbytes", "64M", "--stepfactor", "2"],
+        ["--min-bytes", "8", "--max-bytes", "65536K", "--factor", "2.0"],
+        ["-b", "8B", "-e", "64MiB"],  # -f defaults to 2
+    ):
+        assert bench._config(_args("--backends", "", *spelled)).sizes == nccl, spelled
+    assert bench._config(_args("--backends", "", "-e", "64")).sizes == [4, 8, 16, 32, 64]  # -b defaults to 4
+    assert bench._config(_args("--backends", "", "-b", "1K", "-e", "1M", "-f", "32")).sizes == [1024, 32768, 1 << 20]
+    assert bench._config(_args("--backends", "", "--sizes", "4, 1K,4")).sizes == [4, 1024]  # --sizes as before
+    assert bench._config(_args("--backends", "")).sizes == [4, 1024, 65536, 1 << 20, 64 << 20]
+
+
+def test_help_shows_every_spelling_of_the_sweep() -> None:
+    parser = __import__("argparse").ArgumentParser()
+    bench._add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for spelling in ("-b SIZE, --minbytes SIZE, --min-bytes SIZE", "-e SIZE, --maxbytes SIZE", "-f F, --stepfactor F"):
+        assert spelling in text
 
 
 def test_element_count_rounds_to_whole_blocks_per_rank() -> None:
@@ -374,6 +403,162 @@ def test_send_tensor_is_compared_with_send_recv_on_the_same_backend() -> None:
     assert json.loads(bench.format_json(rows))[1]["ref_ratio"] == pytest.approx(1.25)
 
 
+def test_each_backend_is_compared_with_its_own_librarys_baseline() -> None:
+    baselines = [bench.BASELINE, bench.MPI4PY]
+    assert bench.compared_with("gloo", baselines) == bench.BASELINE
+    assert bench.compared_with("mpi", baselines) == bench.MPI4PY
+    assert bench.compared_with("tcp", baselines) == bench.BASELINE  # no library of its own: the first
+    assert bench.compared_with("tcp", baselines[::-1]) == bench.MPI4PY
+    assert bench.compared_with("mpi", [bench.BASELINE]) == bench.BASELINE  # its own was not measured
+    assert bench.compared_with("mpi", []) is None
+    rows = [
+        _row(bench.BASELINE, 100.0, baseline=True),
+        _row(bench.MPI4PY, 10.0, baseline=True),
+        _row("tcp", 50.0),
+        _row("gloo", 120.0),
+        _row("mpi", 15.0),
+        _row("gloo.to_torch", 110.0),
+    ]
+    bench._add_ratios(rows)
+    got = {r.backend: (r.ratio_to, r.ratio) for r in rows}
+    assert got == {
+        bench.BASELINE: (None, None),
+        bench.MPI4PY: (None, None),
+        "tcp": (bench.BASELINE, pytest.approx(0.5)),
+        "gloo": (bench.BASELINE, pytest.approx(1.2)),
+        "mpi": (bench.MPI4PY, pytest.approx(1.5)),
+        "gloo.to_torch": (bench.BASELINE, pytest.approx(1.1)),
+    }
+    table = bench.format_table(rows)
+    assert "1.50x mpi4py" in table and "1.20x torch-gloo" in table
+
+
+def test_baselines_auto_adds_mpi4py_only_where_mpiexec_starts_the_ranks() -> None:
+    assert bench._baselines("auto", set()) == [bench.BASELINE]
+    if bench.importlib.util.find_spec("mpi4py") is None:  # pg-mpi brings it; without it, auto leaves it out
+        assert bench._baselines("auto", {"mpiexec"}) == [bench.BASELINE]
+        with pytest.raises(bench.BenchError, match="--baseline mpi4py needs mpi4py"):
+            bench._baselines("mpi4py", set())
+        return
+    assert bench._baselines("auto", {"mpiexec"}) == [bench.BASELINE, bench.MPI4PY]
+    assert bench._baselines(" mpi4py , torch-gloo,mpi4py", set()) == [bench.MPI4PY, bench.BASELINE]
+    cfg = bench._config(_args("--backends", "", "--baseline", "torch-gloo,mpi4py"))
+    assert cfg.baselines == [bench.BASELINE, bench.MPI4PY] and cfg.launcher == "mpiexec"
+    assert cfg.runners() == 2
+
+
+def _sized(row: bench.Row, size: int) -> bench.Row:
+    return bench.dataclasses.replace(row, size=size, requested_size=size, count=size // 4)
+
+
+def test_plot_has_latency_and_bandwidth_with_baselines_dashed_in_their_backends_colour(tmp_path: Path) -> None:
+    rows = [
+        _sized(_row(backend, 100.0 * (k + 1), baseline=backend in bench.BASELINES, op=op), size)
+        for op in ("all_reduce", "send_recv")
+        for size in (8, 1024, 1 << 20)
+        for k, backend in enumerate([bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"])
+    ]
+    rows.append(dataclasses.replace(rows[0], size=16, median_us=None, status="skipped"))  # no time: not drawn
+    colours = bench.plot_colours(rows)
+    assert colours[bench.BASELINE] == colours["gloo"] and colours[bench.MPI4PY] == colours["mpi"]
+    assert len({colours["tcp"], colours["gloo"], colours["mpi"]}) == 3
+    fig = bench.plot_figure(rows)
+    latency, bandwidth = fig.axes
+    for ax in (latency, bandwidth):
+        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert len(lines) == 10  # 5 backends x 2 ops
+        for label, line in lines.items():
+            op, backend = label.split(", ")
+            assert op in ("all_reduce", "send_recv")
+            assert line.get_color() == colours[backend]
+            assert line.get_linestyle() == ("--" if backend in bench.BASELINES else "-"), label
+            assert list(line.get_xdata()) == [8, 1024, 1 << 20]
+        assert lines["all_reduce, tcp"].get_marker() != lines["send_recv, tcp"].get_marker()
+    assert list(latency.get_lines()[2].get_ydata()) == [300.0] * 3  # median times, tcp's
+    assert "time" in latency.get_ylabel() and "bandwidth" in bandwidth.get_ylabel()
+    title = fig._suptitle.get_text()
+    assert "all_reduce, send_recv" in title and "world size 2" in title and "float32" in title
+    one_op = bench.plot_figure([r for r in rows if r.op == "all_reduce"])
+    assert {line.get_label() for line in one_op.axes[0].get_lines()} == {
+        bench.BASELINE,
+        bench.MPI4PY,
+        "tcp",
+        "gloo",
+        "mpi",
+    }
+    path = tmp_path / "plot.png"
+    bench.write_plot(rows, str(path))
+    assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 10_000
+    with pytest.raises(bench.BenchError, match="no row has a time to plot"):
+        bench.plot_figure([rows[-1]])
+
+
+def test_make_demo_ends_with_a_short_bench_whose_arguments_hold() -> None:
+    """The Makefile's demo target runs `pg-core bench $(DEMO_BENCH)`: the arguments parse and
+    validate (a renamed option would break `make demo`), and the run stays small."""
+    import re
+    import shlex
+
+    makefile = (HERE.parent.parent / "Makefile").read_text()
+    found = re.search(r"^DEMO_BENCH\s*:=\s*(.+)$", makefile, flags=re.MULTILINE)
+    assert found is not None
+    assert "pg-core bench $(DEMO_BENCH)" in makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    cfg = bench._config(_args(*shlex.split(found.group(1))))
+    assert cfg.ops == ["all_reduce"] and cfg.world_size == 2
+    assert len(cfg.sizes) <= 4 and cfg.time_budget <= 0.5  # a few rows, well under a minute
+
+
+# -- the progress bar ---------------------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_is_drawn_only_on_a_terminal_and_not_when_quiet() -> None:
+    from pg_core.progress import ProgressBar
+
+    assert ProgressBar.wanted(_Terminal())
+    assert not ProgressBar.wanted(_Terminal(), quiet=True)
+    assert not ProgressBar.wanted(io.StringIO())
+    closed = io.StringIO()
+    closed.close()
+    assert not ProgressBar.wanted(closed)  # isatty raises ValueError on a closed stream
+
+
+def test_progress_bar_shows_cases_what_runs_and_the_time() -> None:
+    from pg_core.progress import REDRAW_S, ProgressBar
+
+    now = [100.0]
+    out = _Terminal()
+    bar = ProgressBar(out, 40, width=80, clock=lambda: now[0])
+    bar.update(current="all_reduce 64 KiB on gloo")
+    assert out.getvalue() == "\r\x1b[K[>                   ]  0/40  all_reduce 64 KiB on gloo  0:00"
+    now[0] += 75
+    bar.done = 10
+    bar.print("bench: [10/40] a finished row")
+    assert out.getvalue().endswith(
+        "\r\x1b[Kbench: [10/40] a finished row\n\r\x1b[K[=====>              ]  10/40  all_reduce 64 KiB on gloo  1:15"
+    )
+    drawn = out.getvalue()
+    bar.tick()  # the clock has not moved on
+    assert out.getvalue() == drawn
+    now[0] += 3600 + REDRAW_S
+    bar.tick()
+    assert out.getvalue().endswith("10/40  all_reduce 64 KiB on gloo  1:01:15")
+    bar.update(done=41)
+    assert out.getvalue().endswith("[====================]  40/40  all_reduce 64 KiB on gloo  1:01:15")
+    bar.close()
+    assert out.getvalue().endswith("\r\x1b[K") and "\n" not in out.getvalue().split("a finished row\n")[1]
+    narrow = ProgressBar(_Terminal(), 3, width=30, clock=lambda: 0.0)
+    assert len(narrow.line()) == 29
+    quiet = _Terminal()
+    ProgressBar(quiet, 3).close()  # never drawn: nothing to erase
+    assert quiet.getvalue() == ""
+
+
 def _args(*argv: str) -> Any:
     parser = __import__("argparse").ArgumentParser()
     bench._add_arguments(parser)
@@ -388,8 +573,24 @@ def _args(*argv: str) -> Any:
         (["--backends", "pg_core.bench:Nope"], "cannot load 'pg_core.bench:Nope': module pg_core.bench defines no"),
         (["--backends", "", "--no-baseline"], "nothing to measure"),
         (["--sizes", "4,1T"], "cannot read '1T'"),
-        (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or"),
+        (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or -b/-e/-f"),
+        (["--sizes", "4", "-f", "4"], "either --sizes or -b/-e/-f"),
+        (["--sizes", " , "], "--sizes: no size given"),
+        (["--sizes", "0,4"], "--sizes: every size must be at least 1 byte, got 0"),
+        (["-b", "1T"], "-b/--minbytes: cannot read '1T' as a size"),
+        (["-e", "64 M B"], "-e/--maxbytes: cannot read '64 M B' as a size"),
+        (["-b", "64M", "-e", "8"], "a sweep needs 1 <= -b/--minbytes <= -e/--maxbytes, got 67108864 and 8 bytes"),
+        (["-b", "0", "-e", "8"], "a sweep needs 1 <= -b/--minbytes"),
+        (["-f", "1"], "-f/--stepfactor must be a finite number greater than 1, got 1"),
+        (["-f", "0.5"], "-f/--stepfactor must be a finite number greater than 1, got 0.5"),
+        (["-f", "nan"], "-f/--stepfactor must be a finite number greater than 1, got nan"),
+        (["-f", "inf"], "-f/--stepfactor must be a finite number greater than 1, got inf"),
+        (["-f", "two"], "-f/--stepfactor: cannot read 'two' as a number"),
+        (["-b", "8", "-e", "64M", "-f", "1.001"], "makes 15951 sizes, more than 1000: raise -f/--stepfactor"),
+        (["--baseline", "torch-gloo,nccl"], "--baseline: unknown nccl; known: torch-gloo, mpi4py"),
+        (["--baseline", ","], "--baseline: unknown nothing named"),
         (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--backends", "", "--plot", "no/such/folder/x.png"], "--plot no/such/folder/x.png: the folder"),
     ],
 )
 def test_bad_arguments_fail_before_any_rank_starts(
@@ -561,6 +762,7 @@ def test_baseline_alone(runs: dict[str, subprocess.CompletedProcess[str]]) -> No
         r.update(ref_ratio=float(r["ref_ratio"]) if r["ref_ratio"] else None, ref_op=r["ref_op"] or None)
         rows.append(r)
     _well_formed(rows, bench.OPS, [bench.BASELINE])
+    assert "\r" not in run.stderr and "\x1b" not in run.stderr  # stderr is a pipe here: no progress bar
     total = len(bench.OPS) * len(SIZES)
     assert f"bench: [{total}/{total}] {bench.OPS[-1]} {bench.object_size(SIZES[-1])} B torch-gloo" in run.stderr
 
@@ -626,6 +828,66 @@ def test_a_wrong_result_is_reported_and_fails_the_run(runs: dict[str, subprocess
         ("send_recv", "ok"),
         ("send_recv", "ok"),
     ]
+
+
+def _on_a_terminal(argv: list[str], tmp: Path) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the bench with stderr on a pseudo-terminal (stdout a pipe): the run, and what the terminal showed."""
+    import pty
+
+    main, child = pty.openpty()
+    shown = bytearray()
+
+    def drain() -> None:  # the terminal's buffer must not fill up, or the bench would block on it
+        while True:
+            try:
+                data = os.read(main, 4096)
+            except OSError:  # EIO: every writer closed its end
+                return
+            if not data:
+                return
+            shown.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pg_core.bench", *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=child,
+            text=True,
+            cwd=tmp,
+            env=dict(os.environ, PG_CORE_BENCH_TEST_MARKER=_MARKER),
+        )
+    finally:
+        os.close(child)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+        proc.wait()
+        reader.join(timeout=10)
+        os.close(main)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), shown.decode(errors="replace")
+
+
+@pytest.mark.slow
+@pytest.mark.requires_backend("tcp", "gloo")
+def test_tcp_and_gloo_side_by_side_in_one_run_with_a_progress_bar_and_a_plot(tmp_path: Path) -> None:
+    png = tmp_path / "tcp-gloo.png"
+    argv = ["--backends", "tcp,gloo", "--ops", "all_reduce,send_recv", "-b", "8", "-e", "4K", "-f", "8"]
+    argv += ["--iters", "5", "--warmup", "1", "--time-budget", "0.2", "--json", "--plot", str(png)]
+    run, terminal = _on_a_terminal(argv, tmp_path)
+    assert run.returncode == 0, terminal
+    sizes = [8, 64, 512, 4096]
+    _well_formed(json.loads(run.stdout), ("all_reduce", "send_recv"), [bench.BASELINE, "tcp", "gloo"], sizes)
+    total = 2 * len(sizes) * 3
+    assert "\r\x1b[K[>" in terminal  # the bar, drawn from the start
+    assert f"]  {total}/{total}  " in terminal  # and to the end
+    assert f"bench: [{total}/{total}] send_recv 4096 B gloo: median" in terminal  # the row lines, above it
+    assert "send_recv 4 KiB on gloo" in terminal  # what runs now
+    assert terminal.endswith("\r\x1b[K")  # erased at the end
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 10_000
 
 
 def _leftovers() -> list[int]:

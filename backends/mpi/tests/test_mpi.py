@@ -364,3 +364,24 @@ def test_bench_runs_pg_mpi_beside_raw_mpi4py_under_mpiexec() -> None:
             assert r["ratio_to"] == "mpi4py" and r["ratio"] > 0, r
         else:
             assert r["baseline"] and r["ratio"] is None, r
+
+
+@pytest.mark.slow
+@pytest.mark.requires_backend("tcp", "gloo")
+def test_bench_runs_tcp_gloo_and_mpi_in_one_run_beside_both_raw_baselines() -> None:
+    """One invocation, one table: mpiexec starts every rank (pg-mpi needs it; the others do not
+    mind), and the default baselines are torch's Gloo and, since mpiexec starts the ranks, raw mpi4py;
+    each backend is compared with its own library's."""
+    cmd = [sys.executable, "-m", "pg_core", "bench", "--backends", "tcp,gloo,mpi", "--world-size", "2"]
+    cmd += ["--ops", "all_reduce", "-b", "8", "-e", "64K", "-f", "8192", "--iters", "5", "--warmup", "1"]
+    cmd += ["--time-budget", "0.2", "--json", "--quiet"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    backends = ["torch-gloo", "mpi4py", "tcp", "gloo", "mpi"]
+    assert [(r["requested_size"], r["backend"]) for r in rows] == [(s, b) for s in (8, 65536) for b in backends]
+    own = {"tcp": "torch-gloo", "gloo": "torch-gloo", "mpi": "mpi4py"}
+    for r in rows:
+        assert r["status"] == "ok" and r["op"] == "all_reduce" and r["world_size"] == 2, r
+        assert r["ratio_to"] == own.get(r["backend"]), r
+        assert (r["ratio"] is None) == r["baseline"], r

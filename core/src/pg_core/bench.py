@@ -1,8 +1,9 @@
 """``pg-core bench``: an nccl-tests-style sweep of collectives, correctness-checked,
-with torch's own Gloo measured side by side in the same run.
+with the raw libraries (torch's own Gloo, mpi4py) measured side by side in the same run.
 
     python -m pg_core.bench --world-size 2 --backends tcp --sizes 4,1K,64K,1M
-    pg-core bench --ops all_reduce,send_recv --min-bytes 8 --max-bytes 16M --factor 4 --json
+    pg-core bench --backends tcp,gloo,mpi --ops all_reduce -b 8 -e 64M -f 2 --plot allreduce.png
+    pg-core bench --ops all_reduce,send_recv --minbytes 8 --maxbytes 16M --stepfactor 4 --json
     pg-core bench --backends tcp --ops send_object,broadcast_object,send_tensor,send_recv --sizes 4K
 
 **What runs.** The program hosts a ``TCPStore`` and starts ``--world-size`` rank
@@ -10,14 +11,19 @@ processes of its own (one thread of intra-op parallelism each). Every rank forms
 one :class:`~pg_core.ProcessGroup` per pg-core backend named in ``--backends``
 (a name that ``pg-core backends`` lists, or ``module:attr`` / ``path/file.py:attr``
 of a ``BackendSpec`` or ``Backend`` subclass under development, read as ``pg-core
-conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`), plus, unless ``--no-baseline``, torch's
-``ProcessGroupGloo`` used directly through its own API: the baseline, labelled
-``torch-gloo``. Rows are measured in the order op, size, backend, so the
-baseline and the pg-core backends are measured one right after the other at
-each op and size. ``--baseline mpi4py`` measures raw mpi4py instead
-(``MPI_COMM_WORLD`` on numpy views of the tensors, labelled ``mpi4py``). A
-backend whose spec declares a launcher (pg-mpi: ``mpiexec``), or the mpi4py
-baseline, has every rank started by that launcher, in one command.
+conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`; by default
+every backend available for cpu, a backend whose ranks a launcher must start
+included when it is available in a process started that way), plus, unless
+``--no-baseline``, the baselines: torch's ``ProcessGroupGloo`` used directly
+through its own API, labelled ``torch-gloo``, and raw mpi4py (``MPI_COMM_WORLD``
+on numpy views of the tensors, labelled ``mpi4py``). ``--baseline`` names them
+(comma-separated); its default, ``auto``, is ``torch-gloo``, plus ``mpi4py``
+when mpiexec starts the ranks anyway. Rows are measured in the order op, size,
+backend, so the baselines and the pg-core backends are measured one right after
+the other at each op and size. A backend whose spec declares a launcher (pg-mpi:
+``mpiexec``), or the mpi4py baseline, has every rank started by that launcher,
+in one command; the other backends and baselines run in those ranks as well, so
+``--backends tcp,gloo,mpi`` is one run and one table.
 
 **Objects and unknown shapes.** Besides the tensor collectives, three ops measure
 what torch.distributed makes painful. ``send_object`` (pg-core's
@@ -34,7 +40,11 @@ data). Its table has a ``vs send_recv`` column, its median over the plain
 ``init_process_group``, which the baseline then calls in the rank processes (see
 ``_TorchGlooRunner``).
 
-**Sizes.** A size is the bytes of the largest buffer on one rank, as nccl-tests
+**Sizes.** ``--sizes 4,64K,1M`` lists them; ``-b 8 -e 64M -f 2`` (nccl-tests'
+spelling; also ``--minbytes``, ``--maxbytes``, ``--stepfactor`` and the older
+``--min-bytes``, ``--max-bytes``, ``--factor``) sweeps from ``-b`` to ``-e``,
+multiplying by ``-f`` (:func:`sweep_sizes`: the one rule, checked before any rank
+starts). A size is the bytes of the largest buffer on one rank, as nccl-tests
 counts it: the tensor of ``all_reduce``, ``broadcast``, ``reduce`` and the
 message of ``send_recv`` and ``send_tensor``; the *output* of ``all_gather_into_tensor`` (each rank
 contributes ``size / n``); the *input* of ``reduce_scatter_tensor``; input and
@@ -63,8 +73,14 @@ in microseconds; ``algbw = size / median time`` and ``busbw = algbw * factor``
 in GB/s (1e9 bytes/s), with nccl-tests' factors: ``2(n-1)/n`` for
 ``all_reduce``, ``(n-1)/n`` for ``all_gather_into_tensor``,
 ``reduce_scatter_tensor`` and ``all_to_all_single``, 1 for the others. For a pg-core backend, ``ratio`` is its median
-time divided by the baseline's median at the same op and size: ``0.85x
+time divided by its baseline's median at the same op and size: the baseline of
+the library it wraps (:func:`compared_with`: ``gloo`` against ``torch-gloo``,
+``mpi`` against ``mpi4py``) when measured, else the first baseline. ``0.85x
 torch-gloo`` means 15% less time than torch's Gloo, ``2.00x`` twice as long.
+``--json`` and ``--csv`` give every row; ``--plot PNG`` draws median time and
+bus bandwidth against size (:func:`plot_figure`). On stderr, a line per row
+(not with ``--quiet``) and, when stderr is a terminal, a progress bar below them
+(:class:`pg_core.progress.ProgressBar`).
 
 **Correctness.** Rank ``r`` fills its input with ``(r + 1) * (1 + i % 3)`` at
 element ``i`` (exact in every supported dtype for small world sizes); outputs
@@ -114,17 +130,26 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Final, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO
 
 import torch
 
 from .dtypes import NAMES, dtype_code, dtype_from_code, dtype_name
 from .launchers import launch_command
 from .procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, adopt_launched_rank, prepare_rank, tail
+from .progress import ProgressBar
+
+if TYPE_CHECKING:
+    from .backend import BackendSpec
+    from .registry import PluginEntry
 
 __all__ = [
     "BASELINE",
+    "BASELINES",
+    "BASELINE_OF",
     "DTYPES",
+    "MAX_SIZES",
+    "MPI4PY",
     "OBJECT_OPS",
     "OPS",
     "REFERENCE_OPS",
@@ -135,6 +160,7 @@ __all__ = [
     "busbw_factor",
     "check_object",
     "check_output",
+    "compared_with",
     "element_count",
     "expected_output",
     "format_csv",
@@ -145,11 +171,17 @@ __all__ = [
     "object_size",
     "output_length",
     "output_shape",
+    "parse_factor",
     "parse_size",
     "plan_iterations",
+    "plot_colours",
+    "plot_figure",
     "request_object",
+    "requested_sizes",
+    "sweep_order",
     "sweep_sizes",
     "tensor_shape",
+    "write_plot",
 ]
 
 #: Ops on tensors, whose results :func:`check_output` checks.
@@ -180,6 +212,10 @@ BASELINE: Final[str] = "torch-gloo"
 MPI4PY: Final[str] = "mpi4py"
 #: The baselines ``--baseline`` takes.
 BASELINES: Final[tuple[str, ...]] = (BASELINE, MPI4PY)
+#: Each baseline's library, as the pg-core backend that wraps it is named: that backend's
+#: rows are compared with this baseline (every other backend's with the first one measured),
+#: and ``--plot`` draws the baseline dashed in that backend's colour.
+BASELINE_OF: Final[dict[str, str]] = {BASELINE: "gloo", MPI4PY: "mpi"}
 
 #: ``--dtype`` choices: the dtypes of :data:`pg_core.dtypes.NAMES` whose inputs and
 #: expected outputs (:func:`input_values`, :func:`expected_output`) are exact or within
@@ -189,6 +225,10 @@ DTYPES: Final[dict[str, torch.dtype]] = {
 }
 
 DEFAULT_SIZES: Final[str] = "4,1K,64K,1M,64M"
+#: ``-b``, ``-e`` and ``-f`` where a sweep names only some of them.
+DEFAULT_SWEEP: Final[tuple[str, str, str]] = ("4", "64M", "2")
+#: The most sizes one sweep may have (a step factor barely above 1 would make millions).
+MAX_SIZES: Final[int] = 1000
 MIN_ITERS: Final[int] = 5
 
 _ROOT: Final[int] = 0  # root of broadcast and reduce
@@ -241,11 +281,22 @@ def sweep_order(ops: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int
 
 
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
-    """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes`` (nccl-tests' ``-b -e -f``)."""
+    """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes`` (nccl-tests' ``-b -e -f``),
+    each rounded to whole bytes, repeats dropped.
+
+    The one rule for a sweep: ``1 <= min_bytes <= max_bytes``, ``factor`` a finite number
+    greater than 1, and at most :data:`MAX_SIZES` sizes. Raises ``ValueError`` saying which
+    is broken and how."""
     if min_bytes < 1 or max_bytes < min_bytes:
-        raise ValueError(f"need 1 <= --min-bytes <= --max-bytes, got {min_bytes} and {max_bytes}")
-    if not factor > 1:
-        raise ValueError(f"--factor must be greater than 1, got {factor}")
+        raise ValueError(f"a sweep needs 1 <= -b/--minbytes <= -e/--maxbytes, got {min_bytes} and {max_bytes} bytes")
+    if not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"-f/--stepfactor must be a finite number greater than 1, got {factor:g}")
+    steps = math.floor(math.log(max_bytes / min_bytes) / math.log(factor) + 1e-9) + 1
+    if steps > MAX_SIZES:
+        raise ValueError(
+            f"-b {min_bytes} -e {max_bytes} -f {factor:g} makes {steps} sizes, more than {MAX_SIZES}: "
+            "raise -f/--stepfactor or narrow the range"
+        )
     sizes: list[int] = []
     size = float(min_bytes)
     while round(size) <= max_bytes:
@@ -253,6 +304,43 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
             sizes.append(round(size))
         size *= factor
     return sizes
+
+
+def parse_factor(text: str) -> float:
+    """The step factor of a sweep from ``"2"`` or ``"1.5"`` (checked by :func:`sweep_sizes`)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"-f/--stepfactor: cannot read {text!r} as a number, such as 2 or 1.5") from None
+
+
+def requested_sizes(
+    sizes: str | None, min_bytes: str | None = None, max_bytes: str | None = None, factor: str | None = None
+) -> list[int]:
+    """The sizes a run sweeps, from the command line's text: either ``--sizes`` (a
+    comma-separated list) or nccl-tests' ``-b``/``-e``/``-f`` (``--minbytes``,
+    ``--maxbytes``, ``--stepfactor``; any of them, the others defaulting to
+    :data:`DEFAULT_SWEEP`), never both; neither gives :data:`DEFAULT_SIZES`. Sizes take
+    K/M/G suffixes (:func:`parse_size`). Raises ``ValueError`` with what to change."""
+    sweep = (min_bytes, max_bytes, factor)
+    if any(v is not None for v in sweep):
+        if sizes is not None:
+            raise ValueError("give either --sizes or -b/-e/-f (--minbytes/--maxbytes/--stepfactor), not both")
+        lo, hi, f = (d if v is None else v for v, d in zip(sweep, DEFAULT_SWEEP, strict=True))
+        return sweep_sizes(_option_size("-b/--minbytes", lo), _option_size("-e/--maxbytes", hi), parse_factor(f))
+    listed = [parse_size(s) for s in _csv_list(sizes or DEFAULT_SIZES)]
+    if not listed:
+        raise ValueError(f"--sizes: no size given in {sizes!r}; give bytes such as 4,64K,1M")
+    if min(listed) < 1:
+        raise ValueError(f"--sizes: every size must be at least 1 byte, got {min(listed)}")
+    return list(dict.fromkeys(listed))
+
+
+def _option_size(option: str, text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"{option}: {exc}") from None
 
 
 def element_count(op: str, nbytes: int, world_size: int, itemsize: int) -> int:
@@ -501,14 +589,24 @@ class Row:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def compared_with(label: str, baselines: Sequence[str]) -> str | None:
+    """The baseline that backend ``label``'s rows are compared with, of ``baselines`` (those
+    measured, in order): the one whose library it wraps (:data:`BASELINE_OF`; ``gloo`` with
+    ``torch-gloo``, ``mpi`` with ``mpi4py``), else the first; ``None`` if none was measured."""
+    own = [b for b in baselines if BASELINE_OF.get(b) == label]
+    return own[0] if own else next(iter(baselines), None)
+
+
 def _add_ratios(rows: list[Row]) -> None:
-    base = {(r.op, r.size): r for r in rows if r.baseline and r.median_us}
+    baselines = list(dict.fromkeys(r.backend for r in rows if r.baseline))
+    base = {(r.op, r.size, r.backend): r for r in rows if r.baseline and r.median_us}
     same = {(r.op, r.size, r.backend): r for r in rows if r.median_us}
     for row in rows:
         if row.median_us is None:
             continue
-        ref = base.get((row.op, row.size))
-        if not row.baseline and ref is not None and ref.median_us:
+        against = None if row.baseline else compared_with(row.backend.split(".")[0], baselines)
+        ref = None if against is None else base.get((row.op, row.size, against))
+        if ref is not None and ref.median_us:
             row.ratio = row.median_us / ref.median_us
             row.ratio_to = ref.backend
         ref_op = REFERENCE_OPS.get(row.op)
@@ -558,7 +656,8 @@ def format_table(rows: Sequence[Row]) -> str:
     out.append(
         "# size: bytes of the largest buffer per rank; count: its elements. min/median/max: microseconds per\n"
         "# iteration (slowest rank). algbw = size / median, busbw = algbw * nccl-tests factor, in GB/s.\n"
-        "# ratio: median time / the baseline's median at the same op and size (below 1x is faster).\n"
+        "# ratio: median time / its baseline's median at the same op and size (below 1x is faster); a backend's\n"
+        "# baseline is the raw library it wraps (gloo: torch-gloo, mpi: mpi4py) when measured, else the first.\n"
         "# Compare ratios measured side by side in one run, not absolute times across runs or machines."
     )
     if any(r.op in OBJECT_OPS for r in rows):
@@ -609,37 +708,75 @@ def _require_matplotlib() -> None:
         raise BenchError("--plot needs matplotlib, which is not installed: pip install matplotlib")
 
 
-def write_plot(rows: Sequence[Row], path: str) -> None:
-    """A log-log plot of median time against size, one panel per op, one line per backend."""
+_MARKERS: Final[str] = "os^Dv<>px*"
+
+
+def plot_colours(rows: Sequence[Row]) -> dict[str, str]:
+    """Each backend's colour in :func:`write_plot` (matplotlib's ``C0``, ``C1``, ...): the pg-core
+    backends in the order measured, then each baseline in the colour of the backend that wraps
+    its library (:data:`BASELINE_OF`) where that one was measured, else in one of its own."""
+    colours: dict[str, str] = {}
+    for backend in dict.fromkeys(r.backend for r in rows if not r.baseline):
+        colours[backend] = f"C{len(colours) % 10}"
+    for backend in dict.fromkeys(r.backend for r in rows if r.baseline):
+        own = colours.get(BASELINE_OF.get(backend, ""))
+        colours[backend] = own if own is not None else f"C{len(set(colours.values())) % 10}"
+    return colours
+
+
+def plot_figure(rows: Sequence[Row]) -> Any:
+    """The figure :func:`write_plot` saves (a ``matplotlib.figure.Figure``): median time (left)
+    and bus bandwidth (right) against size, log-log; one line per backend, and per op where
+    there are several (a marker each); baselines dashed in their backend's colour
+    (:func:`plot_colours`). Needs matplotlib (``BenchError`` without it)."""
     _require_matplotlib()
-    matplotlib: Any = importlib.import_module("matplotlib")
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
-    ops = [op for op in dict.fromkeys(r.op for r in rows) if any(r.median_us for r in rows if r.op == op)]
-    if not ops:
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    timed = [r for r in rows if r.median_us]
+    if not timed:
         raise BenchError("--plot: no row has a time to plot")
-    cols = min(3, len(ops))
-    nrows = math.ceil(len(ops) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 4 * nrows), squeeze=False)
-    for ax, op in zip(axes.flat, ops, strict=False):
-        for backend in dict.fromkeys(r.backend for r in rows):
-            pts = [(r.size, r.median_us) for r in rows if r.op == op and r.backend == backend and r.median_us]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=backend)
+    ops = list(dict.fromkeys(r.op for r in timed))
+    colours = plot_colours(timed)
+    fig = Figure(figsize=(12, 4.8))
+    latency, bandwidth = fig.subplots(1, 2)
+    for op_index, op in enumerate(ops):
+        for backend in dict.fromkeys(r.backend for r in timed if r.op == op):
+            mine = sorted((r for r in timed if r.op == op and r.backend == backend), key=lambda r: r.size)
+            label = backend if len(ops) == 1 else f"{op}, {backend}"
+            style = {
+                "color": colours[backend],
+                "linestyle": "--" if mine[0].baseline else "-",
+                "marker": _MARKERS[op_index % len(_MARKERS)],
+                "markersize": 4,
+                "label": label,
+            }
+            latency.plot([r.size for r in mine], [r.median_us for r in mine], **style)
+            bw = [(r.size, r.busbw_gbps) for r in mine if r.busbw_gbps]
+            if bw:
+                bandwidth.plot(*zip(*bw, strict=True), **style)
+    for ax, what in ((latency, "median time per iteration (us)"), (bandwidth, "bus bandwidth (GB/s)")):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: _human(round(x)).replace(" ", "")))
         ax.set_yscale("log")
-        ax.set_title(op)
         ax.set_xlabel("bytes per rank")
-        ax.set_ylabel("median time (us)")
+        ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    for ax in list(axes.flat)[len(ops) :]:
-        ax.set_visible(False)
-    first = rows[0]
-    fig.suptitle(f"pg-core bench: world size {first.world_size}, {first.dtype}")
+    latency.set_title("latency (lower is better)")
+    bandwidth.set_title("bus bandwidth (higher is better)")
+    latency.legend(fontsize="small")
+    first = timed[0]
+    dtypes = ", ".join(dict.fromkeys(r.dtype for r in timed))
+    fig.suptitle(
+        f"pg-core bench: {', '.join(ops)}, world size {first.world_size}, {dtypes} (dashed: raw library baselines)"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def write_plot(rows: Sequence[Row], path: str) -> None:
+    """Save :func:`plot_figure` of ``rows`` as ``path`` (PNG, or what its suffix names)."""
+    plot_figure(rows).savefig(path, dpi=120)
 
 
 # -- the configuration that travels to the ranks ------------------------------------------------
@@ -650,7 +787,7 @@ class _Config:
     world_size: int
     backends: list[str]  # registry names or module:attr
     labels: list[str]
-    baseline: bool
+    baselines: list[str]  # of BASELINES, measured in this order
     ops: list[str]
     sizes: list[int]
     dtype: str
@@ -665,11 +802,9 @@ class _Config:
     parent_pid: int = 0
     #: how the ranks are started (BackendSpec.launcher of a backend measured, or the mpi4py baseline's)
     launcher: str | None = None
-    #: the baseline: torch's Gloo (BASELINE) or raw mpi4py on numpy arrays (MPI4PY)
-    baseline_label: str = "torch-gloo"
 
     def runners(self) -> int:
-        return len(self.backends) * (2 if self.to_torch else 1) + int(self.baseline)
+        return len(self.backends) * (2 if self.to_torch else 1) + len(self.baselines)
 
 
 # -- the ranks -------------------------------------------------------------------------------------
@@ -1136,11 +1271,12 @@ class _Rank:
         self.store = store
         self.ctl = PrefixStore("pg-core-bench", store)
         self.runners: list[_Runner] = []
-        if cfg.baseline and cfg.baseline_label == MPI4PY:
-            self.runners.append(_Mpi4pyRunner())
-        elif cfg.baseline:
-            objects = any(op in OBJECT_OPS for op in cfg.ops)
-            self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
+        for baseline in cfg.baselines:
+            if baseline == MPI4PY:
+                self.runners.append(_Mpi4pyRunner())
+            else:
+                objects = any(op in OBJECT_OPS for op in cfg.ops)
+                self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
         for spec, label in zip(cfg.backends, cfg.labels, strict=True):
             runner = _PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout)
             self.runners.append(runner)
@@ -1325,7 +1461,10 @@ class _Results:
                 yield json.loads(line)
 
 
-def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
+def _run_ranks(cfg: _Config, progress: TextIO | None, *, bar: bool = False) -> _Outcome:
+    """Start the ranks, follow them to the end, stop them. ``progress``: where a line per row
+    goes (``None``: nowhere); ``bar``: also keep a :class:`~pg_core.progress.ProgressBar` on it
+    (only for a terminal: see :meth:`~pg_core.progress.ProgressBar.wanted`)."""
     from .store import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout))
@@ -1344,7 +1483,10 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
         commands = [[sys.executable, "-c", boot, _WORKER_FLAG, str(r), str(config_path)] for r in range(cfg.world_size)]
         results = _Results(Path(cfg.results))
         ranks: RankProcesses | None = None
+        shown = ProgressBar(progress, total) if bar and progress is not None else None
         try:
+            if shown is not None:
+                shown.update(current="starting the ranks, forming their groups")
             if cfg.launcher is not None:  # one launcher command starts them all (BackendSpec.launcher)
                 argv = [sys.executable, "-c", boot, _WORKER_FLAG, "-", str(config_path)]
                 # the launcher's default: a rank that fails ends the job, and the launcher's status is its
@@ -1352,8 +1494,12 @@ def _run_ranks(cfg: _Config, progress: TextIO | None) -> _Outcome:
                 ranks = LaunchedRanks(command, cfg.world_size, env=env, log_dir=tmpdir)
             else:
                 ranks = RankProcesses(commands, env=env, log_dir=tmpdir)
-            failure = _supervise(cfg, ranks=ranks, results=results, rows=rows, total=total, progress=progress)
+            failure = _supervise(
+                cfg, ranks=ranks, results=results, rows=rows, total=total, progress=progress, bar=shown
+            )
         finally:
+            if shown is not None:
+                shown.close()
             if ranks is not None:
                 ranks.stop()
             del store
@@ -1368,6 +1514,7 @@ def _supervise(
     rows: list[Row],
     total: int,
     progress: TextIO | None,
+    bar: ProgressBar | None = None,
 ) -> str | None:
     """Follow rank 0's events until every rank exits; return why the run failed, if it did."""
     t = cfg.timeout
@@ -1384,6 +1531,8 @@ def _supervise(
                 expected = event["runs"] * event["probe_ns"] / 1e9
                 deadline = now + 3 * expected + 2 * t + 30.0
                 waiting_for = f"{event['op']} {event['size']} B on {event['backend']}"
+                if bar is not None:
+                    bar.update(current=f"{event['op']} {_human(event['size'])} on {event['backend']}")
             elif kind == "row":
                 row = Row.from_dict(event)
                 rows.append(row)
@@ -1391,10 +1540,17 @@ def _supervise(
                 if progress is not None:
                     took = "" if row.median_us is None else f"median {row.median_us:.1f} us over {row.iters} iters, "
                     check = row.status if row.status != "skipped" else f"skipped ({row.detail})"
-                    progress.write(f"bench: [{len(rows)}/{total}] {row.op} {row.size} B {row.backend}: {took}{check}\n")
-                    progress.flush()
+                    line = f"bench: [{len(rows)}/{total}] {row.op} {row.size} B {row.backend}: {took}{check}"
+                    if bar is not None:
+                        bar.done = len(rows)
+                        bar.print(line)
+                    else:
+                        progress.write(line + "\n")
+                        progress.flush()
             elif kind == "done":
                 done, waiting_for = True, "the ranks to exit"
+                if bar is not None:
+                    bar.update(current="the ranks exit")
                 deadline = now + t + 30.0
         codes = ranks.poll()
         if isinstance(ranks, LaunchedRanks):  # a rank gone before its launcher: exiting; the launcher says how
@@ -1425,7 +1581,17 @@ def _supervise(
             ranks.stop()
             dumps = "\n\n".join(f"rank {r}:\n{_said(stacks[r] or ranks.tail(r, lines=40))}" for r in range(len(ranks)))
             return f"no progress while waiting for {waiting_for}; stopped every rank. Their stacks:\n{dumps}"
+        if bar is not None:
+            bar.tick()
         time.sleep(0.05)
+
+
+def _human(nbytes: int) -> str:
+    """``64 KiB`` for 65536, ``12 B`` for 12: binary units where the size is a whole number of them."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
 
 
 def _said(text: str) -> str:
@@ -1440,7 +1606,7 @@ def add_parser(subparsers: Any) -> None:
     ``add_subparsers()`` result); it sets ``handler=main``."""
     parser = subparsers.add_parser(
         "bench",
-        help="nccl-tests-style sweep of collectives, side by side with torch's Gloo",
+        help="nccl-tests-style sweep of collectives, side by side with torch's Gloo and mpi4py",
         description=_description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1450,9 +1616,11 @@ def add_parser(subparsers: Any) -> None:
 
 def _description() -> str:
     paragraphs = (
-        "Time collectives over a range of sizes on every pg-core backend named, side by side with torch's "
-        "ProcessGroupGloo, check every result, and print min/median/max time, algbw and busbw per op and size, "
-        "and each backend's median time relative to torch's.",
+        "Time collectives over a range of sizes (--sizes, or nccl-tests' -b/-e/-f) on every pg-core backend named, "
+        "in one run and one table, side by side with the raw libraries (torch's ProcessGroupGloo; mpi4py where "
+        "mpiexec starts the ranks), check every result, and print min/median/max time, algbw and busbw per op and "
+        "size, and each backend's median time relative to its baseline's. --plot draws latency and bus bandwidth "
+        "against size.",
         "send_object and broadcast_object time pickled Python objects against torch's send_object_list and "
         "broadcast_object_list; send_tensor times a tensor whose shape the receiver does not know against torch's "
         "three send/recv steps, and against send_recv (a known shape) on the same backend.",
@@ -1485,10 +1653,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="do not measure a baseline")
     parser.add_argument(
         "--baseline",
-        choices=BASELINES,
-        default=BASELINE,
-        help=f"what the backends are compared with: {BASELINE} (torch's ProcessGroupGloo, default) or {MPI4PY} "
-        "(raw mpi4py on numpy arrays; the ranks are then started by mpiexec)",
+        default="auto",
+        metavar="LIST",
+        help=f"comma-separated baselines, measured in the same run: {BASELINE} (torch's ProcessGroupGloo) and "
+        f"{MPI4PY} (raw mpi4py on numpy arrays; the ranks are then started by mpiexec). Each backend is compared "
+        f"with the baseline of its own library (gloo with {BASELINE}, mpi with {MPI4PY}), others with the first. "
+        f"Default 'auto': {BASELINE}, plus {MPI4PY} when mpiexec starts the ranks anyway (a backend such as mpi "
+        "needs it) and mpi4py is installed",
     )
     parser.add_argument(
         "--ops", default="all", metavar="LIST", help=f"comma-separated, or 'all' (default): {', '.join(OPS)}"
@@ -1497,15 +1668,36 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sizes",
         default=None,
         metavar="LIST",
-        help=f"comma-separated bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES})",
+        help=f"comma-separated bytes per rank, K/M/G suffixes (default {DEFAULT_SIZES}); or sweep with -b/-e/-f",
+    )
+    lo, hi, f = DEFAULT_SWEEP
+    parser.add_argument(
+        "-b",
+        "--minbytes",
+        "--min-bytes",
+        dest="min_bytes",
+        default=None,
+        metavar="SIZE",
+        help=f"sweep from this size, as nccl-tests' -b (default {lo} when -e or -f is given)",
     )
     parser.add_argument(
-        "--min-bytes", type=parse_size, default=None, metavar="SIZE", help="sweep from this size (instead of --sizes)"
+        "-e",
+        "--maxbytes",
+        "--max-bytes",
+        dest="max_bytes",
+        default=None,
+        metavar="SIZE",
+        help=f"sweep up to this size, K/M/G suffixes, as nccl-tests' -e (default {hi})",
     )
     parser.add_argument(
-        "--max-bytes", type=parse_size, default=None, metavar="SIZE", help="sweep up to this size (default 64M)"
+        "-f",
+        "--stepfactor",
+        "--factor",
+        dest="factor",
+        default=None,
+        metavar="F",
+        help=f"multiply the size by F (> 1) from one step to the next, as nccl-tests' -f (default {f})",
     )
-    parser.add_argument("--factor", type=float, default=None, metavar="F", help="sweep step factor (default 2)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="element type (default float32)")
     parser.add_argument(
         "--iters", type=int, default=200, metavar="N", help="most timed iterations per row (default 200)"
@@ -1538,8 +1730,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt = parser.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print the rows as JSON instead of tables")
     fmt.add_argument("--csv", action="store_true", help="print the rows as CSV instead of tables")
-    parser.add_argument("--plot", metavar="PNG", default=None, help="also write a log-log plot (needs matplotlib)")
-    parser.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also write a plot of median time and bus bandwidth against size, log-log, a line per backend and "
+        "op, baselines dashed in their backend's colour (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (otherwise a line per row, and a progress bar below them when stderr is a "
+        "terminal)",
+    )
     over = parser.add_argument_group(
         "core overhead (--overhead)",
         "Instead of the sweep: what the core adds per call, at world size 1 in this process, on a backend "
@@ -1584,43 +1788,27 @@ def _config(args: argparse.Namespace) -> _Config:
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
         raise BenchError(f"--ops: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(OPS)}")
-    sweep = (args.min_bytes, args.max_bytes, args.factor)
     try:
-        if any(v is not None for v in sweep):
-            if args.sizes is not None:
-                raise BenchError("give either --sizes or --min-bytes/--max-bytes/--factor, not both")
-            lo, hi, f = (args.min_bytes or 4), (args.max_bytes or 64 << 20), (args.factor or 2.0)
-            sizes = sweep_sizes(lo, hi, f)
-        else:
-            sizes = [parse_size(s) for s in _csv_list(args.sizes or DEFAULT_SIZES)]
+        sizes = requested_sizes(args.sizes, args.min_bytes, args.max_bytes, args.factor)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
-    if not sizes or min(sizes) < 1:
-        raise BenchError("sizes must be at least 1 byte")
     backends, labels, launchers = _backends(args.backends)
-    baseline = not args.no_baseline
-    if baseline and args.baseline == MPI4PY:
-        if importlib.util.find_spec("mpi4py") is None:
-            raise BenchError(f"--baseline {MPI4PY} needs mpi4py (pip install pg-mpi brings it); or pass --no-baseline")
+    baselines = [] if args.no_baseline else _baselines(args.baseline, launchers)
+    if MPI4PY in baselines:
         launchers.add("mpiexec")
-    elif baseline:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_gloo_available()):
-            raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
     if len(launchers) > 1:
         raise BenchError(f"--backends: their ranks must be started by different launchers ({sorted(launchers)})")
-    if not backends and not baseline:
-        raise BenchError("nothing to measure: no pg-core backend named and --no-baseline")
+    if not backends and not baselines:
+        raise BenchError("nothing to measure: no pg-core backend named and no baseline")
     if len(set(labels)) != len(labels) or set(BASELINES) & set(labels) or any("/" in label for label in labels):
         raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and none of {BASELINES}")
     return _Config(
         world_size=n,
         backends=backends,
         labels=labels,
-        baseline=baseline,
+        baselines=baselines,
         ops=ops,
-        sizes=list(dict.fromkeys(sizes)),
+        sizes=sizes,
         dtype=args.dtype,
         iters=args.iters,
         warmup=args.warmup,
@@ -1629,8 +1817,30 @@ def _config(args: argparse.Namespace) -> _Config:
         pin_ranks=args.pin_ranks,
         to_torch=args.to_torch,
         launcher=next(iter(launchers), None),
-        baseline_label=args.baseline,
     )
+
+
+def _baselines(text: str, launchers: set[str]) -> list[str]:
+    """``--baseline`` as the baselines to measure, in order; ``launchers``: those the backends
+    measured need (``auto`` adds mpi4py where mpiexec starts the ranks anyway)."""
+    import torch.distributed as dist
+
+    gloo = dist.is_available() and dist.is_gloo_available()
+    mpi4py = importlib.util.find_spec("mpi4py") is not None
+    if text.strip() == "auto":
+        return [BASELINE] * gloo + [MPI4PY] * (mpi4py and "mpiexec" in launchers)
+    chosen = list(dict.fromkeys(_csv_list(text)))
+    unknown = [b for b in chosen if b not in BASELINES]
+    if unknown or not chosen:
+        raise BenchError(
+            f"--baseline: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(BASELINES)} "
+            "(comma-separated), 'auto', or --no-baseline"
+        )
+    if BASELINE in chosen and not gloo:
+        raise BenchError(f"this torch has no Gloo, so no {BASELINE} baseline; pass --no-baseline")
+    if MPI4PY in chosen and not mpi4py:
+        raise BenchError(f"--baseline {MPI4PY} needs mpi4py (pip install pg-mpi brings it); or pass --no-baseline")
+    return chosen
 
 
 def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
@@ -1645,13 +1855,15 @@ def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
 
     registry = default_registry()
     if text is None:
-        names = [spec.name for spec in registry.available_for("cpu")]
-        if not names:
+        specs = registry.available_for("cpu") + _launched_for("cpu", registry.entries())
+        if not specs:
             try:
                 registry.default_for("cpu")
             except PGError as exc:
                 raise BenchError(f"{exc} Pass --backends '' to measure the {BASELINE} baseline alone.") from None
-        return names, list(names), set()
+        specs.sort(key=lambda spec: (-spec.priority, spec.name))
+        names = [spec.name for spec in specs]
+        return names, list(names), {spec.launcher for spec in specs if spec.launcher is not None}
     refs = list(dict.fromkeys(_csv_list(text)))
     labels = []
     launchers: set[str] = set()
@@ -1666,6 +1878,24 @@ def _backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
     return refs, labels, launchers
 
 
+def _launched_for(device: str, entries: Sequence[PluginEntry]) -> list[BackendSpec]:
+    """The backends for ``device`` that are unavailable here only because a launcher must start
+    their ranks, and that are available in a process it starts (asked there: a second or two
+    each); those of the first such launcher, since one run's ranks are started one way."""
+    from .launchers import why_unavailable_launched
+
+    found: list[BackendSpec] = []
+    for entry in entries:
+        spec = entry.spec
+        if entry.status != "unavailable" or spec is None or spec.launcher is None or device not in spec.devices:
+            continue
+        if found and spec.launcher != found[0].launcher:
+            continue
+        if why_unavailable_launched(spec.name, spec.launcher) is None:
+            found.append(spec)
+    return found
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark as ``args`` (from :func:`add_parser`'s parser) say; return the exit status."""
     if args.overhead:
@@ -1674,12 +1904,15 @@ def main(args: argparse.Namespace) -> int:
         cfg = _config(args)
         if args.plot:
             _require_matplotlib()
+            folder = Path(args.plot).resolve().parent
+            if not folder.is_dir():
+                raise BenchError(f"--plot {args.plot}: the folder {folder} does not exist; create it or name another")
     except BenchError as exc:
         print(f"pg-core bench: {exc}", file=sys.stderr)
         return 2
     progress = None if args.quiet else sys.stderr
     try:
-        outcome = _run_ranks(cfg, progress)
+        outcome = _run_ranks(cfg, progress, bar=ProgressBar.wanted(sys.stderr, args.quiet))
     except KeyboardInterrupt:  # the ranks are stopped already
         print("pg-core bench: interrupted", file=sys.stderr)
         return 130
@@ -1697,6 +1930,9 @@ def main(args: argparse.Namespace) -> int:
             write_plot(rows, args.plot)
         except BenchError as exc:
             print(f"pg-core bench: {exc}", file=sys.stderr)
+            status = 2
+        except OSError as exc:
+            print(f"pg-core bench: --plot {args.plot}: cannot write it: {exc}", file=sys.stderr)
             status = 2
     wrong = [r for r in rows if r.status == "WRONG"]
     if wrong:
