@@ -255,7 +255,7 @@ def prepared_timeout(ctx: RankContext) -> list[str]:
 
 def test_a_timeout_in_the_prepared_all_reduce_is_pg_cores_and_stops_the_group(rank_pools: Pools) -> None:
     (*values, prepared, timed_out, refused), peer = rank_pools(2).run(prepared_timeout, timeout=120)
-    assert values == ["[3.0, 3.0]"] * 2 and peer == values + ["True"] and prepared == "True"
+    assert values == ["[3.0, 3.0]"] * 2 and peer == [*values, "True"] and prepared == "True"
     assert "after 5 s" in timed_out and "form a new group" in timed_out
     assert "stopped after all_reduce (collective #3) failed" in refused
 
