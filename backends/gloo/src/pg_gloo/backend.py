@@ -11,12 +11,15 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 * **Point to point.** Gloo's ``send`` completes only once the receiver has posted its
   receive, and a receive whose buffer is smaller than the message aborts the whole
   process (``op.preamble.length <= op.nbytes``; larger is a silent truncation). So every
-  message is a 16-byte header (size, dtype) then its payload, both on the caller's tag:
-  the receiver reads the header first and refuses a message of the wrong size or dtype
-  with :class:`~pg_core.errors.CollectiveMismatchError` (after draining it, so the stream
-  stays in step). ``send`` copies the tensor into a buffer of the message's own and
-  returns at once (the contract's "send never waits for its receiver"); one reaper
-  thread per backend waits for Gloo's sends in order and releases their buffers.
+  message starts with a frame of ``_FRAME`` (1 KiB) bytes on the caller's tag: a 16-byte
+  header (size, dtype) and the payload when it fits (up to 1008 bytes: one Gloo message,
+  one round trip), else the payload follows as a second Gloo message. The receiver reads the
+  frame first and refuses a message of the wrong size or dtype with
+  :class:`~pg_core.errors.CollectiveMismatchError` (after draining it, so the stream stays
+  in step). ``send`` copies the tensor into buffers of the message's own and returns at once
+  (the contract's "send never waits for its receiver"); the sends in flight are kept, in
+  order, and forgotten once complete, checked on the next point-to-point call (no thread:
+  a message costs no thread handoff), and waited for at shutdown.
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
   says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
   not claim it and the core runs a batch one call after another, in order.
@@ -29,7 +32,8 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 
 from __future__ import annotations
 
-import queue
+import collections
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -50,6 +54,18 @@ __all__ = ["GlooBackend"]
 #: The header's dtype field for a ``send_bytes`` message.
 _BYTES: Final = -1
 
+#: Every message starts with one Gloo message of ``_FRAME`` bytes: the header (the payload's
+#: size and dtype code, two little-endian int64) and, when it fits, the payload itself; a
+#: larger payload follows as a second Gloo message. One fixed size is what lets the receiver
+#: post the frame's receive before it knows the message (Gloo aborts the process on a
+#: message larger than its receive), and a small message costs one Gloo message, not two:
+#: Gloo sends only once the receiver has posted, so each message is a round trip.
+_FRAME: Final = 1024
+_HEADER: Final = struct.Struct("<qq")
+_HEAD: Final = _HEADER.size
+#: The largest payload that travels inside the frame.
+_INLINE: Final = _FRAME - _HEAD
+
 #: Gloo's words for a connection that is gone (its pair.cc messages).
 _PEER_GONE: Final = (
     "Connection closed by peer",
@@ -69,10 +85,11 @@ class GlooBackend(C10dBackend):
         super().__init__(ctx)
         #: why this backend cannot communicate any more (Gloo closed its connections), or None
         self._broken: str | None = None
-        self._sends: queue.SimpleQueue[tuple[Any, tuple[torch.Tensor, ...], int, float] | None] = queue.SimpleQueue()
-        self._reaper: threading.Thread | None = None
-        self._lock = threading.Lock()
-        #: a send the reaper saw fail, per destination: raised by that peer's next operation
+        #: Gloo's sends not known to be complete, in posting order, each with its buffer (Gloo
+        #: needs it until the receiver has the message), destination and deadline
+        self._in_flight: collections.deque[tuple[Any, torch.Tensor, int, float]] = collections.deque()
+        self._lock = threading.Lock()  # guards _in_flight: sends come from any thread
+        #: a send seen failing (or past its deadline), per destination: raised by that peer's next operation
         self._send_errors: dict[int, BaseException] = {}
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         host = str(ctx.options.get("addr") or advertise_address(ctx.store))
@@ -194,13 +211,17 @@ class GlooBackend(C10dBackend):
             return None
         return then(work, copy_out)
 
-    # -- point to point: header, then payload, on the caller's tag --------------------------
+    # -- point to point: a frame (header, and a small payload), then a large payload, on the caller's tag --
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
         code = dtype_code(tensor.dtype)
         assert code is not None  # the core passes declared dtypes only
-        payload = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)
-        payload.copy_(flat_bytes(tensor))
-        self._post(payload, code, dst, tag, timeout=timeout, what="send")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= _INLINE:  # (cpu: the only device pg-gloo declares point to point for)
+            self._post(_frame(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
+        else:
+            payload = torch.empty(nbytes, dtype=torch.uint8)
+            payload.copy_(flat_bytes(tensor))
+            self._post(_frame(nbytes, code), payload, dst, tag, timeout=timeout, what="send")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
         """The message is Gloo's (in a buffer of its own) when this returns: the work is done."""
@@ -209,46 +230,63 @@ class GlooBackend(C10dBackend):
 
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
         views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
-        payload = torch.empty(sum(v.nbytes for v in views), dtype=torch.uint8)
-        target, offset = tensor_bytes(payload), 0
+        nbytes = sum(v.nbytes for v in views)
+        frame = _frame(nbytes, _BYTES)
+        payload = None if nbytes <= _INLINE else torch.empty(nbytes, dtype=torch.uint8)
+        target, offset = (tensor_bytes(frame), _HEAD) if payload is None else (tensor_bytes(payload), 0)
         for view in views:
             target[offset : offset + view.nbytes] = view
             offset += view.nbytes
-        self._post(payload, _BYTES, dst, tag, timeout=timeout, what="send_bytes")
+        self._post(frame, payload, dst, tag, timeout=timeout, what="send_bytes")
 
-    def _post(self, payload: torch.Tensor, code: int, dst: int, tag: int, *, timeout: float, what: str) -> None:
+    def _post(
+        self, frame: torch.Tensor, payload: torch.Tensor | None, dst: int, tag: int, *, timeout: float, what: str
+    ) -> None:
+        self._settle()
         pg = self._ready(what, [dst])
-        header = torch.tensor([payload.numel(), code], dtype=torch.int64)
         deadline = time.monotonic() + timeout
         try:
-            works = [(pg.send([header], dst, tag), (header,))]
-            if payload.numel():
+            works = [(pg.send([frame], dst, tag), (frame,))]
+            if payload is not None:
                 works.append((pg.send([payload], dst, tag), (payload,)))
         except RuntimeError as exc:
             raise self._error(exc, what, timeout, [dst]) from exc
         with self._lock:
-            if self._reaper is None:
-                self._reaper = threading.Thread(
-                    target=self._reap, name=f"pg-gloo-{self.ctx.group_name}-sends", daemon=True
-                )
-                self._reaper.start()
-        for work, keep in works:
-            self._sends.put((work, keep, dst, deadline))
+            self._in_flight.extend((work, buffer[0], dst, deadline) for work, buffer in works)
 
-    def _reap(self) -> None:
-        """Wait for Gloo's sends in order (a Gloo send completes only once received) and drop
-        their buffers; a failure is recorded for the destination's next operation."""
-        while (item := self._sends.get()) is not None:
-            work, _keep, dst, deadline = item
+    def _settle(self) -> None:
+        """Forget the sends that completed, oldest first (no thread waits for them: a point to
+        point message costs no thread handoff); one that failed, or is still pending past its
+        deadline, becomes its destination's send error."""
+        in_flight = self._in_flight
+        if not in_flight:
+            return
+        with self._lock:
+            while in_flight:
+                work, _buffer, dst, deadline = in_flight[0]
+                if not work.is_completed() and time.monotonic() < deadline:
+                    return
+                in_flight.popleft()
+                try:
+                    work.wait(timeout_delta(max(deadline - time.monotonic(), 0.001)))
+                except RuntimeError as exc:
+                    self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
+
+    def _drain_sends(self, bound: float) -> None:
+        """Wait for the sends in flight (at most ``bound`` seconds in all), then forget them."""
+        end = time.monotonic() + bound
+        with self._lock:
+            in_flight = list(self._in_flight)
+            self._in_flight.clear()
+        for work, _buffer, _dst, deadline in in_flight:
             try:
-                work.wait(timeout_delta(deadline - time.monotonic()))
-            except RuntimeError as exc:
-                self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
-            del item, work, _keep
+                work.wait(timeout_delta(max(min(deadline, end) - time.monotonic(), 0.001)))
+            except RuntimeError:
+                continue  # closing: nobody is left to tell; the peer's receive fails on its side
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        nbytes, code = self._header(src, tag, timeout, "recv")
+        nbytes, code, frame, framed = self._frame_from(src, tag, timeout, "recv")
         want = tensor.numel() * tensor.element_size()
         if nbytes != want or code != dtype_code(tensor.dtype):
             self._discard(nbytes, src, tag, deadline, "recv")
@@ -258,19 +296,22 @@ class GlooBackend(C10dBackend):
                 f"{_describe(want, dtype_code(tensor.dtype))}",
                 peers=[src],
             )
-        if nbytes:
-            pg = self.c10d
-            self._wait(
-                lambda: pg.recv([flat_bytes(tensor)], src, tag),
-                "recv",
-                deadline - time.monotonic(),
-                [src],
-                bounded=True,
-            )
+        if nbytes <= _INLINE:
+            tensor_bytes(tensor)[:] = framed[_HEAD : _HEAD + nbytes]
+            del frame  # (framed, a view of its memory, is used up)
+            return
+        pg = self.c10d
+        self._wait(
+            lambda: pg.recv([flat_bytes(tensor)], src, tag),
+            "recv",
+            deadline - time.monotonic(),
+            [src],
+            bounded=True,
+        )
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
         deadline = time.monotonic() + timeout
-        nbytes, code = self._header(src, tag, timeout, "recv_bytes")
+        nbytes, code, frame, framed = self._frame_from(src, tag, timeout, "recv_bytes")
         if code != _BYTES:
             self._discard(nbytes, src, tag, deadline, "recv_bytes")
             raise CollectiveMismatchError(
@@ -278,25 +319,30 @@ class GlooBackend(C10dBackend):
                 "not send_bytes",
                 peers=[src],
             )
+        if nbytes <= _INLINE:
+            message = bytearray(framed[_HEAD : _HEAD + nbytes])
+            del frame  # (framed, a view of its memory, is used up)
+            return message
         buffer = bytearray(nbytes)
-        if nbytes:
-            pg = self.c10d
-            target = torch.frombuffer(buffer, dtype=torch.uint8)
-            self._wait(
-                lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True
-            )
+        pg = self.c10d
+        target = torch.frombuffer(buffer, dtype=torch.uint8)
+        self._wait(lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True)
         return buffer
 
-    def _header(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int]:
+    def _frame_from(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
+        """The next message's frame from ``src`` on ``tag``: its size, dtype code, the frame and
+        a view of its bytes (which does not keep it alive)."""
+        self._settle()
         pg = self._ready(what, [src])
-        header = torch.empty(2, dtype=torch.int64)
-        self._wait(lambda: pg.recv([header], src, tag), what, timeout, [src], bounded=True)
-        nbytes, code = header.tolist()
-        return int(nbytes), int(code)
+        frame = torch.empty(_FRAME, dtype=torch.uint8)
+        self._wait(lambda: pg.recv([frame], src, tag), what, timeout, [src], bounded=True)
+        framed = tensor_bytes(frame)
+        nbytes, code = _HEADER.unpack_from(framed)
+        return nbytes, code, frame, framed
 
     def _discard(self, nbytes: int, src: int, tag: int, deadline: float, what: str) -> None:
         """Receive a refused message's payload, so the next receive on its stream reads the next message."""
-        if nbytes:
+        if nbytes > _INLINE:
             scratch = torch.empty(nbytes, dtype=torch.uint8)
             self._wait(
                 lambda: self.c10d.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
@@ -304,20 +350,13 @@ class GlooBackend(C10dBackend):
 
     # -- life ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self._stop_reaper(self.ctx.timeout + 1.0)  # the sends in flight first
+        self._drain_sends(self.ctx.timeout + 1.0)  # the sends in flight first
         super().shutdown()
 
     def abort(self) -> None:
         self._broken = self._broken or "the group was aborted"
-        super().abort()  # Gloo's sends fail at once, so the reaper ends
-        self._stop_reaper(5.0)
-
-    def _stop_reaper(self, bound: float) -> None:
-        with self._lock:
-            reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            self._sends.put(None)
-            reaper.join(timeout=bound)
+        super().abort()  # Gloo's sends fail at once
+        self._drain_sends(5.0)
 
 
 def _describe(nbytes: int, code: int | None) -> str:
@@ -326,3 +365,13 @@ def _describe(nbytes: int, code: int | None) -> str:
         return f"{nbytes} bytes"
     size = torch.empty((), dtype=dtype).element_size()
     return f"{nbytes // size} x {dtype_name(dtype)} ({nbytes} bytes)"
+
+
+def _frame(nbytes: int, code: int, payload: memoryview | None = None) -> torch.Tensor:
+    """A message's first Gloo message: the header, then ``payload`` if given (it fits), zeros after."""
+    frame = torch.zeros(_FRAME, dtype=torch.uint8)
+    framed = tensor_bytes(frame)
+    _HEADER.pack_into(framed, 0, nbytes, code)
+    if payload is not None:
+        framed[_HEAD : _HEAD + nbytes] = payload
+    return frame
