@@ -14,6 +14,7 @@ world size, so every launcher prints the same lines.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from pg_core import ProcessGroup, ReduceOp
@@ -34,11 +35,12 @@ def main() -> None:
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
         group.all_gather(gathered, torch.tensor([rank * rank]))
         names = group.all_gather_object(f"r{rank}")
-        print(
+        line = (
             f"from_env_demo: rank {rank}/{size} all_reduce={summed.tolist()} max={biggest.tolist()} "
-            f"broadcast={last.tolist()} all_gather={[int(t) for t in gathered]} objects={names}",
-            flush=True,
+            f"broadcast={last.tolist()} all_gather={[int(t) for t in gathered]} objects={names}\n"
         )
+        sys.stdout.write(line)  # one write: under torchrun the ranks share one stdout, and print() writes twice
+        sys.stdout.flush()
         group.barrier()
 
 
