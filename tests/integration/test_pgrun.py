@@ -37,7 +37,7 @@ GONE_S = 20.0  # a stopped job's processes are gone within this
 class Job:
     """A pgrun (or any launcher) process with its stdout and stderr read as they come."""
 
-    def __init__(self, argv: list[str], *, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             argv,
@@ -46,6 +46,7 @@ class Job:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self.out: list[str] = []
         self.err: list[str] = []
@@ -154,6 +155,14 @@ def test_every_rank_gets_its_prefix_on_stdout_and_stderr_and_no_prefix_turns_it_
     assert sorted(job.stdout.splitlines()) == ["out 0", "out 1"], job.output
     assert sorted(job.stderr.splitlines()) == ["err 0", "err 1"], job.output
     assert_gone(job_pids(bare, 2))
+
+
+@pytest.mark.timeout(240)
+def test_a_module_runs_with_m_as_under_python_m(tmp_path: Path) -> None:
+    job = Job(pgrun("-n", "2", "-m", JOB.stem, "--pids", tmp_path, "print"), cwd=JOB.parent)
+    assert job.finish() == 0, job.output
+    assert sorted(job.stdout.splitlines()) == ["[rank 0] out 0", "[rank 1] out 1"], job.output
+    assert_gone(job_pids(tmp_path, 2))
 
 
 @pytest.mark.requires_backend("tcp")
@@ -301,3 +310,14 @@ def test_mpi_starts_the_ranks_through_mpiexec_for_pg_mpi(tmp_path: Path) -> None
     assert job.stderr.rstrip().splitlines()[-1] == "[rank 0] ValueError: rank 0 fails on purpose", job.output
     assert "pgrun: rank 0 failed with exit code 1; the end of its stderr:" in job.stderr, job.output
     assert_gone(job_pids(failing, 2))
+
+
+@pytest.mark.timeout(300)
+def test_mpi_ranks_die_when_pgrun_is_killed_with_sigkill(tmp_path: Path) -> None:
+    _mpi()
+    job = Job(pgrun("-n", "2", "--mpi", JOB, "--pids", tmp_path, "hang"))
+    job.wait_for_lines(2, "ready", timeout=180)
+    pids = job_pids(tmp_path, 2)
+    job.proc.send_signal(signal.SIGKILL)
+    job.finish()
+    assert_gone(pids)

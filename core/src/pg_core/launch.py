@@ -649,12 +649,12 @@ def _mpi_rank(argv: Sequence[str]) -> int:
     ]
     for t in pumps:
         t.start()
-    launcher = int(os.environ.get("PGRUN_PID", "0"))
+    launcher, parent = int(os.environ.get("PGRUN_PID", "0")), os.getppid()
 
-    def watchdog() -> None:  # pgrun killed: mpiexec may not take its ranks down, so this does
+    def watchdog() -> None:  # pgrun or mpiexec's proxy killed: they may not take the rank down, so this does
         while True:
             time.sleep(0.5)
-            if launcher and not _alive(launcher):
+            if (launcher and not _alive(launcher)) or os.getppid() != parent:
                 with contextlib.suppress(OSError):
                     child.kill()
                 os._exit(137)
