@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,10 @@ GONE_S = 20.0  # a stopped job's processes are gone within this
 
 
 class Job:
-    """A pgrun (or any launcher) process with its stdout and stderr read as they come."""
+    """A pgrun (or any launcher) process with its stdout and stderr read as they come.
+    Every job a test started is killed when the test ends (:func:`no_job_left`)."""
+
+    started_by_test: list[Job] = []
 
     def __init__(self, argv: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.started = time.monotonic()
@@ -48,6 +52,7 @@ class Job:
             env={**os.environ, **(env or {})},
             cwd=cwd,
         )
+        Job.started_by_test.append(self)
         self.out: list[str] = []
         self.err: list[str] = []
         self.lines: queue.Queue[str] = queue.Queue()
@@ -89,7 +94,8 @@ class Job:
         return code
 
     def kill(self) -> None:
-        self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.kill()  # its ranks die with it
         self.proc.wait(10.0)
 
     @property
@@ -103,6 +109,15 @@ class Job:
     @property
     def output(self) -> str:
         return f"--- stdout\n{self.stdout}--- stderr\n{self.stderr}"
+
+
+@pytest.fixture(autouse=True)
+def no_job_left() -> Iterator[None]:
+    """Kill whatever job a test started and left running (a test that failed half-way)."""
+    yield
+    for job in Job.started_by_test:
+        job.kill()
+    Job.started_by_test.clear()
 
 
 def pgrun(*args: str | Path) -> list[str]:
@@ -286,6 +301,30 @@ def test_two_nodes_form_one_world_and_a_failure_on_one_stops_the_other(tmp_path:
     assert "pgrun: node 1: rank 1 failed with exit code 1: stopping this node's ranks" in nodes[0].stderr
     assert nodes[1].stderr.rstrip().splitlines()[-1] == "[rank 1] ValueError: rank 1 fails on purpose"
     assert_gone(job_pids(dirs[2], 1) + job_pids(dirs[3], 1))
+
+
+@pytest.mark.timeout(240)
+def test_node_0_gives_up_on_a_node_whose_pgrun_was_killed(tmp_path: Path) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n1").mkdir()
+    node0 = Job(
+        pgrun(
+            "-n", "1", "--nnodes", "2", "--node-rank", "0", "--master", master, JOB, "--pids", tmp_path / "n0", "print"
+        )
+    )
+    node1 = Job(
+        pgrun(
+            "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master", master, JOB, "--pids", tmp_path / "n1", "hang"
+        )
+    )
+    node1.wait_for_lines(1, "ready 1")
+    node0.wait_for_lines(1, "out 0")  # node 0's rank is done; its pgrun waits for node 1's
+    node1.proc.send_signal(signal.SIGKILL)
+    node1.finish()
+    assert node0.finish(timeout=120) == 1, node0.output
+    assert "pgrun: node 1's pgrun has not been heard from for 30 s and is not done: giving up on it" in node0.stderr
+    assert_gone(job_pids(tmp_path / "n0", 1) + job_pids(tmp_path / "n1", 1))
 
 
 def _mpi() -> None:

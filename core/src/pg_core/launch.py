@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any, Final, TextIO
@@ -58,8 +58,9 @@ _NODES_POLL_S: Final = 0.25
 #: How often ``--mpi`` looks for a rank's exit report.
 _MPI_POLL_S: Final = 0.2
 _TAIL_LINES: Final = 200
+#: Node 0, its own ranks done, gives up on a node whose pgrun has been silent this long.
+_NODE_LOST_S: Final = 30.0
 _FAILED_KEY: Final = "pgrun/failed"
-_DONE_KEY: Final = "pgrun/done"
 #: Variables of other launchers that the ranks must not inherit (pgrun sets its own).
 _INHERITED: Final = (
     "PG_RANK",
@@ -424,7 +425,8 @@ class _Job:
         c = self.config
         deadline = None if c.timeout is None else time.monotonic() + c.timeout
         poll = _MPI_POLL_S if c.mpi else _NODES_POLL_S if c.nnodes > 1 else None
-        done_reported = False
+        # node 0: the nodes not done yet -> (their heartbeats, when those last changed, once node 0 waits for them)
+        waiting: dict[int, tuple[int, float | None]] = {n: (-1, None) for n in range(1, c.nnodes) if c.node_rank == 0}
         while True:
             self.changed.clear()
             if self.signals:
@@ -437,16 +439,19 @@ class _Job:
                 self._tell_nodes(failure)
                 return failure
             if all(p.status is not None for p in self.procs):
-                if c.nnodes == 1 or c.node_rank != 0:
-                    if c.nnodes > 1:
-                        self._store_call(lambda s: s.add(_DONE_KEY, 1))
+                if c.nnodes == 1:
                     return None
-                if not done_reported:  # node 0 keeps the store up until every node is done
-                    self._store_call(lambda s: s.add(_DONE_KEY, 1))
-                    done_reported = True
-                if (self._store_call(lambda s: s.add(_DONE_KEY, 0)) or 0) >= c.nnodes:
+                if c.node_rank != 0:
+                    self._store_call("set", f"pgrun/done/{c.node_rank}", "1")
+                    return None
+                failure = self._other_nodes_done(waiting)  # node 0 keeps the store up until every node is done
+                if failure is not None:
+                    return failure
+                if not waiting:
                     return None
             if c.nnodes > 1:
+                if c.node_rank != 0:
+                    self._store_call("add", f"pgrun/beat/{c.node_rank}", 1)
                 failure = self._other_node_failed()
                 if failure is not None:
                     return failure
@@ -490,7 +495,7 @@ class _Job:
     def _tell_nodes(self, failure: _Failure) -> None:
         if self.config.nnodes > 1:
             what = json.dumps({"node": self.config.node_rank, "what": failure.what, "code": failure.code})
-            self._store_call(lambda s: s.set(_FAILED_KEY, what))
+            self._store_call("set", _FAILED_KEY, what)
 
     def _other_node_failed(self) -> _Failure | None:
         try:
@@ -503,10 +508,28 @@ class _Job:
         self._say(f"node {said['node']}: {said['what']}: stopping this node's ranks")
         return _Failure(f"node {said['node']}: {said['what']}", None, int(said["code"]) or 1)
 
-    def _store_call(self, call: Callable[[Any], Any]) -> Any:
+    def _other_nodes_done(self, waiting: dict[int, tuple[int, float | None]]) -> _Failure | None:
+        """For node 0, its ranks done: drop from ``waiting`` the nodes that are done too, and
+        follow the others' heartbeats; a failure once one has been silent for ``_NODE_LOST_S``."""
+        now = time.monotonic()
+        for node, (beats, since) in list(waiting.items()):
+            if self._store_call("check", [f"pgrun/done/{node}"]):
+                del waiting[node]
+                continue
+            now_beats = self._store_call("add", f"pgrun/beat/{node}", 0)
+            if since is None or (now_beats is not None and now_beats != beats):
+                waiting[node] = (now_beats if now_beats is not None else beats, now)
+            elif now - since > _NODE_LOST_S:
+                what = f"node {node}'s pgrun has not been heard from for {_NODE_LOST_S:g} s and is not done"
+                self._say(f"{what}: giving up on it")
+                return _Failure(what, None, 1)
+        return None
+
+    def _store_call(self, op: str, *args: Any) -> Any:
+        """``store.op(*args)``, or ``None`` if the store is gone (best effort: nobody to tell)."""
         try:
-            return call(self.store)
-        except Exception:  # best effort: a node whose store is gone has nobody to tell
+            return getattr(self.store, op)(*args)
+        except Exception:
             return None
 
     # -- stopping ------------------------------------------------------------------------------
