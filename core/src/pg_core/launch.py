@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -255,6 +256,7 @@ class _Proc:
     prefix: bytes
     tail: collections.deque[bytes] = field(default_factory=lambda: collections.deque(maxlen=_TAIL_LINES))
     status: int | None = None  # set once it exited (not reaped): exit code, or -signal
+    exit_order: int = 0  # among this job's processes, when it exited: 1 for the first
     pumps: list[threading.Thread] = field(default_factory=list)
 
 
@@ -265,6 +267,7 @@ class _Failure:
     what: str
     tail: list[bytes] | None  # None: not a process's failure (a signal, the timeout, another node)
     code: int
+    prefix: bytes = b""  # the failed rank's, for its tail
 
 
 class _Job:
@@ -276,6 +279,7 @@ class _Job:
         self.write_lock = threading.Lock()
         self.status_dir: str | None = None
         self.store: Any = None
+        self.exits = itertools.count(1)
 
     # -- the whole run -------------------------------------------------------------------------
     def run(self) -> int:
@@ -404,8 +408,13 @@ class _Job:
 
     def _write(self, out: TextIO, data: bytes) -> None:
         with self.write_lock, contextlib.suppress(OSError, ValueError):  # a closed pgrun stdout: keep draining
-            out.buffer.write(data)
-            out.buffer.flush()
+            binary = getattr(out, "buffer", None)
+            if binary is None:  # a text-only stream (pgrun called in-process, its output captured)
+                out.write(data.decode(errors="replace"))
+                out.flush()
+            else:
+                binary.write(data)
+                binary.flush()
 
     def _wait_exit(self, proc: _Proc) -> None:
         """Note ``proc``'s exit without reaping it: its pid (its process group's id) stays
@@ -417,6 +426,7 @@ class _Job:
         else:
             assert result is not None
             proc.status = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+        proc.exit_order = next(self.exits)
         self.changed.set()
 
     # -- watching ------------------------------------------------------------------------------
@@ -468,11 +478,13 @@ class _Job:
         """The first failure of this node's processes, if any."""
         if self.config.mpi:
             return self._mpi_failed()
-        for proc in self.procs:
-            if proc.status not in (None, 0):
-                assert proc.status is not None
-                return _Failure(f"{proc.label} {_exit_text(proc.status)}", list(proc.tail), _exit_code(proc.status))
-        return None
+        failed = [p for p in self.procs if p.status not in (None, 0)]
+        if not failed:
+            return None
+        first = min(failed, key=lambda p: p.exit_order)  # not those that died of its failure meanwhile
+        assert first.status is not None
+        what = f"{first.label} {_exit_text(first.status)}"
+        return _Failure(what, list(first.tail), _exit_code(first.status), first.prefix)
 
     def _mpi_failed(self) -> _Failure | None:
         assert self.status_dir is not None
@@ -485,7 +497,9 @@ class _Job:
         if failed:
             first = failed[0]
             tail = [line.encode(errors="replace") for line in first["tail"]]
-            return _Failure(f"rank {first['rank']} {_exit_text(first['status'])}", tail, _exit_code(first["status"]))
+            what = f"rank {first['rank']} {_exit_text(first['status'])}"
+            prefix = f"[rank {first['rank']}] ".encode() if self.config.prefix else b""
+            return _Failure(what, tail, _exit_code(first["status"]), prefix)
         mpiexec = self.procs[0]
         if mpiexec.status not in (None, 0):
             assert mpiexec.status is not None
@@ -568,10 +582,9 @@ class _Job:
         if not lines:
             self._say(f"{failure.what}; it wrote nothing to stderr")
             return
-        prefix = b"" if not self.config.prefix else _prefix_of(failure.what)
         self._say(f"{failure.what}; the end of its stderr:")
         for line in lines:
-            self._write(sys.stderr, prefix + (line if line.endswith(b"\n") else line + b"\n"))
+            self._write(sys.stderr, failure.prefix + (line if line.endswith(b"\n") else line + b"\n"))
 
     def _say(self, text: str) -> None:
         self._write(sys.stderr, f"pgrun: {text}\n".encode())
@@ -598,21 +611,28 @@ def _exit_code(status: int) -> int:
     return 128 - status if status < 0 else status
 
 
-def _prefix_of(what: str) -> bytes:
-    """``[rank R] `` for a failure of ``rank R``; nothing for other processes (mpiexec)."""
-    words = what.split()
-    if len(words) > 1 and words[0] == "rank" and words[1].isdigit():
-        return f"[rank {words[1]}] ".encode()
-    return b""
+_CHAINED: Final = (
+    b"During handling of the above exception, another exception occurred:",
+    b"The above exception was the direct cause of the following exception:",
+)
 
 
 def _traceback(tail: Sequence[bytes]) -> list[bytes]:
-    """What to print last of a failed rank's stderr: from its last traceback on, else its last 20 lines."""
-    lines = [line for line in tail if line.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith(b"Traceback (most recent call last):"):
-            return lines[i:]
-    return lines[-20:]
+    """What to print last of a failed rank's stderr: its last traceback (with the exceptions
+    chained to it), else its last 20 lines."""
+    lines = list(tail)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    starts = [i for i, line in enumerate(lines) if line.startswith(b"Traceback (most recent call last):")]
+    if not starts:
+        return lines[-20:]
+    first = starts[-1]
+    for start in reversed(starts[:-1]):
+        between = [line.strip() for line in lines[start:first] if line.strip()]
+        if not any(line in _CHAINED for line in between[-1:]):
+            break
+        first = start
+    return lines[first:]
 
 
 # -- the rank side of --mpi ------------------------------------------------------------------------
