@@ -3,6 +3,7 @@ its pid into ``--pids DIR`` first thing, then does what MODE says.
 
 - ``example``: run examples/from_env_demo.py (its ``from_env_demo:`` line);
 - ``print``: write ``out R`` to stdout and ``err R`` to stderr (no group, no torch);
+- ``env``: print ``env R`` and the launcher variables it was given, ``NAME=value`` (no torch);
 - ``hang``: print ``ready R`` and wait (at most 120 s) until pgrun stops it (no group, no torch);
 - ``raise R``: form the group, print ``ready R``, then rank R raises while the others wait in a
   barrier (timeout 120 s) that only R's failure ends;
@@ -20,6 +21,10 @@ import sys
 import threading
 from pathlib import Path
 
+LAUNCHER_VARS = (
+    *("PG_RANK", "PG_WORLD_SIZE", "PG_LOCAL_RANK", "PG_STORE", "PG_BACKENDS", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    *("LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"),
+)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_env_demo.py"
 
 
@@ -56,7 +61,7 @@ def env_rank() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pids", required=True)
-    parser.add_argument("mode", choices=("example", "print", "hang", "raise", "exit"))
+    parser.add_argument("mode", choices=("example", "print", "env", "hang", "raise", "exit"))
     parser.add_argument("values", nargs="*", type=int)
     args = parser.parse_args()
     Path(args.pids, str(os.getpid())).touch()
@@ -68,6 +73,10 @@ def main() -> None:
         rank = env_rank()
         print(f"out {rank}", flush=True)
         print(f"err {rank}", file=sys.stderr, flush=True)
+        return
+    if args.mode == "env":
+        given = sorted(f"{k}={v}" for k, v in os.environ.items() if k in LAUNCHER_VARS or k.startswith("TORCHELASTIC_"))
+        print(f"env {env_rank()} " + " ".join(given), flush=True)
         return
     if args.mode == "hang":
         print(f"ready {env_rank()}", flush=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 from pg_core import PrefixStore, ProcessGroup, TCPStore
 
 JOB = Path(__file__).with_name("pgrun_job.py")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_env_demo.py"
 _spec = importlib.util.spec_from_file_location("pgrun_job", JOB)
 assert _spec is not None and _spec.loader is not None
 job_module = importlib.util.module_from_spec(_spec)
@@ -108,3 +110,75 @@ def test_under_torchruns_agent_the_group_keeps_to_the_attempts_prefix_of_the_age
         assert (group.rank, group.size, group.name) == (0, 1, "trainers")
     assert PrefixStore("/worker/attempt_3", store).check(["pg-core/trainers/generation"])
     assert not store.check(["pg-core/trainers/generation"])
+
+
+def demo_env(**launcher: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables, plus ``launcher``."""
+    inherited = ("PG_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID"):
+        keep.pop(var, None)
+    return {**keep, "OMP_NUM_THREADS": "1", **launcher}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.requires_backend("tcp")
+@pytest.mark.timeout(300)
+def test_under_slurms_variables_rank_0_hosts_the_store_on_the_first_node_of_the_step() -> None:
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--backends", "tcp"],
+            env=demo_env(
+                SLURM_PROCID=str(r),
+                SLURM_NTASKS="2",
+                SLURM_LOCALID=str(r),
+                SLURM_STEP_NODELIST="localhost,nowhere[1-4]",
+                SLURM_JOB_ID="4242",
+                MASTER_PORT=port,
+            ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (1, 0)  # rank 1 first: it waits for rank 0's store
+    ]
+    outputs = []
+    try:
+        for proc in ranks:
+            outputs.append(proc.communicate(timeout=180)[0])
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait(10)
+    assert [proc.returncode for proc in ranks] == [0, 0], outputs
+    assert demo_lines("".join(outputs), prefixed=False) == expected_demo(2), outputs
+
+
+@pytest.mark.requires_backend("tcp")
+@pytest.mark.timeout(300)
+def test_under_mpiexec_the_ranks_come_from_the_mpi_launcher_and_the_store_from_master_addr() -> None:
+    try:
+        import pg_mpi  # noqa: F401  (it brings mpiexec: the mpich wheel)
+    except ImportError as exc:
+        pytest.skip(f"pg-mpi is not importable here ({exc}), so there is no mpiexec to start the ranks with")
+    from pg_core.launchers import launch_command
+
+    command = launch_command("mpiexec", 2, [sys.executable, str(EXAMPLE), "--backends", "tcp"])
+    result = subprocess.run(
+        command,
+        env=demo_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert demo_lines(result.stdout, prefixed=False) == expected_demo(2), result.stdout + result.stderr

@@ -173,6 +173,29 @@ def test_every_rank_gets_its_prefix_on_stdout_and_stderr_and_no_prefix_turns_it_
 
 
 @pytest.mark.timeout(240)
+def test_every_rank_gets_pgruns_and_torchruns_variables_and_none_of_an_outer_launchers(tmp_path: Path) -> None:
+    outer = {"PG_RANK": "9", "RANK": "9", "TORCHELASTIC_RUN_ID": "outer", "OMP_NUM_THREADS": "3"}
+    job = Job(pgrun("-n", "2", "--backends", "tcp", JOB, "--pids", tmp_path, "env"), env=outer)
+    assert job.finish() == 0, job.output
+    given = {}
+    for line in job.stdout.splitlines():
+        prefix, _, rest = line.partition("] env ")
+        rank, *pairs = rest.split()
+        assert prefix == f"[rank {rank}", line
+        given[int(rank)] = dict(pair.split("=", 1) for pair in pairs)
+    assert sorted(given) == [0, 1], job.output
+    port = given[0]["MASTER_PORT"]
+    for rank, env in given.items():
+        assert env == {
+            **{"PG_RANK": str(rank), "PG_WORLD_SIZE": "2", "PG_LOCAL_RANK": str(rank), "PG_BACKENDS": "tcp"},
+            **{"PG_STORE": f"127.0.0.1:{port}", "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)},
+            **{"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+            "OMP_NUM_THREADS": "3",  # the user's, kept
+        }, job.output
+    assert_gone(job_pids(tmp_path, 2))
+
+
+@pytest.mark.timeout(240)
 def test_a_module_runs_with_m_as_under_python_m(tmp_path: Path) -> None:
     job = Job(pgrun("-n", "2", "-m", JOB.stem, "--pids", tmp_path, "print"), cwd=JOB.parent)
     assert job.finish() == 0, job.output
