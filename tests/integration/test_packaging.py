@@ -153,6 +153,7 @@ def test_the_wheel_holds_the_package_its_entry_points_and_the_changelog_in_its_d
     if dist == "pg-core":
         assert "pytest_pg_core.py" in names
         assert "pg-core = pg_core.cli:main" in entry_points and "pytest_pg_core = pytest_pg_core" in entry_points
+        assert "pgrun = pg_core.launch:main" in entry_points, entry_points
     else:
         backend = dist.removeprefix("pg-")
         assert f"{backend} = {module}.plugin" in entry_points, entry_points

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import bench
+from . import bench, launch
 from .registry import PluginEntry, default_registry
 from .testing import command as conformance
 
@@ -171,4 +171,9 @@ def _table(entries: Sequence[PluginEntry]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-_SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [_add_backends, bench.add_parser, conformance.add_parser]
+_SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [
+    _add_backends,
+    launch.add_parser,
+    bench.add_parser,
+    conformance.add_parser,
+]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from . import messages
+from . import environment, messages
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends
 from .errors import CollectiveTimeout, NotSupportedError, PluginError
@@ -118,6 +118,39 @@ class ProcessGroup:
             _form_top_level(
                 store, name, rank, size, backends=backends, timeout=timeout, options=options, registry=registry
             )
+        )
+
+    @classmethod
+    def from_env(
+        cls,
+        backends: BackendsArg = None,
+        name: str = "world",
+        *,
+        env: Mapping[str, str] | None = None,
+        timeout: float | timedelta | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+        registry: Registry | None = None,
+    ) -> ProcessGroup:
+        """The group of every process a launcher started: pgrun, torchrun, SLURM's ``srun`` or
+        ``mpiexec``, read from ``env`` (default ``os.environ``) as :mod:`pg_core.environment`
+        says, in that order of precedence. Connects to (or, where the launcher leaves it to
+        rank 0, hosts) the job's store, then forms the group as the constructor does.
+        ``backends=None`` takes ``PG_BACKENDS`` (``pgrun --backends``) where it is set.
+        Raises ``ValueError`` naming the variables it looked for, before connecting."""
+        env = os.environ if env is None else env
+        launch = environment.read_launch(env)
+        if backends is None and env.get("PG_BACKENDS"):
+            backends = env["PG_BACKENDS"]
+        store = launch.connect(seconds(timeout, DEFAULT_TIMEOUT))
+        return cls(
+            store,
+            launch.rank,
+            launch.size,
+            backends=backends,
+            name=name,
+            timeout=timeout,
+            options=options,
+            registry=registry,
         )
 
     @classmethod
@@ -1132,15 +1165,14 @@ class ProcessGroup:
 
 def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:
     if rank is None or size is None:
-        env_rank = os.environ.get("PG_RANK", os.environ.get("RANK"))
-        env_size = os.environ.get("PG_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
-        if env_rank is None or env_size is None:
+        found = environment.rank_and_size(os.environ)
+        if found is None:
             raise ValueError(
-                "rank and size are required outside a launcher (pgrun/torchrun set PG_RANK/RANK and "
-                "PG_WORLD_SIZE/WORLD_SIZE)"
+                "rank and size are required outside a launcher (pgrun, torchrun, srun and mpiexec set them: see "
+                "ProcessGroup.from_env)"
             )
-        rank = int(env_rank) if rank is None else rank
-        size = int(env_size) if size is None else size
+        rank = found[0] if rank is None else rank
+        size = found[1] if size is None else size
     for value, what in ((rank, "rank"), (size, "size")):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{what} must be an int, got {value!r}")

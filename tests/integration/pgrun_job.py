@@ -1,0 +1,98 @@
+"""A rank of the jobs tests/integration/test_pgrun.py and test_from_env.py start: it writes
+its pid into ``--pids DIR`` first thing, then does what MODE says.
+
+- ``example``: run examples/from_env_demo.py (its ``from_env_demo:`` line);
+- ``print``: write ``out R`` to stdout and ``err R`` to stderr (no group, no torch);
+- ``env``: print ``env R`` and the launcher variables it was given, ``NAME=value`` (no torch);
+- ``hang``: print ``ready R`` and wait (at most 120 s) until pgrun stops it (no group, no torch);
+- ``raise R``: form the group, print ``ready R``, then rank R raises while the others wait in a
+  barrier (timeout 120 s) that only R's failure ends;
+- ``exit R CODE``: like ``raise``, but rank R exits with status CODE.
+
+The tests load it as a module for :func:`expected_demo` and :func:`demo_lines`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import threading
+from pathlib import Path
+
+LAUNCHER_VARS = (
+    *("PG_RANK", "PG_WORLD_SIZE", "PG_LOCAL_RANK", "PG_STORE", "PG_BACKENDS", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    *("LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"),
+)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_env_demo.py"
+
+
+def expected_demo(size: int) -> list[str]:
+    """The lines examples/from_env_demo.py prints at world size ``size``."""
+    return sorted(
+        f"from_env_demo: rank {r}/{size} all_reduce={[float(size * i + size * (size - 1) // 2) for i in range(4)]} "
+        f"max={[float(10 * (size - 1) + 1)]} broadcast={[float(size - 1)] * 2} "
+        f"all_gather={[q * q for q in range(size)]} objects={[f'r{q}' for q in range(size)]}"
+        for r in range(size)
+    )
+
+
+def demo_lines(stdout: str, *, prefixed: bool) -> list[str]:
+    """The demo's lines in ``stdout``, sorted; with ``prefixed``, each must carry its own rank's prefix."""
+    lines = []
+    for line in stdout.splitlines():
+        if "from_env_demo:" not in line:
+            continue
+        if prefixed:
+            rank = line.split("from_env_demo: rank ", 1)[1].split("/", 1)[0]
+            assert line.startswith(f"[rank {rank}] from_env_demo:"), line
+        lines.append(line.split("] ", 1)[1] if prefixed else line)
+    return sorted(lines)
+
+
+def env_rank() -> int:
+    for var in ("PG_RANK", "RANK", "PMI_RANK"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    raise SystemExit("pgrun_job.py: no rank in the environment")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pids", required=True)
+    parser.add_argument("mode", choices=("example", "print", "env", "hang", "raise", "exit"))
+    parser.add_argument("values", nargs="*", type=int)
+    args = parser.parse_args()
+    Path(args.pids, str(os.getpid())).touch()
+    if args.mode == "example":
+        sys.argv = [str(EXAMPLE)]
+        runpy.run_path(str(EXAMPLE), run_name="__main__")
+        return
+    if args.mode == "print":
+        rank = env_rank()
+        print(f"out {rank}", flush=True)
+        print(f"err {rank}", file=sys.stderr, flush=True)
+        return
+    if args.mode == "env":
+        given = sorted(f"{k}={v}" for k, v in os.environ.items() if k in LAUNCHER_VARS or k.startswith("TORCHELASTIC_"))
+        print(f"env {env_rank()} " + " ".join(given), flush=True)
+        return
+    if args.mode == "hang":
+        print(f"ready {env_rank()}", flush=True)
+        threading.Event().wait(120)
+        raise SystemExit("pgrun_job.py hang: nobody stopped this rank within 120 s")
+    from pg_core import ProcessGroup
+
+    group = ProcessGroup.from_env(timeout=120)
+    print(f"ready {group.rank}", flush=True)
+    if group.rank == args.values[0]:
+        if args.mode == "exit":
+            sys.exit(args.values[1])
+        raise ValueError(f"rank {group.rank} fails on purpose")
+    group.barrier()  # ends only when pgrun stops this rank
+    raise SystemExit("pgrun_job.py: the barrier returned though a rank failed")
+
+
+if __name__ == "__main__":
+    main()
