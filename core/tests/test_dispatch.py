@@ -535,8 +535,8 @@ class Prepared(CpuRecorder):
     """Offers a prepared all_reduce (it adds 10, the plain one adds 1); a non-empty option
     ``fail`` makes the prepared call time out once."""
 
-    def prepared_all_reduce(self, op, *, timeout):
-        self.log.append(("prepare", op.type.name, timeout))
+    def prepared_all_reduce(self, dtype, op, *, timeout):
+        self.log.append(("prepare", str(dtype), op.type.name, timeout))
 
         def run(tensor):
             self._rec("prepared", tensor, op=op.type.name)
@@ -562,7 +562,7 @@ def test_a_prepared_all_reduce_takes_the_blocking_calls_of_a_kind_once_one_went_
     g.all_reduce(t)
     g.all_reduce(t)
     assert [e[0] for e in log] == ["all_reduce", "prepare", "prepared"]
-    assert log[1] == ("prepare", "SUM", 30.0)  # asked once per kind, with the group's timeout
+    assert log[1] == ("prepare", "torch.float32", "SUM", 30.0)  # asked once per kind, with the group's timeout
     assert t.tolist() == [11.0] * 3
     g.all_reduce(t, op=ReduceOp.MAX)  # another reduce op, another dtype: each its own kind
     g.all_reduce(t, op=ReduceOp.MAX)

@@ -152,9 +152,9 @@ group's ``recv(tensor, src=None)`` on a backend that does not declare it raises
   (``peers=``); :class:`~pg_core.errors.PeerFailureError` comes once no peer that could
   still send is left (every other rank gone), never while one is.
 
-**A prepared all_reduce (API 1.5, optional).** ``prepared_all_reduce(op, timeout=)`` may
-return a callable ``run(tensor)`` that does exactly what ``all_reduce(tensor, op,
-timeout=timeout)`` does for a blocking call, prepared once (the library's options object
+**A prepared all_reduce (API 1.5, optional).** ``prepared_all_reduce(dtype, op, timeout=)``
+may return a callable ``run(tensor)`` that does exactly what ``all_reduce(tensor, op,
+timeout=timeout)`` does for a blocking call on a tensor of ``dtype``, prepared once (the library's options object
 built, the method looked up) so that each call costs the least Python. The core asks once
 per (device, dtype, reduce op) with the group's default timeout, after a plain ``all_reduce``
 of that kind succeeded, and then calls ``run`` in its place for blocking calls of that kind:
@@ -610,9 +610,11 @@ class Backend:
         raise NotSupportedError(f"{type(self).__name__} does not coalesce (it sets no coalesces = True)")
 
     # -- optional: a prepared all_reduce (API 1.5) -----------------------------
-    def prepared_all_reduce(self, op: ReduceOp, *, timeout: float) -> Callable[[torch.Tensor], None] | None:
+    def prepared_all_reduce(
+        self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
+    ) -> Callable[[torch.Tensor], None] | None:
         """A callable doing what ``all_reduce(tensor, op, timeout=timeout)`` does for a
-        blocking call, or ``None`` (the default: the core calls :meth:`all_reduce`). See
+        blocking call on a tensor of ``dtype``, or ``None`` (the default: the core calls :meth:`all_reduce`). See
         "A prepared all_reduce" in the module docstring."""
         return None
 

@@ -338,7 +338,9 @@ class C10dBackend(Backend):
         opts = self._opts("allreduce", timeout, op=op)
         return self._wait(lambda: pg.allreduce([tensor], opts), "all_reduce", timeout, async_op=async_op)
 
-    def prepared_all_reduce(self, op: ReduceOp, *, timeout: float) -> Callable[[torch.Tensor], None] | None:
+    def prepared_all_reduce(
+        self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
+    ) -> Callable[[torch.Tensor], None] | None:
         """:meth:`all_reduce` for blocking calls, its options built once: the torch call, its wait
         and :meth:`_error`, nothing else (about a microsecond of Python over the raw torch call).
         ``None`` where that would skip something: a subclass's own ``all_reduce``, a backend that

@@ -179,12 +179,12 @@ class Dispatcher:
         return inst is not None and inst.launches
 
     def prepared_all_reduce(
-        self, device: torch.device, op: ReduceOp, timeout: float
+        self, device: torch.device, dtype: torch.dtype, op: ReduceOp, timeout: float
     ) -> Callable[[torch.Tensor], None] | None:
         """The prepared all_reduce (API 1.5) of ``device``'s backend, if it exists and offers one."""
         inst = self._by_device.get(device) or self._instances.get(device.type)
         prepare = getattr(inst.backend, "prepared_all_reduce", None) if inst is not None else None
-        return None if prepare is None else prepare(op, timeout=timeout)  # type: ignore[no-any-return]
+        return None if prepare is None else prepare(dtype, op, timeout=timeout)  # type: ignore[no-any-return]
 
     def instance(self, device: torch.device, op: str | None = None) -> Instance:
         """The instance for ``device``'s type, created on first use (the caller checked that

@@ -375,7 +375,7 @@ class ProcessGroup:
         if plain and not self._coalescing:  # it ran: the backend exists, and declares this kind
             key = (tensor.device, tensor.dtype, rop.type)
             if key not in self._lanes:
-                self._lanes[key] = self._dispatch.prepared_all_reduce(tensor.device, rop, self._timeout)
+                self._lanes[key] = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
         return result
 
     def broadcast(

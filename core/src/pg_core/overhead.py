@@ -91,7 +91,9 @@ class NullBackend(Backend):
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
         return None
 
-    def prepared_all_reduce(self, op: ReduceOp, *, timeout: float) -> Callable[[torch.Tensor], None]:
+    def prepared_all_reduce(
+        self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
+    ) -> Callable[[torch.Tensor], None]:
         return _nothing  # as a torch C++ backend does (C10dBackend), so the group's hot path is measured
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
