@@ -1080,8 +1080,8 @@ class ProcessGroup:
 
         Then this member leaves the group. In the process that hosts the store's server (the
         rank that made its ``TCPStore`` with ``is_master=True``, or one holding a
-        :class:`~pg_core.StoreServer`), shutdown then waits until every member of this group
-        has left it (by ``shutdown()``, ``abort()`` or a ``with`` block's end), so the store
+        :class:`~pg_core.StoreServer`), shutdown then waits until every member of this group in
+        another process has left it (by ``shutdown()``, ``abort()`` or a ``with`` block's end), so the store
         outlives the ranks still using it; at most the group's timeout, past which it warns
         (``RuntimeWarning``) naming the ranks that did not leave, and returns. A backend that
         failed to close is raised after that wait."""
@@ -1114,7 +1114,7 @@ class ProcessGroup:
 
     def _leave(self, *, wait: bool) -> None:
         """Leave the group in the store; with ``wait``, in the process hosting the store, wait
-        (at most the group's timeout) until every member has left."""
+        (at most the group's timeout) until every member in another process has left."""
         try:
             leave(self._store, self._rank)
         except Exception:  # the store is gone or failing: then nobody waits for this mark

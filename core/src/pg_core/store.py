@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -79,40 +80,44 @@ def hosts_store(store: Store) -> bool:
     """Whether this process hosts the server of ``store``, a ``TCPStore`` (possibly wrapped):
     whether the store ends when this process exits. Torch's object does not say whether it was
     made with ``is_master=True``, so this asks the system whether this process holds a socket
-    listening on the store's port (Linux: ``/proc``; elsewhere ``False``, so nothing waits).
-    ``False`` for other stores (``FileStore``, ``HashStore``)."""
+    listening on the store's port (its descriptors, from ``/proc/self/fd`` or ``/dev/fd``;
+    where neither lists them, ``False``, so nothing waits). ``False`` for other stores
+    (``FileStore``, ``HashStore``)."""
     inner = _innermost(store)
     return isinstance(inner, TCPStore) and _listens_here(int(inner.port))
 
 
 def _listens_here(port: int) -> bool:
-    """Whether a socket of this process listens on TCP ``port``: the inodes of this process's
-    sockets (``/proc/self/fd``) against the listening sockets of the network namespace."""
+    """Whether a TCP socket of this process listens on ``port``: each socket among this
+    process's file descriptors, asked through a duplicate (which is all that is closed)."""
     try:
-        fds = os.listdir("/proc/self/fd")
+        names = os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd")
     except OSError:
         return False
-    inodes = set()
-    for fd in fds:
+    accepting = getattr(socket, "SO_ACCEPTCONN", None)
+    if accepting is None:
+        return False
+    for name in names:
         try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            dup = os.dup(fd)
+        except (OSError, ValueError):  # closed meanwhile (the listing's own descriptor among them)
             continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:[") : -1])
-    listen = "0A"  # TCP_LISTEN in /proc/net/tcp's ``st`` column
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
+            sock = socket.socket(fileno=dup)
         except OSError:
+            os.close(dup)
             continue
-        for row in rows:
-            # sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode
-            fields = row.split()
-            local_port = int(fields[1].rpartition(":")[2], 16) if len(fields) > 9 else -1
-            if local_port == port and fields[3] == listen and fields[9] in inodes:
-                return True
+        with sock:
+            try:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.getsockopt(socket.SOL_SOCKET, accepting) and sock.getsockname()[1] == port:
+                    return True
+            except OSError:
+                continue
     return False
 
 
