@@ -252,6 +252,29 @@ def test_store_server_hosts_until_closed() -> None:
 
 
 @pytest.mark.requires_backend("tcp")
+def test_ranks_in_the_hosting_process_are_not_waited_for() -> None:
+    """Threads as ranks, in the process that hosts the store: they cannot outlive it, so shutting
+    them down one after another never waits for the next (it would take the group's timeout)."""
+    timeout = 30.0
+    with StoreServer() as server:
+        groups: list[ProcessGroup] = []
+        for rank in range(3):  # forming never waits for the others
+            groups.append(ProcessGroup(server.store, rank=rank, size=3, backends="tcp", timeout=timeout))
+        threads = [threading.Thread(target=g.all_reduce, args=(torch.ones(2),)) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=OP_TIMEOUT_S)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = time.monotonic()
+            for g in groups:
+                g.shutdown()
+            took = time.monotonic() - start
+    assert [str(w.message) for w in caught] == [] and took < timeout / 2, took
+
+
+@pytest.mark.requires_backend("tcp")
 def test_a_dead_store_host_is_a_short_pg_core_error(ranks: Callable[..., Ranks]) -> None:
     """Rank 0 hosts the store and dies (no shutdown). What the others then ask of the store (a new
     group; a group formed earlier whose backend is created now) raises StoreUnavailableError, a

@@ -1080,11 +1080,11 @@ class ProcessGroup:
 
         Then this member leaves the group. In the process that hosts the store's server (the
         rank that made its ``TCPStore`` with ``is_master=True``, or one holding a
-        :class:`~pg_core.StoreServer`), shutdown then waits until every member of this group in
-        another process has left it (by ``shutdown()``, ``abort()`` or a ``with`` block's end), so the store
-        outlives the ranks still using it; at most the group's timeout, past which it warns
-        (``RuntimeWarning``) naming the ranks that did not leave, and returns. A backend that
-        failed to close is raised after that wait."""
+        :class:`~pg_core.StoreServer`), shutdown then waits until every member of this group
+        in another process has left it (by ``shutdown()``, ``abort()`` or a ``with`` block's
+        end), so the store outlives the ranks still using it; at most the group's timeout,
+        past which it warns (``RuntimeWarning``) naming the ranks that did not leave, and
+        returns. A backend that failed to close is raised after that wait."""
         if not self._executor.drain(self._timeout):
             return
         with self._executor.running:

@@ -160,6 +160,8 @@ def await_leaving(group_store: Store, size: int, timeout: float, what: str) -> l
         return not group_store.check([claimed]) or not group_store.get(claimed).decode().startswith(here)
 
     keys = [f"left/{r}" for r in range(size) if elsewhere(r)]
+    if not keys:
+        return []
     try:
         wait_for(group_store, keys, timeout, what=what)
     except CollectiveTimeout:
