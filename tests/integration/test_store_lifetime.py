@@ -276,28 +276,30 @@ def test_ranks_in_the_hosting_process_are_not_waited_for() -> None:
 
 @pytest.mark.requires_backend("tcp")
 def test_a_dead_store_host_is_a_short_pg_core_error(ranks: Callable[..., Ranks]) -> None:
-    """Rank 0 hosts the store and dies (no shutdown). What the others then ask of the store (a new
-    group; a group formed earlier whose backend is created now) raises StoreUnavailableError, a
-    PeerFailureError naming the address and what to do, with no C++ frames and no torch error chained."""
-    r = ranks("host_dies", 3)
+    """Rank 0 hosts the store and dies (no shutdown). Whatever the others then ask of the store (a
+    new group; a backend created now; pg-tcp reading the address of a peer it never talked to)
+    raises StoreUnavailableError, a PeerFailureError naming the address and what to do, short,
+    with no C++ frames and no torch error chained; and each rank still shuts down cleanly."""
+    r = ranks("host_dies", 4)
     port, client = _start_hosted(r)
     del client
-    for rank in range(3):
+    for rank in range(4):
         r.expect(rank, "reduced")
     assert r.exit_code(0) == 0
-    for rank in (1, 2):
+    for rank in (1, 2, 3):
         r.tell(rank, "go")
-    for rank in (1, 2):
-        for what in ("new group", "first use of a formed group"):
-            failed = r.expect(rank, "failed")
-            assert failed["what"] == what
-            assert failed["type"] == "StoreUnavailableError" and failed["peer_failure"], failed
-            message = failed["message"]
+    expected = ["new group", "a backend created now"]
+    for rank in (1, 2, 3):
+        outcomes = r.expect(rank, "tried")["outcomes"]
+        assert [o["what"] for o in outcomes] == expected + (["a new connection"] if rank == 1 else [])
+        for o in outcomes:
+            assert o["type"] == "StoreUnavailableError" and o["peer_failure"], o
+            message = o["message"]
             assert f"the store at 127.0.0.1:{port} is gone" in message and "has exited" in message, message
             assert "StoreServer" in message and "shutdown()" in message, message
             assert "frame #" not in message and len(message) < 400, message
-            assert not failed["chained"], failed
-        assert r.expect(rank, "closed")["clean"]
+            assert not o["chained"], o
+        assert r.expect(rank, "closed")
         assert r.exit_code(rank) == 0
 
 
@@ -333,7 +335,7 @@ def host_first(store: TCPStore, rank: int, size: int, backend: str) -> None:
     s = torch.ones(3)
     sub.all_reduce(s)
     received = torch.empty(3)
-    if rank == 1:  # ranks 1 and 3 are not ring neighbours: pg-tcp connects anew
+    if rank == 1:  # point to point on the world group, after its host left it
         group.send(torch.arange(3.0), dst=3)
     elif rank == 3:
         group.recv(received, src=1)
@@ -378,32 +380,44 @@ def server(store: TCPStore, rank: int, size: int, backend: str) -> None:
 
 def host_dies(store: TCPStore, rank: int, size: int, backend: str) -> None:
     group = _world(store, rank, size, backend)
-    # formed now, first used after the store is gone: its backend is created then
-    later = ProcessGroup(store, rank=rank, size=size, backends=backend, name="later", timeout=OP_TIMEOUT_S)
+    # formed now, used after the store is gone: their backends (and connections) are made then
+    fresh = ProcessGroup(store, rank=rank, size=size, backends=backend, name="fresh", timeout=OP_TIMEOUT_S)
+    pairs = ProcessGroup(store, rank=rank, size=size, backends=backend, name="pairs", timeout=OP_TIMEOUT_S)
+    t = torch.ones(2)
+    if rank in (1, 3):  # pg-tcp connects 1-2 and 3-0 only: every backend made, 1 never met 3
+        pairs.send(t, dst=rank + 1 if rank == 1 else 0)
+    else:
+        pairs.recv(t, src=1 if rank == 2 else 3)
     if rank == 0:
         os._exit(0)  # dies with the store: no shutdown, no goodbye
     _hear("go")
     attempts: list[tuple[str, Callable[[], Any]]] = [
-        ("new group", lambda: group.new_group([1, 2])),
-        ("first use of a formed group", lambda: later.all_reduce(torch.ones(2))),
+        ("new group", lambda: group.new_group([1, 2, 3])),
+        ("a backend created now", lambda: fresh.all_reduce(torch.ones(2))),
     ]
+    if rank == 1:
+        attempts.append(("a new connection", lambda: pairs.send(t, dst=3)))
+    outcomes = []
     for what, attempt in attempts:
         try:
             attempt()
         except Exception as exc:
-            _report(
-                "failed",
-                what=what,
-                type=type(exc).__name__,
-                peer_failure=isinstance(exc, StoreUnavailableError) and isinstance(exc, PeerFailureError),
-                message=str(exc),
-                chained=exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__),
+            outcomes.append(
+                {
+                    "what": what,
+                    "type": type(exc).__name__,
+                    "peer_failure": isinstance(exc, StoreUnavailableError) and isinstance(exc, PeerFailureError),
+                    "message": str(exc),
+                    "chained": exc.__cause__ is not None
+                    or (exc.__context__ is not None and not exc.__suppress_context__),
+                }
             )
         else:
-            _report("succeeded", what=what)
-    later.abort()
-    group.shutdown()  # its own resources go; leaving the group needs no store that is gone
-    _report("closed", clean=True)
+            outcomes.append({"what": what, "type": "(succeeded)"})
+    _report("tried", outcomes=outcomes)
+    for g in (fresh, pairs, group):  # their own resources go; leaving needs no store that is gone
+        g.shutdown()
+    _report("closed")
 
 
 SCENARIOS: dict[str, Callable[[TCPStore, int, int, str], None]] = {

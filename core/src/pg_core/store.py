@@ -181,6 +181,13 @@ class GuardedStore(Store):
     def num_keys(self) -> int:
         return self._call("num_keys", self.inner.num_keys)
 
+    # torch's C++ stores (a PrefixStore over this one) reach these two by their C++ names
+    def deleteKey(self, key: str) -> bool:  # noqa: N802  (the name torch looks up)
+        return self.delete_key(key)
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self.num_keys()
+
     # torch's extended API (a C++ backend asks has_extended_api() before using it); torch's
     # type stubs do not declare it
     def append(self, key: str, value: Any) -> None:
