@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 from pg_core import PeerFailureError, ProcessGroup, StoreServer, StoreUnavailableError, TCPStore
-from pg_core.store import hosts_store
+from pg_core.store import GuardedStore, PrefixStore, hosts_store, store_address, store_host
 
 PREFIX = "@@ "
 SCENARIO_LIMIT_S = 120.0  # a whole scenario, process start-up on a loaded 2-core machine included
@@ -249,6 +249,29 @@ def test_store_server_hosts_until_closed() -> None:
         _ = server.store
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+
+
+def test_a_guarded_store_translates_a_lost_server_once_and_carries_what_torch_forwards() -> None:
+    """In one process: through a PrefixStore (as every backend sees it), the methods torch forwards
+    to a Python store work; once the server is gone, the first call is StoreUnavailableError naming
+    the address, and later ones are too, without asking torch again."""
+    server = StoreServer()
+    client = TCPStore(server.host, server.port, is_master=False, timeout=timedelta(seconds=10))
+    guarded = GuardedStore(client)
+    prefixed = PrefixStore("group", guarded)
+    prefixed.set("a", "1")
+    prefixed.multi_set(["b"], ["2"])
+    assert prefixed.multi_get(["a", "b"]) == [b"1", b"2"] and prefixed.add("n", 2) == 2
+    assert prefixed.compare_set("c", "", "3") == b"3" and prefixed.check(["a", "c"])
+    assert prefixed.num_keys() >= 4 and prefixed.delete_key("c") and not prefixed.check(["c"])
+    assert store_address(prefixed) == server.address and store_host(prefixed) == "127.0.0.1"
+    server.close()  # nothing else here holds the server: it stops
+    with pytest.raises(StoreUnavailableError) as first:
+        prefixed.get("a")
+    assert first.value.address == server.address and isinstance(first.value, PeerFailureError)
+    assert first.value.__suppress_context__ and first.value.__cause__ is None
+    with pytest.raises(StoreUnavailableError, match=f"the store at {server.address} is gone"):
+        guarded.check(["a"])
 
 
 @pytest.mark.requires_backend("tcp")
