@@ -411,6 +411,7 @@ def host_dies(store: TCPStore, rank: int, size: int, backend: str) -> None:
         pairs.send(t, dst=rank + 1 if rank == 1 else 0)
     else:
         pairs.recv(t, src=1 if rank == 2 else 3)
+    group.barrier()  # every rank is done with the store: rank 1's send to 2 read 2's address
     if rank == 0:
         os._exit(0)  # dies with the store: no shutdown, no goodbye
     _hear("go")
