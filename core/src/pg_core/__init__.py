@@ -16,11 +16,12 @@ from .errors import (
     PluginError,
     PluginLoadError,
     PluginVersionError,
+    StoreUnavailableError,
 )
 from .group import P2POp, ProcessGroup, rendezvous
 from .ops import RedOpType, ReduceOp
 from .registry import PluginEntry, Registry, default_registry, register_backend
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .store import FileStore, HashStore, PrefixStore, Store, StoreServer, TCPStore
 from .work import Work
 
 __version__ = "0.1.0"
@@ -53,6 +54,8 @@ __all__ = [
     "ReduceOp",
     "Registry",
     "Store",
+    "StoreServer",
+    "StoreUnavailableError",
     "TCPStore",
     "Work",
     "default_registry",

@@ -92,6 +92,12 @@ same moment. A ``TCPStore`` client serves one request at a time, and ``store.wai
 stalling every other user of that client. Wait for keys with
 :func:`pg_core.store.wait_for`, which polls ``check`` and raises
 :class:`~pg_core.errors.CollectiveTimeout`; ``get`` only keys that are set.
+Once the process hosting the store is gone, every call on ``ctx.store`` raises
+:class:`~pg_core.errors.StoreUnavailableError` (the group's store is seen through
+:class:`pg_core.store.GuardedStore`, a store defined in Python: torch's ``set``, ``get``,
+``add``, ``check``, ``compare_set``, ``wait``, ``delete_key``, ``num_keys``, ``append``,
+``multi_get`` and ``multi_set`` reach it; its queue operations, ``list_keys`` and ``clone``
+do not). Let it propagate, or wrap it, but do not take it for a dead peer.
 ``ctx.group_uid`` is unique to the formation across jobs and hosts: name host-wide
 resources (shared memory, sockets' paths) with it.
 

@@ -22,6 +22,7 @@ __all__ = [
     "PluginError",
     "PluginLoadError",
     "PluginVersionError",
+    "StoreUnavailableError",
 ]
 
 
@@ -79,6 +80,17 @@ class PeerFailureError(PGError, ConnectionError):
     def __init__(self, message: str, *, peers: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.peers = tuple(sorted(set(peers)))
+
+
+class StoreUnavailableError(PeerFailureError):
+    """The store is gone: the connection to it broke, almost always because the process
+    hosting it exited. A :class:`PeerFailureError` (the peer lost being the store's host),
+    so code that handles a failed peer handles it too. ``address`` is the store's
+    ``host:port`` where known."""
+
+    def __init__(self, message: str, *, address: str | None = None, peers: Iterable[int] = ()) -> None:
+        super().__init__(message, peers=peers)
+        self.address = address
 
 
 class CollectiveMismatchError(PGError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,10 +29,10 @@ from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, 
 from .errors import CollectiveTimeout, NotSupportedError, PluginError
 from .executor import Executor
 from .interop import to_torch
-from .membership import ROOT_NAMESPACE, Formation, Subgroups, check_name, form
+from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
-from .store import PrefixStore, Store, wait_for
+from .store import PrefixStore, Store, hosts_store, store_address, wait_for
 from .tags import check_tag
 from .timeouts import DEFAULT_TIMEOUT, seconds
 from .validation import (
@@ -1116,7 +1117,15 @@ class ProcessGroup:
     # -- life ----------------------------------------------------------------------
     def shutdown(self) -> None:
         """Finish queued operations (bounded by the group timeout), then release every
-        backend, thread and socket. Further use raises :class:`GroupClosedError`."""
+        backend, thread and socket. Further use raises :class:`GroupClosedError`.
+
+        Then this member leaves the group. In the process that hosts the store's server (the
+        rank that made its ``TCPStore`` with ``is_master=True``, or one holding a
+        :class:`~pg_core.StoreServer`), shutdown then waits until every member of this group
+        in another process has left it (by ``shutdown()``, ``abort()`` or a ``with`` block's
+        end), so the store outlives the ranks still using it; at most the group's timeout,
+        past which it warns (``RuntimeWarning``) naming the ranks that did not leave, and
+        returns. A backend that failed to close is raised after that wait."""
         if not self._executor.drain(self._timeout):
             return
         with self._executor.running:
@@ -1126,12 +1135,15 @@ class ProcessGroup:
             # members still joining (slower than this one, which needed nothing from them)
             # must find the generation, not skip it and wait alone in the next one.
             self._mark_generation_closed()
+        self._leave(wait=True)
         if errors:
             raise errors[0]
 
     def abort(self) -> None:
         """Stop now: operations blocked in other threads raise, queued ones fail, every
-        backend releases its resources. Further use raises :class:`GroupClosedError`."""
+        backend releases its resources. Further use raises :class:`GroupClosedError`.
+        This member leaves the group; unlike :meth:`shutdown`, abort never waits for the
+        others, even in the process that hosts the store."""
 
         def release() -> None:
             for inst in self._dispatch.close():
@@ -1139,6 +1151,29 @@ class ProcessGroup:
 
         if self._executor.abort(release):
             self._mark_generation_closed()
+            self._leave(wait=False)
+
+    def _leave(self, *, wait: bool) -> None:
+        """Leave the group in the store; with ``wait``, in the process hosting the store, wait
+        (at most the group's timeout) until every member in another process has left."""
+        try:
+            leave(self._store, self._rank)
+        except Exception:  # the store is gone or failing: then nobody waits for this mark
+            return
+        if not wait or not hosts_store(self._formation.store):
+            return
+        what = f"group {self._name!r} rank {self._rank}: shutdown, waiting for the members to leave"
+        missing = await_leaving(self._store, self._size, self._timeout, what)
+        if missing:
+            address = store_address(self._formation.store)
+            warnings.warn(
+                f"group {self._name!r}: rank {self._rank} hosts the store{f' at {address}' if address else ''}, and "
+                f"its shutdown waited {self._timeout:g} s (the group's timeout) for every member to leave the group; "
+                f"rank(s) {', '.join(map(str, missing))} did not (no shutdown() or abort() yet, or the process died). "
+                "The store ends with this process: if they still use it, they fail with StoreUnavailableError",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _mark_generation_closed(self) -> None:
         # Best effort: lets a later formation of this name skip a generation that never filled up.

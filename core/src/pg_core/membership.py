@@ -17,6 +17,10 @@ every member resolved alike (checked as the member arrives, against the first ar
 without waiting for anyone), and a ``uid`` that no other formation anywhere shares.
 Forming a name again while an earlier formation of it is alive is a new, independent
 formation (the next generation), not an error: that is how survivors re-form ``"world"``.
+
+A member that shuts down (or aborts) *leaves* its formation: ``<prefix>/left/<rank>``. The
+process hosting the store waits for every member to have left (:func:`await_leaving`)
+before its own shutdown returns, so the store outlives the members still using it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from .backend import BackendSpec
 from .dispatch import describe
 from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
-from .store import Store, wait_any
+from .store import Store, guarded, wait_any, wait_for
 
 if TYPE_CHECKING:
     from .registry import Registry
@@ -42,9 +46,11 @@ __all__ = [
     "Formation",
     "Membership",
     "Subgroups",
+    "await_leaving",
     "check_name",
     "form",
     "join",
+    "leave",
     "wait_until_full",
 ]
 
@@ -138,6 +144,31 @@ def wait_until_full(store: Store, m: Membership, timeout: float, what: str) -> N
     )
 
 
+def leave(group_store: Store, rank: int) -> None:
+    """Record that ``rank`` left its formation (``group_store``: the formation's prefixed store)."""
+    group_store.set(f"left/{rank}", "1")
+
+
+def await_leaving(group_store: Store, size: int, timeout: float, what: str) -> list[int]:
+    """Wait, at most ``timeout`` seconds, until every rank of the formation that runs in
+    another process has left it; the ranks that had not by then (none: all left). Ranks in
+    this process (threads) cannot outlive it, so they are not waited for."""
+    here = f"{socket.gethostname()}:{os.getpid()}:"  # the start of this process's tokens (see join)
+
+    def elsewhere(rank: int) -> bool:
+        claimed = f"rank/{rank}"
+        return not group_store.check([claimed]) or not group_store.get(claimed).decode().startswith(here)
+
+    keys = [f"left/{r}" for r in range(size) if elsewhere(r)]
+    if not keys:
+        return []
+    try:
+        wait_for(group_store, keys, timeout, what=what)
+    except CollectiveTimeout:
+        return [int(k.rpartition("/")[2]) for k in keys if not group_store.check([k])]
+    return []
+
+
 @dataclass(frozen=True)
 class Formation:
     """What a group is built from, formed before the group exists."""
@@ -172,7 +203,11 @@ def form(
     agree on the formation's uid and backends with the first member to arrive, in one store
     round trip; with ``wait``, also wait until every member arrived (:func:`wait_until_full`).
     A member that resolved other backends than the first raises
-    :class:`~pg_core.errors.CollectiveMismatchError` here, and the generation is closed."""
+    :class:`~pg_core.errors.CollectiveMismatchError` here, and the generation is closed.
+    The formation keeps ``store`` seen through :class:`~pg_core.store.GuardedStore`, so
+    everything built on it raises :class:`~pg_core.errors.StoreUnavailableError` once the
+    store's host is gone."""
+    store = guarded(store)
     m = join(store, namespace, key, rank, size)
     mine = describe(specs)
     proposal = f"{uuid.uuid4().hex[:16]} {m.rank} {mine}"  # backend and device names have no spaces

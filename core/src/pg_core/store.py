@@ -3,6 +3,11 @@
 pg-core uses torch's stores unchanged (``TCPStore``, ``FileStore``, ``HashStore``,
 ``PrefixStore``), so a store created for torch.distributed, torchrun's, or
 vLLM's, serves pg-core groups too. Groups never write outside their own prefix.
+
+A ``TCPStore`` lives as long as the process that hosts its server. :class:`StoreServer`
+hosts one apart from the ranks; a group formed on a store sees it through
+:class:`GuardedStore`, so that once the host is gone every rank meets
+:class:`~pg_core.errors.StoreUnavailableError` saying so, not torch's ``DistNetworkError``.
 """
 
 from __future__ import annotations
@@ -10,40 +15,261 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, TypeVar, cast
 
-from torch.distributed import FileStore, HashStore, PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError, FileStore, HashStore, PrefixStore, Store, TCPStore
 
-from .errors import CollectiveTimeout
-from .timeouts import Deadline
+from .errors import CollectiveTimeout, StoreUnavailableError
+from .timeouts import DEFAULT_TIMEOUT, Deadline, seconds
 
 __all__ = [
     "FileStore",
+    "GuardedStore",
     "HashStore",
     "PolledStore",
     "PrefixStore",
     "Store",
+    "StoreServer",
     "TCPStore",
     "advertise_address",
+    "guarded",
+    "hosts_store",
+    "store_address",
     "store_host",
     "wait_any",
     "wait_for",
 ]
 
 
+def _innermost(store: Store) -> Store:
+    """The store behind ``PrefixStore``, :class:`GuardedStore` and :class:`PolledStore` wrappers."""
+    for _ in range(64):
+        if isinstance(store, PrefixStore):
+            store = store.underlying_store
+        elif isinstance(store, (GuardedStore, PolledStore)):
+            store = store.inner
+        else:
+            break
+    return store
+
+
 def store_host(store: Store) -> str | None:
     """The host a ``TCPStore`` (possibly behind ``PrefixStore`` wrappers) connects to,
     or ``None`` for stores that live in one host's memory or file system."""
-    seen = 0
-    while isinstance(store, PrefixStore) and seen < 64:
-        store = store.underlying_store
-        seen += 1
-    if isinstance(store, TCPStore):
-        return str(store.host)
+    inner = _innermost(store)
+    if isinstance(inner, TCPStore):
+        return str(inner.host)
     return None
+
+
+def store_address(store: Store) -> str | None:
+    """``host:port`` of a ``TCPStore`` (possibly wrapped), or ``None`` for other stores."""
+    inner = _innermost(store)
+    if isinstance(inner, TCPStore):
+        host = str(inner.host)
+        return f"[{host}]:{inner.port}" if ":" in host else f"{host}:{inner.port}"
+    return None
+
+
+def hosts_store(store: Store) -> bool:
+    """Whether this process hosts the server of ``store``, a ``TCPStore`` (possibly wrapped):
+    whether the store ends when this process exits. Torch's object does not say whether it was
+    made with ``is_master=True``, so this asks the system whether this process holds a socket
+    listening on the store's port (its descriptors, from ``/proc/self/fd`` or ``/dev/fd``;
+    where neither lists them, ``False``, so nothing waits). ``False`` for other stores
+    (``FileStore``, ``HashStore``)."""
+    inner = _innermost(store)
+    return isinstance(inner, TCPStore) and _listens_here(int(inner.port))
+
+
+def _listens_here(port: int) -> bool:
+    """Whether a TCP socket of this process listens on ``port``: each socket among this
+    process's file descriptors, asked through a duplicate (which is all that is closed)."""
+    try:
+        names = os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd")
+    except OSError:
+        return False
+    accepting = getattr(socket, "SO_ACCEPTCONN", None)
+    if accepting is None:
+        return False
+    for name in names:
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            dup = os.dup(fd)
+        except (OSError, ValueError):  # closed meanwhile (the listing's own descriptor among them)
+            continue
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
+            continue
+        with sock:
+            try:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                if sock.getsockopt(socket.SOL_SOCKET, accepting) and sock.getsockname()[1] == port:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _gone(address: str | None, op: str, exc: BaseException) -> str:
+    said = (str(exc).strip().splitlines() or [type(exc).__name__])[0].partition(". ")[0]  # torch's first sentence
+    where = f" at {address}" if address else ""
+    return (
+        f"the store{where} is gone ({op}: {said}): the process hosting it has exited. Keep it alive until every "
+        "rank is done: end every rank with group.shutdown() (the hosting rank's waits for the others), host it with "
+        "pg_core.StoreServer, or use a launcher that hosts it (torchrun, pgrun)"
+    )
+
+
+class GuardedStore(Store):
+    """The store a group is formed on, as every part of pg-core (and every backend, through
+    ``BackendContext.store``) sees it: ``inner`` unchanged, except that a broken connection
+    to a ``TCPStore``'s server (torch's ``DistNetworkError``) raises
+    :class:`~pg_core.errors.StoreUnavailableError` naming the store's address and what to
+    do, without torch's C++ frames. Once the store is gone, later calls raise that at once,
+    without asking torch again (each failed call would log its C++ frames)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__()
+        self.inner = inner
+        self.address = store_address(inner)
+        self._gone: str | None = None  # the message, once the store is gone
+
+    def _call(self, op: str, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._gone is not None:
+            raise StoreUnavailableError(self._gone, address=self.address)
+        try:
+            return fn(*args)
+        except DistNetworkError as exc:
+            self._gone = _gone(self.address, op, exc)
+            raise StoreUnavailableError(self._gone, address=self.address) from None
+
+    def set(self, key: str, value: Any) -> None:
+        self._call("set", self.inner.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", self.inner.get, key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", self.inner.add, key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", self.inner.check, keys)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call("compare_set", self.inner.compare_set, key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self._call("wait", self.inner.wait, keys)
+        else:
+            self._call("wait", self.inner.wait, keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", self.inner.delete_key, key)
+
+    def num_keys(self) -> int:
+        return self._call("num_keys", self.inner.num_keys)
+
+    # torch's C++ stores (a PrefixStore over this one) reach these two by their C++ names
+    def deleteKey(self, key: str) -> bool:  # noqa: N802  (the name torch looks up)
+        return self.delete_key(key)
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self.num_keys()
+
+    # torch's extended API (a C++ backend asks has_extended_api() before using it); torch's
+    # type stubs do not declare it
+    def append(self, key: str, value: Any) -> None:
+        self._call("append", cast(Any, self.inner).append, key, value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", self.inner.multi_get, keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._call("multi_set", cast(Any, self.inner).multi_set, keys, values)
+
+    def has_extended_api(self) -> bool:
+        return bool(cast(Any, self.inner).has_extended_api())
+
+
+def guarded(store: Store) -> GuardedStore:
+    """``store`` seen through :class:`GuardedStore` (itself, if it is one already)."""
+    return store if isinstance(store, GuardedStore) else GuardedStore(store)
+
+
+class StoreServer:
+    """Hosts a ``TCPStore`` server in this process until :meth:`close` (or the end of a
+    ``with`` block), for jobs started without a launcher: the store then outlives every rank,
+    whichever finishes first. ``port=0`` takes a free port; the ranks connect to
+    :attr:`address` (``TCPStore(server.host, server.port, is_master=False)``). The server
+    listens on every interface; ``host`` is the address the ranks are told to use.
+
+    >>> with StoreServer() as server:  # doctest: +SKIP
+    ...     run_ranks(store_address=server.address)  # each: TCPStore(host, port, is_master=False)
+
+    ``timeout`` (seconds) is the server-side client's timeout for its own calls through
+    :attr:`store`. :meth:`close` drops this object's server; it stops once nothing else in
+    this process holds :attr:`store` (a group formed on it holds it until it is collected).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout: float | timedelta | None = None) -> None:
+        budget = seconds(timeout, DEFAULT_TIMEOUT)
+        self._store: TCPStore | None = TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=budget)
+        )
+        self._host = host
+        self._port = int(self._store.port)
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` (``[host]:port`` for an IPv6 address), as ``PG_STORE`` carries it."""
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+
+    @property
+    def store(self) -> TCPStore:
+        """The server's own store object (a client too): for a group formed in this process."""
+        if self._store is None:
+            raise RuntimeError(f"StoreServer at {self.address} is closed")
+        return self._store
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def close(self) -> None:
+        """Stop hosting (idempotent): clients' later calls raise
+        :class:`~pg_core.errors.StoreUnavailableError` through a group."""
+        self._store = None
+
+    def __enter__(self) -> StoreServer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<StoreServer {self.address}{' closed' if self.closed else ''}>"
 
 
 def advertise_address(store: Store, override: str | None = None) -> str:
@@ -110,23 +336,23 @@ class PolledStore(Store):
 
     def __init__(self, inner: Store, timeout: float, what: str = "a backend's rendezvous") -> None:
         super().__init__()
-        self._inner, self._timeout, self._what = inner, timeout, what
+        self.inner, self._timeout, self._what = inner, timeout, what
 
     def set(self, key: str, value: Any) -> None:
-        self._inner.set(key, value)
+        self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
-        wait_for(self._inner, [key], self._timeout, what=self._what)
-        return self._inner.get(key)
+        wait_for(self.inner, [key], self._timeout, what=self._what)
+        return self.inner.get(key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        wait_for(self._inner, list(keys), self._timeout, what=self._what)
+        wait_for(self.inner, list(keys), self._timeout, what=self._what)
 
     def check(self, keys: list[str]) -> bool:
-        return self._inner.check(keys)
+        return self.inner.check(keys)
 
     def add(self, key: str, amount: int) -> int:
-        return self._inner.add(key, amount)
+        return self.inner.add(key, amount)
 
 
 def wait_any(store: Store, keys: list[str], timeout: float) -> str | None:

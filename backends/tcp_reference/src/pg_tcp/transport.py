@@ -155,6 +155,7 @@ from pg_core.errors import (
     GroupClosedError,
     PeerFailureError,
     PGError,
+    StoreUnavailableError,
 )
 from pg_core.ops import COLLECTIVE_OPS, RedOpType
 from pg_core.store import advertise_address, wait_for
@@ -775,6 +776,11 @@ class Transport:
             sock = self._dial(peer, req.deadline, block=block)
         except (_NotPublished, _Closing):
             sock = None
+        except StoreUnavailableError as exc:  # (a ConnectionError, but the store's host is gone, not the peer)
+            self._connect_failed(peer)
+            if probe is None:
+                self._fail(req, exc)
+            return
         except TimeoutError as exc:  # CollectiveTimeout (the store) or socket.timeout (connect)
             self._connect_failed(peer)
             if probe is None:
@@ -1665,7 +1671,7 @@ class Transport:
         self._posted = {k: q for k, q in self._posted.items() if k[1] != COLL}
         self._unexpected = {k: q for k, q in self._unexpected.items() if k[1] != COLL}
         if notify:
-            code = _ABORT_CODE.get(cls, _ABORT_MISMATCH)
+            code = _ABORT_PEER if issubclass(cls, PeerFailureError) else _ABORT_CODE.get(cls, _ABORT_MISMATCH)
             payload = memoryview(f"collective #{seq}: {reason}".encode())
             for peer in self._live_peers():
                 self._send_locked(
@@ -1678,7 +1684,7 @@ class Transport:
         message = f"{self.label}: {op} (collective #{seq}) cannot run: this group's collectives stopped: {reason}"
         if cls is CollectiveTimeout:
             return CollectiveTimeout(message, op=op, seq=seq, peers=peers)
-        if cls is PeerFailureError:
+        if issubclass(cls, PeerFailureError):  # StoreUnavailableError among them
             return PeerFailureError(message, peers=peers)
         return CollectiveMismatchError(message, peers=peers)
 
