@@ -9,7 +9,8 @@ its pid into ``--pids DIR`` first thing, then does what MODE says.
   barrier (timeout 120 s) that only R's failure ends;
 - ``exit R CODE``: like ``raise``, but rank R exits with status CODE.
 
-The tests load it as a module for :func:`expected_demo` and :func:`demo_lines`.
+The tests load it as a module for :func:`expected_demo` and :func:`demo_lines`, and for the
+checks that a job's processes are gone, :func:`job_pids` and :func:`assert_gone`.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import select
 import sys
 import threading
+import time
 from pathlib import Path
 
 LAUNCHER_VARS = (
@@ -26,6 +29,33 @@ LAUNCHER_VARS = (
     *("LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"),
 )
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_env_demo.py"
+
+
+GONE_S = 20.0  # a stopped job's processes are gone within this
+
+
+def job_pids(pid_dir: Path, count: int) -> list[int]:
+    pids = [int(p.name) for p in pid_dir.iterdir()]
+    assert len(pids) == count, f"expected {count} ranks to have written their pids, found {pids}"
+    return pids
+
+
+def assert_gone(pids: list[int], timeout: float = GONE_S) -> None:
+    """Every process in ``pids`` has exited (a zombie has) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+        if not ready:
+            alive.append(pid)
+    assert not alive, f"processes of the job still running: {alive}"
 
 
 def expected_demo(size: int) -> list[str]:

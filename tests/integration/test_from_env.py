@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import select
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ assert _spec is not None and _spec.loader is not None
 job_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job_module)
 expected_demo, demo_lines = job_module.expected_demo, job_module.demo_lines
+job_pids, assert_gone = job_module.job_pids, job_module.assert_gone
 
 
 def launch(argv: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
@@ -33,22 +32,6 @@ def launch(argv: list[str], timeout: float = 180.0) -> subprocess.CompletedProce
         )
     except subprocess.TimeoutExpired as exc:  # run() has killed the launcher; its ranks die with it
         pytest.fail(f"{argv} did not finish within {timeout:g} s: {exc.stdout!r} {exc.stderr!r}")
-
-
-def assert_gone(pid_dir: Path, count: int, timeout: float = 20.0) -> None:
-    pids = [int(p.name) for p in pid_dir.iterdir()]
-    assert len(pids) == count, pids
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-        assert ready, f"rank process {pid} is still running"
 
 
 @pytest.mark.timeout(420)
@@ -67,7 +50,7 @@ def test_the_demo_prints_the_same_under_pgrun_and_torchrun(tmp_path: Path) -> No
         ]
     )
     assert pgrun.returncode == 0, pgrun.stdout + pgrun.stderr
-    assert_gone(tmp_path / "pgrun", 3)
+    assert_gone(job_pids(tmp_path / "pgrun", 3))
     torchrun = launch(
         [
             *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"),
@@ -75,7 +58,7 @@ def test_the_demo_prints_the_same_under_pgrun_and_torchrun(tmp_path: Path) -> No
         ]
     )
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
-    assert_gone(tmp_path / "torchrun", 3)
+    assert_gone(job_pids(tmp_path / "torchrun", 3))
     assert demo_lines(pgrun.stdout, prefixed=True) == expected_demo(3), pgrun.stdout + pgrun.stderr
     assert demo_lines(torchrun.stdout, prefixed=False) == expected_demo(3), torchrun.stdout + torchrun.stderr
 

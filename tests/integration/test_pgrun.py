@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import queue
-import select
 import signal
 import socket
 import subprocess
@@ -30,9 +29,9 @@ assert _spec is not None and _spec.loader is not None
 job_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(job_module)
 expected_demo, demo_lines = job_module.expected_demo, job_module.demo_lines
+job_pids, assert_gone = job_module.job_pids, job_module.assert_gone
 PGRUN = Path(sys.executable).with_name("pgrun")
 PG_CORE = Path(sys.executable).with_name("pg-core")
-GONE_S = 20.0  # a stopped job's processes are gone within this
 
 
 class Job:
@@ -123,30 +122,6 @@ def no_job_left() -> Iterator[None]:
 def pgrun(*args: str | Path) -> list[str]:
     assert PGRUN.exists(), f"the pgrun console script is not installed next to {sys.executable}"
     return [str(PGRUN), *map(str, args)]
-
-
-def job_pids(pid_dir: Path, count: int) -> list[int]:
-    pids = [int(p.name) for p in pid_dir.iterdir()]
-    assert len(pids) == count, f"expected {count} ranks to have written their pids, found {pids}"
-    return pids
-
-
-def assert_gone(pids: list[int], timeout: float = GONE_S) -> None:
-    """Every process in ``pids`` has exited (a zombie has) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-        if not ready:
-            alive.append(pid)
-    assert not alive, f"processes of the job still running: {alive}"
 
 
 def free_port() -> int:
