@@ -310,15 +310,14 @@ class _Job:
 
     # -- the store -----------------------------------------------------------------------------
     def _open_store(self) -> tuple[str, int]:
-        from .store import TCPStore
+        from .store import StoreServer, TCPStore
 
         c = self.config
         timeout = min(_CONNECT_S, c.timeout or _CONNECT_S)
         if c.node_rank == 0:
-            self.store = TCPStore(
-                c.host, c.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
-            )
-            return c.host, int(self.store.port)
+            server = StoreServer(c.host, c.port, timeout=timeout)
+            self.store = server.store  # (it keeps the server; dropped once every rank is gone)
+            return c.host, server.port
         try:
             self.store = TCPStore(c.host, c.port, is_master=False, timeout=timedelta(seconds=timeout))
         except Exception as exc:  # torch's DistNetworkError, a RuntimeError
