@@ -581,7 +581,9 @@ def test_a_prepared_all_reduce_takes_the_blocking_calls_of_a_kind_once_one_went_
     g.all_reduce(torch.nn.Parameter(torch.zeros(3)))
     with g.coalescing():
         g.all_reduce(t)
-    assert [e[0] for e in log] == ["all_reduce"] * 6
+    for factor in (2.0, 3.0):  # PREMUL_SUM: a factor per call, never prepared
+        g.all_reduce(t, op=ReduceOp.premul_sum(factor))
+    assert [e[0] for e in log] == ["all_reduce"] * 8
     assert strided.tolist() == [1.0, 1.0]
     with pytest.raises(NotSupportedError):  # the capability check is not skipped
         g.all_reduce(torch.zeros(1, dtype=torch.float16))

@@ -162,7 +162,8 @@ group's ``recv(tensor, src=None)`` on a backend that does not declare it raises
 may return a callable ``run(tensor)`` that does exactly what ``all_reduce(tensor, op,
 timeout=timeout)`` does for a blocking call on a tensor of ``dtype``, prepared once (the library's options object
 built, the method looked up) so that each call costs the least Python. The core asks once
-per (device, dtype, reduce op) with the group's default timeout, after a plain ``all_reduce``
+per (device, dtype, reduce op; never for ``PREMUL_SUM``, whose factor changes from call to
+call) with the group's default timeout, after a plain ``all_reduce``
 of that kind succeeded, and then calls ``run`` in its place for blocking calls of that kind:
 with what it guarantees for ``all_reduce`` (validated, declared, dense, in order). ``None``
 (the default) keeps every call on ``all_reduce``. A torch C++ backend gets it from

@@ -365,6 +365,7 @@ class ProcessGroup:
         # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
         # that went through the full path once): the backend's prepared all_reduce, in order.
         plain = not async_op and timeout is None and type(tensor) is torch.Tensor and type(op) is ReduceOp
+        plain = plain and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]  # (a factor per call)
         if plain and not self._coalescing:
             lane = self._lanes.get((tensor.device, tensor.dtype, op.type))  # type: ignore[union-attr]
             if lane is not None and not tensor.requires_grad and dense(tensor):

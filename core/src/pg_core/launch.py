@@ -421,11 +421,12 @@ class _Job:
         try:
             result = os.waitid(os.P_PID, proc.popen.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:
-            proc.status = proc.popen.returncode if proc.popen.returncode is not None else -1
+            status = proc.popen.returncode if proc.popen.returncode is not None else -1
         else:
             assert result is not None
-            proc.status = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
-        proc.exit_order = next(self.exits)
+            status = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+        proc.exit_order = next(self.exits)  # before the status, which is what the supervisor reads first
+        proc.status = status
         self.changed.set()
 
     # -- watching ------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   frame first and refuses a message of the wrong size or dtype with
   :class:`~pg_core.errors.CollectiveMismatchError` (after draining it, so the stream stays
   in step). ``send`` copies the tensor into buffers of the message's own and returns at once
-  (the contract's "send never waits for its receiver"); the sends in flight are kept, in
-  order, and forgotten once complete, checked on the next point-to-point call (no thread:
-  a message costs no thread handoff), and waited for at shutdown.
+  (the contract's "send never waits for its receiver"); one reaper thread per backend waits
+  for Gloo's sends in order and releases their buffers (torch's Gloo send work says it is
+  complete only from inside ``wait()``, so a thread must wait).
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
   says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
   not claim it and the core runs a batch one call after another, in order.
@@ -32,7 +32,7 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 
 from __future__ import annotations
 
-import collections
+import queue
 import struct
 import threading
 import time
@@ -85,11 +85,12 @@ class GlooBackend(C10dBackend):
         super().__init__(ctx)
         #: why this backend cannot communicate any more (Gloo closed its connections), or None
         self._broken: str | None = None
-        #: Gloo's sends not known to be complete, in posting order, each with its buffer (Gloo
-        #: needs it until the receiver has the message), destination and deadline
-        self._in_flight: collections.deque[tuple[Any, torch.Tensor, int, float]] = collections.deque()
-        self._lock = threading.Lock()  # guards _in_flight: sends come from any thread
-        #: a send seen failing (or past its deadline), per destination: raised by that peer's next operation
+        #: Gloo's sends in flight, in posting order, each with its buffer (Gloo needs it until the
+        #: receiver has the message), destination and deadline; the reaper thread waits for them
+        self._sends: queue.SimpleQueue[tuple[Any, torch.Tensor, int, float] | None] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+        self._lock = threading.Lock()
+        #: a send the reaper saw fail, per destination: raised by that peer's next operation
         self._send_errors: dict[int, BaseException] = {}
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         host = str(ctx.options.get("addr") or advertise_address(ctx.store))
@@ -242,7 +243,6 @@ class GlooBackend(C10dBackend):
     def _post(
         self, frame: torch.Tensor, payload: torch.Tensor | None, dst: int, tag: int, *, timeout: float, what: str
     ) -> None:
-        self._settle()
         pg = self._ready(what, [dst])
         deadline = time.monotonic() + timeout
         try:
@@ -252,37 +252,25 @@ class GlooBackend(C10dBackend):
         except RuntimeError as exc:
             raise self._error(exc, what, timeout, [dst]) from exc
         with self._lock:
-            self._in_flight.extend((work, buffer[0], dst, deadline) for work, buffer in works)
+            if self._reaper is None:
+                self._reaper = threading.Thread(
+                    target=self._reap, name=f"pg-gloo-{self.ctx.group_name}-sends", daemon=True
+                )
+                self._reaper.start()
+        for work, buffer in works:
+            self._sends.put((work, buffer[0], dst, deadline))
 
-    def _settle(self) -> None:
-        """Forget the sends that completed, oldest first (no thread waits for them: a point to
-        point message costs no thread handoff); one that failed, or is still pending past its
-        deadline, becomes its destination's send error."""
-        in_flight = self._in_flight
-        if not in_flight:
-            return
-        with self._lock:
-            while in_flight:
-                work, _buffer, dst, deadline = in_flight[0]
-                if not work.is_completed() and time.monotonic() < deadline:
-                    return
-                in_flight.popleft()
-                try:
-                    work.wait(timeout_delta(max(deadline - time.monotonic(), 0.001)))
-                except RuntimeError as exc:
-                    self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
-
-    def _drain_sends(self, bound: float) -> None:
-        """Wait for the sends in flight (at most ``bound`` seconds in all), then forget them."""
-        end = time.monotonic() + bound
-        with self._lock:
-            in_flight = list(self._in_flight)
-            self._in_flight.clear()
-        for work, _buffer, _dst, deadline in in_flight:
+    def _reap(self) -> None:
+        """Wait for Gloo's sends in order and drop their buffers; a failure is recorded for the
+        destination's next operation. (A thread must: torch's Gloo send work tells it is
+        complete only from inside ``wait()``, so nothing could poll it.)"""
+        while (item := self._sends.get()) is not None:
+            work, _buffer, dst, deadline = item
             try:
-                work.wait(timeout_delta(max(min(deadline, end) - time.monotonic(), 0.001)))
-            except RuntimeError:
-                continue  # closing: nobody is left to tell; the peer's receive fails on its side
+                work.wait(timeout_delta(max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as exc:
+                self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
+            del item, work, _buffer
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -332,7 +320,6 @@ class GlooBackend(C10dBackend):
     def _frame_from(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
         """The next message's frame from ``src`` on ``tag``: its size, dtype code, the frame and
         a view of its bytes (which does not keep it alive)."""
-        self._settle()
         pg = self._ready(what, [src])
         frame = torch.empty(_FRAME, dtype=torch.uint8)
         self._wait(lambda: pg.recv([frame], src, tag), what, timeout, [src], bounded=True)
@@ -350,13 +337,20 @@ class GlooBackend(C10dBackend):
 
     # -- life ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        self._drain_sends(self.ctx.timeout + 1.0)  # the sends in flight first
+        self._stop_reaper(self.ctx.timeout + 1.0)  # the sends in flight first
         super().shutdown()
 
     def abort(self) -> None:
         self._broken = self._broken or "the group was aborted"
-        super().abort()  # Gloo's sends fail at once
-        self._drain_sends(5.0)
+        super().abort()  # Gloo's sends fail at once, so the reaper ends
+        self._stop_reaper(5.0)
+
+    def _stop_reaper(self, bound: float) -> None:
+        with self._lock:
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            self._sends.put(None)
+            reaper.join(timeout=bound)
 
 
 def _describe(nbytes: int, code: int | None) -> str:
