@@ -144,13 +144,9 @@ def test_under_slurms_variables_rank_0_hosts_the_store_on_the_first_node_of_the_
     assert demo_lines("".join(outputs), prefixed=False) == expected_demo(2), outputs
 
 
-@pytest.mark.requires_backend("tcp")
+@pytest.mark.requires_backend("tcp", "mpi")  # (pg-mpi brings mpiexec: the mpich wheel)
 @pytest.mark.timeout(300)
 def test_under_mpiexec_the_ranks_come_from_the_mpi_launcher_and_the_store_from_master_addr() -> None:
-    try:
-        import pg_mpi  # noqa: F401  (it brings mpiexec: the mpich wheel)
-    except ImportError as exc:
-        pytest.skip(f"pg-mpi is not importable here ({exc}), so there is no mpiexec to start the ranks with")
     from pg_core.launchers import launch_command
 
     command = launch_command("mpiexec", 2, [sys.executable, str(EXAMPLE), "--backends", "tcp"])

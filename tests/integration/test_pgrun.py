@@ -325,16 +325,9 @@ def test_node_0_gives_up_on_a_node_whose_pgrun_was_killed(tmp_path: Path) -> Non
     assert_gone(job_pids(tmp_path / "n0", 1) + job_pids(tmp_path / "n1", 1))
 
 
-def _mpi() -> None:
-    try:
-        import pg_mpi  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"pg-mpi is not importable here ({exc}), so pgrun --mpi has nothing to start")
-
-
+@pytest.mark.requires_backend("mpi")  # (pg-mpi brings mpiexec: the mpich wheel)
 @pytest.mark.timeout(300)
 def test_mpi_starts_the_ranks_through_mpiexec_for_pg_mpi(tmp_path: Path) -> None:
-    _mpi()
     job = Job(pgrun("-n", "2", "--mpi", "--backends", "mpi", JOB, "--pids", tmp_path, "example"))
     assert job.finish(timeout=240) == 0, job.output
     assert demo_lines(job.stdout, prefixed=True) == expected_demo(2), job.output
@@ -349,9 +342,9 @@ def test_mpi_starts_the_ranks_through_mpiexec_for_pg_mpi(tmp_path: Path) -> None
     assert_gone(job_pids(failing, 2))
 
 
+@pytest.mark.requires_backend("mpi")
 @pytest.mark.timeout(300)
 def test_mpi_ranks_die_when_pgrun_is_killed_with_sigkill(tmp_path: Path) -> None:
-    _mpi()
     job = Job(pgrun("-n", "2", "--mpi", JOB, "--pids", tmp_path, "hang"))
     job.wait_for_lines(2, "ready", timeout=180)
     pids = job_pids(tmp_path, 2)
