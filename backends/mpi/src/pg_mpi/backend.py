@@ -69,15 +69,15 @@ from .plugin import HOW_TO_LAUNCH
 
 __all__ = ["MPIBackend"]
 
-#: How long a wait tests its request back to back (seconds), then how long it yields the CPU
-#: between tests (``sched_yield``: other ranks on a shared core run), then the longest nap, which
-#: doubles from 10 us. MPI progresses an operation only inside MPI calls, on every rank, so
-#: a rank that naps while its peers wait for its part delays them all: no naps at first. And no
-#: spinning without yielding either: where ranks share cores (3 ranks on 2 cores) a spinning
-#: rank keeps the one whose part it waits for off the CPU. Yielding from the first retry took
-#: a 4-byte all_reduce at 3 ranks on 2 cores from about 440 to 36 us (median), and costs
-#: nothing measurable at 2 ranks (``sched_yield`` returns at once when nothing else waits).
-_SPIN_S: Final = 0.0
+#: How long a wait yields the CPU between tests of its request (``sched_yield``: other ranks
+#: on a shared core run), before it naps between tests, the nap doubling from 10 us to
+#: :data:`_MAX_NAP`. MPI progresses an operation only inside MPI calls, on every rank, so a
+#: rank that naps while its peers wait for its part delays them all: no naps at first. And
+#: no spinning without yielding either: where ranks share cores (3 ranks on 2 cores) a
+#: spinning rank keeps the one whose part it waits for off the CPU. Yielding from the first
+#: retry took a 4-byte all_reduce at 3 ranks on 2 cores from about 440 to 36 us (median),
+#: and costs nothing measurable at 2 ranks (``sched_yield`` returns at once when nothing
+#: else waits).
 _YIELD_S: Final = 2e-2
 _MAX_NAP: Final = 1e-3
 
@@ -120,27 +120,27 @@ class MPIBackend(Backend):
 
     # -- waiting --------------------------------------------------------------------------
     def _wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
-        """Poll ``ready()`` until it is true (``True``) or ``deadline`` passes (``False``):
-        back to back at first, then yielding the CPU between polls, then naps doubling to 1 ms.
+        """Poll ``ready()`` until it is true (``True``) or ``deadline`` passes (``False``),
+        yielding the CPU between polls at first, then napping, the naps doubling to 1 ms.
         Raises ``GroupClosedError`` once aborted."""
         if ready():
             return True
         with self._lock:
             self._busy += 1
         try:
-            start = time.monotonic()
-            nap = 1e-5
+            now = time.monotonic()
+            naps_from, nap = now + _YIELD_S, 1e-5
             while not ready():
                 if self._closed is not None:
                     raise GroupClosedError(f"group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
-                now = time.monotonic()
                 if now >= deadline:
                     return False
-                if now - start > _SPIN_S + _YIELD_S:
+                if now < naps_from:
+                    _yield()
+                else:
                     time.sleep(nap)
                     nap = min(nap * 2, _MAX_NAP)
-                elif now - start > _SPIN_S:
-                    _yield()
+                now = time.monotonic()
             return True
         finally:
             with self._lock:
@@ -314,12 +314,16 @@ class MPIBackend(Backend):
             return None
         mpi = self._mpi
         mpi_op, mpi_type, in_place = getattr(mpi, OP_NAMES[op.type]), getattr(mpi, TYPE_NAMES[dtype]), mpi.IN_PLACE
+        address, itemsize = mpi.buffer.fromaddress, dtype.itemsize  # (a buffer of the tensor's memory, made in C)
         check, wait_until, error = self._check, self._wait_until, self._error
 
         def run(tensor: torch.Tensor) -> None:
-            comm = check("all_reduce")
+            comm = self._comm
+            if self._closed is not None:
+                check("all_reduce")  # raises
             try:
-                request = comm.Iallreduce(in_place, [tensor_bytes(tensor), tensor.numel(), mpi_type], mpi_op)
+                buf = address(tensor.data_ptr(), tensor.numel() * itemsize)
+                request = comm.Iallreduce(in_place, [buf, mpi_type], mpi_op)
                 if not request.Test() and not wait_until(request.Test, time.monotonic() + timeout):
                     raise self._timeout("all_reduce", timeout)
             except mpi.Exception as exc:
