@@ -22,7 +22,7 @@ from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, NotSuppor
 from pg_core.ops import RedOpType, ReduceOp
 from pg_core.store import HashStore, PrefixStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
-from pg_gloo.backend import _FRAME, _INLINE, _frame
+from pg_gloo.backend import _HEAD, _INLINE, _message
 from pg_gloo.plugin import CAPABILITIES, MAX_TAG
 
 pytestmark = pytest.mark.requires_backend("gloo")
@@ -123,11 +123,11 @@ def test_a_receive_of_the_wrong_size_is_an_error_not_gloos_abort(rank_pools: Poo
     assert rank_pools(2).run(wrong_size_then_right, timeout=120) == ["sent", "refused"]
 
 
-#: payload sizes around the frame's capacity: inside it (one Gloo message), just past it (two)
-_EDGES = [0, 1, _INLINE - 1, _INLINE, _INLINE + 1, _FRAME, 3 * _FRAME + 5]
+#: payload sizes around what travels with the header: in its Gloo message, or just past it (two)
+_EDGES = [0, 1, 16 * 1024, _INLINE - 1, _INLINE, _INLINE + 1, 3 * _INLINE + 5]
 
 
-def messages_around_the_frame(ctx: RankContext) -> list[str]:
+def messages_around_the_header(ctx: RankContext) -> list[str]:
     """Rank 0 sends, per size in ``_EDGES``: a tensor refused for its size, the same tensor, then
     the bytes with send_bytes in two parts; rank 1 receives and reports what it got."""
     got = []
@@ -135,49 +135,52 @@ def messages_around_the_frame(ctx: RankContext) -> list[str]:
         backend = group._dispatch.instance(torch.device("cpu")).backend  # send_bytes is the core's to call
         for n in _EDGES:
             data = torch.arange(n, dtype=torch.uint8)
+            raw = data.numpy().tobytes()
             if ctx.rank == 0:
                 group.send(data, 1)
                 group.send(data, 1)
-                parts = [bytes(data.tolist()[: n // 2]), bytes(data.tolist()[n // 2 :])]
-                backend.send_bytes(parts, 1, 77, timeout=30.0)
+                backend.send_bytes([raw[: n // 2], raw[n // 2 :]], 1, 77, timeout=30.0)
                 continue
             with pytest.raises(CollectiveMismatchError):
                 group.recv(torch.empty(n + 1, dtype=torch.uint8), 0)  # refused, and drained
             into = torch.full((n,), 7, dtype=torch.uint8)
             group.recv(into, 0)
             message = backend.recv_bytes(0, 77, timeout=30.0)
-            got.append(f"{n}: {torch.equal(into, data)} {bytes(message) == bytes(data.tolist())}")
+            got.append(f"{n}: {torch.equal(into, data)} {bytes(message) == raw}")
     return got
 
 
-def test_messages_inside_and_past_the_frame_arrive_whole_and_a_wrong_size_is_refused(rank_pools: Pools) -> None:
-    _, got = rank_pools(2).run(messages_around_the_frame, timeout=120)
+def test_messages_with_and_past_the_header_arrive_whole_and_a_wrong_size_is_refused(rank_pools: Pools) -> None:
+    _, got = rank_pools(2).run(messages_around_the_header, timeout=120)
     assert got == [f"{n}: True True" for n in _EDGES]
 
 
 # -- receiving from any source: Gloo can, pg-gloo's two-part messages cannot ------------------------
 
 
-def _framed_send(pg: Any, payload: torch.Tensor, dst: int, tag: int) -> list[Any]:
-    """A message too large for its frame as pg-gloo sends it: a frame of ``_FRAME`` bytes starting
-    with the header (size, dtype code), then the payload, on one tag."""
-    frame = _frame(payload.numel() * payload.element_size(), 7)
-    return [pg.send([frame], dst, tag), pg.send([payload], dst, tag)]
+def _two_part_send(pg: Any, payload: torch.Tensor, dst: int, tag: int) -> list[Any]:
+    """A message too large to travel with its header as pg-gloo sends it: the header (size, dtype
+    code) alone, then the payload, on one tag."""
+    return [pg.send([_message(payload.numel() * payload.element_size(), 7)], dst, tag), pg.send([payload], dst, tag)]
+
+
+#: a payload past what travels with the header, yet no larger than a first receive's buffer
+_TWO_PART_FLOATS = (_HEAD + _INLINE) // 4
 
 
 def gloo_any_source(ctx: RankContext) -> dict[str, Any] | None:
     """Raw Gloo on three ranks. First, Gloo's own any-source receive of whole messages: ranks 1
-    and 2 send two each, rank 0 takes them with ``recv_anysource``. Then pg-gloo's framing:
-    rank 1 sends one message of ``_FRAME // 4`` float32 (as large as a frame, so too large to
-    travel in one) and rank 0 reads its frame naming rank 1, as pg-gloo's ``recv`` does; an
-    any-source receive that runs before the payload is read (another thread's, or the core's
-    helper thread's) takes the payload."""
+    and 2 send two each, rank 0 takes them with ``recv_anysource``. Then pg-gloo's two-part
+    messages: rank 1 sends one of ``_TWO_PART_FLOATS`` float32 and rank 0 reads its header
+    naming rank 1, as pg-gloo's ``recv`` does; an any-source receive that runs before the
+    payload is read (another thread's, or the core's helper thread's) takes the payload."""
     pg = dist.ProcessGroupGloo(PrefixStore("raw-gloo", ctx.store), ctx.rank, ctx.size, timedelta(seconds=60))
+    payload = torch.arange(_TWO_PART_FLOATS, dtype=torch.float32) + 0.5
     try:
         if ctx.rank != 0:
             works = [pg.send([torch.tensor([ctx.rank * 10.0 + k])], 0, 3) for k in range(2)]
             if ctx.rank == 1:
-                works += _framed_send(pg, torch.arange(_FRAME // 4, dtype=torch.float32) + 0.5, 0, 4)
+                works += _two_part_send(pg, payload, 0, 4)
             for work in works:
                 work.wait()
             wait_for(ctx.store, ["done"], 60)
@@ -188,18 +191,18 @@ def gloo_any_source(ctx: RankContext) -> dict[str, Any] | None:
             work = pg.recv_anysource([t], 3)
             work.wait()
             whole.append((work._source_rank(), t.item()))
-        frame = torch.empty(_FRAME, dtype=torch.uint8)
-        pg.recv([frame], 1, 4).wait()  # a receive naming rank 1 has read its frame...
-        taken = torch.empty(_FRAME, dtype=torch.uint8)
+        first = torch.empty(_HEAD + _INLINE, dtype=torch.uint8)
+        pg.recv([first], 1, 4).wait()  # a receive naming rank 1 has read its header...
+        taken = torch.empty(_HEAD + _INLINE, dtype=torch.uint8)
         work = pg.recv_anysource([taken], 4)  # ...and a receive from any source comes before its payload
         work.wait()
         ctx.store.set("done", "1")
         return {
             "whole": whole,
-            "header": frame[:16].view(torch.int64).tolist(),
+            "header": first[:_HEAD].view(torch.int64).tolist(),
             "taken_from": work._source_rank(),
-            "taken_as_floats": taken.view(torch.float32).tolist(),
-            "taken_as_header": taken[:16].view(torch.int64).tolist(),
+            "taken_is_payload": torch.equal(taken.view(torch.float32), payload),
+            "taken_as_header": taken[:_HEAD].view(torch.int64).tolist(),
         }
     finally:
         pg.shutdown()
@@ -207,20 +210,19 @@ def gloo_any_source(ctx: RankContext) -> dict[str, Any] | None:
 
 def test_gloo_receives_from_any_source_but_pg_gloos_two_part_messages_cannot_be(rank_pools: Pools) -> None:
     """Why ``recv_anysource`` is not declared: Gloo's any-source receive works and keeps each sender's
-    order, but a pg-gloo message too large for its frame is two Gloo messages on one tag, and an
-    any-source receive takes whichever comes next from any peer, a payload too. A payload as large
-    as a frame is read as a frame (a garbage header); a larger one makes Gloo abort the process
-    (``op.preamble.length <= op.nbytes``). If this stops holding, or pg-gloo's framing changes,
-    declare the op and let the suite certify it."""
+    order, but a pg-gloo message too large to travel with its header is two Gloo messages on one
+    tag, and an any-source receive takes whichever comes next from any peer, a payload too. A
+    payload no larger than a first receive's buffer is read as a header (garbage); a larger one
+    makes Gloo abort the process (``op.preamble.length <= op.nbytes``). If this stops holding, or
+    pg-gloo's messages change, declare the op and let the suite certify it."""
     got = rank_pools(3).run(gloo_any_source, timeout=120)[0]
     assert got is not None
     whole = got["whole"]
     assert sorted(whole) == [(1, 10.0), (1, 11.0), (2, 20.0), (2, 21.0)]  # Gloo's own: the right senders
     assert [v for s, v in whole if s == 1] == [10.0, 11.0] and [v for s, v in whole if s == 2] == [20.0, 21.0]
-    assert got["header"] == [_FRAME, 7]
-    expected = (torch.arange(_FRAME // 4, dtype=torch.float32) + 0.5).tolist()
-    assert got["taken_from"] == 1 and got["taken_as_floats"] == expected  # the payload, taken as a frame
-    assert got["taken_as_header"][0] != _FRAME  # whose "header" is garbage
+    assert got["header"] == [_TWO_PART_FLOATS * 4, 7]
+    assert got["taken_from"] == 1 and got["taken_is_payload"]  # the payload, taken as a first message
+    assert got["taken_as_header"][0] != _TWO_PART_FLOATS * 4  # whose "header" is garbage
     assert "recv_anysource" not in CAPABILITIES.ops
 
 

@@ -10,16 +10,17 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   the copying collectives) travels as its bytes, which is exact.
 * **Point to point.** Gloo's ``send`` completes only once the receiver has posted its
   receive, and a receive whose buffer is smaller than the message aborts the whole
-  process (``op.preamble.length <= op.nbytes``; larger is a silent truncation). So every
-  message starts with a frame of ``_FRAME`` (16 KiB) bytes on the caller's tag: a 16-byte
-  header (size, dtype) and the payload when it fits (up to 16368 bytes: one Gloo message,
-  one round trip), else the payload follows as a second Gloo message. The receiver reads the
-  frame first and refuses a message of the wrong size or dtype with
-  :class:`~pg_core.errors.CollectiveMismatchError` (after draining it, so the stream stays
-  in step). ``send`` copies the tensor into buffers of the message's own and returns at once
-  (the contract's "send never waits for its receiver"); one reaper thread per backend waits
-  for Gloo's sends in order and releases their buffers (torch's Gloo send work says it is
-  complete only from inside ``wait()``, so a thread must wait).
+  process (``op.preamble.length <= op.nbytes``); a larger buffer takes the message and
+  leaves the rest unwritten. So a message is one Gloo message of a 16-byte header (size,
+  dtype) followed by the payload, when the payload is at most ``_INLINE`` (4 MiB); the
+  receiver posts a buffer with room for the largest such message, reads the header, and
+  copies the payload out. A larger payload follows a header-only message as a second Gloo
+  message, received straight into the tensor. The receiver refuses a message of the wrong
+  size or dtype with :class:`~pg_core.errors.CollectiveMismatchError` (after draining it,
+  so the stream stays in step). ``send`` copies the tensor into a buffer of the message's
+  own and returns at once (the contract's "send never waits for its receiver"); one reaper
+  thread per backend waits for Gloo's sends in order and releases their buffers (torch's
+  Gloo send work says it is complete only from inside ``wait()``, so a thread must wait).
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
   says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
   not claim it and the core runs a batch one call after another, in order.
@@ -54,20 +55,19 @@ __all__ = ["GlooBackend"]
 #: The header's dtype field for a ``send_bytes`` message.
 _BYTES: Final = -1
 
-#: Every message starts with one Gloo message of ``_FRAME`` bytes: the header (the payload's
-#: size and dtype code, two little-endian int64) and, when it fits, the payload itself; a
-#: larger payload follows as a second Gloo message. One fixed size is what lets the receiver
-#: post the frame's receive before it knows the message (Gloo aborts the process on a
-#: message larger than its receive), and a small message costs one Gloo message, not two:
-#: Gloo sends only once the receiver has posted, so each message is a round trip (and a
-#: payload posted before its receive waits far longer: a two-message ping-pong of 4 KiB took
-#: 216 µs one way against 101 µs in one message). 16 KiB measured no slower than 1 KiB for a
-#: 4-byte message (96 against 97 µs one way) and 64 KiB was (119 µs).
-_FRAME: Final = 16384
+#: A message's first Gloo message starts with this header: the payload's size and dtype
+#: code, two little-endian int64.
 _HEADER: Final = struct.Struct("<qq")
 _HEAD: Final = _HEADER.size
-#: The largest payload that travels inside the frame.
-_INLINE: Final = _FRAME - _HEAD
+#: The largest payload that travels in the first Gloo message, right after the header; a
+#: larger one is a second Gloo message. The receiver posts its first receive before it knows
+#: the message (Gloo aborts the process on a message larger than its receive), so each
+#: receive takes a buffer of ``_HEAD + _INLINE`` bytes: untouched memory but for the bytes
+#: that arrive. One message, not two, because a Gloo message sent before its receive is
+#: posted waits for it, and with the reaper thread waiting on the send the second message
+#: of a pair took 1-2 ms to arrive (16 KiB to 256 KiB ping-pong, ranks pinned to cores:
+#: medians of 1.1-1.9 ms one way as two messages against 70-130 us as one).
+_INLINE: Final = 4 << 20
 
 #: Gloo's words for a connection that is gone (its pair.cc messages).
 _PEER_GONE: Final = (
@@ -215,17 +215,17 @@ class GlooBackend(C10dBackend):
             return None
         return then(work, copy_out)
 
-    # -- point to point: a frame (header, and a small payload), then a large payload, on the caller's tag --
+    # -- point to point: header and payload in one Gloo message (a large payload after it), on the caller's tag --
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
         code = dtype_code(tensor.dtype)
         assert code is not None  # the core passes declared dtypes only
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes <= _INLINE:  # (cpu: the only device pg-gloo declares point to point for)
-            self._post(_frame(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
+            self._post(_message(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
         else:
             payload = torch.empty(nbytes, dtype=torch.uint8)
             payload.copy_(flat_bytes(tensor))
-            self._post(_frame(nbytes, code), payload, dst, tag, timeout=timeout, what="send")
+            self._post(_message(nbytes, code), payload, dst, tag, timeout=timeout, what="send")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
         """The message is Gloo's (in a buffer of its own) when this returns: the work is done."""
@@ -235,21 +235,23 @@ class GlooBackend(C10dBackend):
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
         views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
         nbytes = sum(v.nbytes for v in views)
-        frame = _frame(nbytes, _BYTES)
-        payload = None if nbytes <= _INLINE else torch.empty(nbytes, dtype=torch.uint8)
-        target, offset = (tensor_bytes(frame), _HEAD) if payload is None else (tensor_bytes(payload), 0)
+        inline = nbytes <= _INLINE
+        first = torch.empty(_HEAD + nbytes if inline else _HEAD, dtype=torch.uint8)
+        _HEADER.pack_into(tensor_bytes(first), 0, nbytes, _BYTES)
+        payload = None if inline else torch.empty(nbytes, dtype=torch.uint8)
+        target, offset = (tensor_bytes(first), _HEAD) if payload is None else (tensor_bytes(payload), 0)
         for view in views:
             target[offset : offset + view.nbytes] = view
             offset += view.nbytes
-        self._post(frame, payload, dst, tag, timeout=timeout, what="send_bytes")
+        self._post(first, payload, dst, tag, timeout=timeout, what="send_bytes")
 
     def _post(
-        self, frame: torch.Tensor, payload: torch.Tensor | None, dst: int, tag: int, *, timeout: float, what: str
+        self, first: torch.Tensor, payload: torch.Tensor | None, dst: int, tag: int, *, timeout: float, what: str
     ) -> None:
         pg = self._ready(what, [dst])
         deadline = time.monotonic() + timeout
         try:
-            works = [(pg.send([frame], dst, tag), (frame,))]
+            works = [(pg.send([first], dst, tag), (first,))]
             if payload is not None:
                 works.append((pg.send([payload], dst, tag), (payload,)))
         except RuntimeError as exc:
@@ -277,7 +279,7 @@ class GlooBackend(C10dBackend):
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        nbytes, code, frame, framed = self._frame_from(src, tag, timeout, "recv")
+        nbytes, code, first, view = self._first(src, tag, timeout, "recv")
         want = tensor.numel() * tensor.element_size()
         if nbytes != want or code != dtype_code(tensor.dtype):
             self._discard(nbytes, src, tag, deadline, "recv")
@@ -288,8 +290,8 @@ class GlooBackend(C10dBackend):
                 peers=[src],
             )
         if nbytes <= _INLINE:
-            tensor_bytes(tensor)[:] = framed[_HEAD : _HEAD + nbytes]
-            del frame  # (framed, a view of its memory, is used up)
+            tensor_bytes(tensor)[:] = view[_HEAD : _HEAD + nbytes]
+            del first  # (view, of its memory, is used up)
             return
         pg = self.c10d
         self._wait(
@@ -302,7 +304,7 @@ class GlooBackend(C10dBackend):
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
         deadline = time.monotonic() + timeout
-        nbytes, code, frame, framed = self._frame_from(src, tag, timeout, "recv_bytes")
+        nbytes, code, first, view = self._first(src, tag, timeout, "recv_bytes")
         if code != _BYTES:
             self._discard(nbytes, src, tag, deadline, "recv_bytes")
             raise CollectiveMismatchError(
@@ -311,8 +313,8 @@ class GlooBackend(C10dBackend):
                 peers=[src],
             )
         if nbytes <= _INLINE:
-            message = bytearray(framed[_HEAD : _HEAD + nbytes])
-            del frame  # (framed, a view of its memory, is used up)
+            message = bytearray(view[_HEAD : _HEAD + nbytes])
+            del first  # (view, of its memory, is used up)
             return message
         buffer = bytearray(nbytes)
         pg = self.c10d
@@ -320,15 +322,16 @@ class GlooBackend(C10dBackend):
         self._wait(lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True)
         return buffer
 
-    def _frame_from(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
-        """The next message's frame from ``src`` on ``tag``: its size, dtype code, the frame and
-        a view of its bytes (which does not keep it alive)."""
+    def _first(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
+        """The next message's first Gloo message from ``src`` on ``tag``: the payload's size,
+        its dtype code, the buffer it arrived in and a view of that buffer's bytes (which does
+        not keep it alive)."""
         pg = self._ready(what, [src])
-        frame = torch.empty(_FRAME, dtype=torch.uint8)
-        self._wait(lambda: pg.recv([frame], src, tag), what, timeout, [src], bounded=True)
-        framed = tensor_bytes(frame)
-        nbytes, code = _HEADER.unpack_from(framed)
-        return nbytes, code, frame, framed
+        first = torch.empty(_HEAD + _INLINE, dtype=torch.uint8)
+        self._wait(lambda: pg.recv([first], src, tag), what, timeout, [src], bounded=True)
+        view = tensor_bytes(first)
+        nbytes, code = _HEADER.unpack_from(view)
+        return nbytes, code, first, view
 
     def _discard(self, nbytes: int, src: int, tag: int, deadline: float, what: str) -> None:
         """Receive a refused message's payload, so the next receive on its stream reads the next message."""
@@ -364,11 +367,11 @@ def _describe(nbytes: int, code: int | None) -> str:
     return f"{nbytes // size} x {dtype_name(dtype)} ({nbytes} bytes)"
 
 
-def _frame(nbytes: int, code: int, payload: memoryview | None = None) -> torch.Tensor:
-    """A message's first Gloo message: the header, then ``payload`` if given (it fits), zeros after."""
-    frame = torch.zeros(_FRAME, dtype=torch.uint8)
-    framed = tensor_bytes(frame)
-    _HEADER.pack_into(framed, 0, nbytes, code)
+def _message(nbytes: int, code: int, payload: memoryview | None = None) -> torch.Tensor:
+    """A message's first Gloo message: the header, then ``payload`` if given (it fits)."""
+    first = torch.empty(_HEAD + (0 if payload is None else nbytes), dtype=torch.uint8)
+    view = tensor_bytes(first)
+    _HEADER.pack_into(view, 0, nbytes, code)
     if payload is not None:
-        framed[_HEAD : _HEAD + nbytes] = payload
-    return frame
+        view[_HEAD:] = payload
+    return first

@@ -12,7 +12,7 @@ suite. A gap is an undeclared capability, so the core refuses it before anything
 * tags: Gloo's are ``int32`` non-negative, so ``max_tag`` is ``2**31 - 1`` and the core maps
   its own tags and the user's into that range.
 * ``recv_anysource`` (optional, API 1.4): not declared. Gloo receives from any source, but a
-  pg-gloo message larger than its 16 KiB frame is a frame and a payload on one tag, and an any-source receive can take
+  pg-gloo message with a payload over 4 MiB is a header and a payload on one tag, and an any-source receive can take
   a payload that a receive naming its sender has not read yet (see the README).
 
 ``cuda`` is declared where torch was built with CUDA, with the two ops torch documents for
