@@ -253,6 +253,31 @@ def test_a_collective_that_a_rank_never_joins_times_out(pools: Pools) -> None:
     assert "all_reduce" in said and "1 s" in said
 
 
+def receive_timeout_then_in_step(ctx: RankContext) -> str:
+    """Rank 0's receive from rank 1 times out (rank 1 has sent nothing yet); rank 1 then sends,
+    and rank 0's next receive gets that message: the timed-out receive was withdrawn."""
+    with _group(ctx) as group:
+        group.barrier()  # the backend formed on both ranks
+        if ctx.rank == 1:
+            wait_for(ctx.store, ["timed-out"], 60)
+            group.send(torch.arange(3, dtype=torch.float32), 0)
+            group.barrier()
+            return ""
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match=r"recv from rank 1 .*not complete after 0.5 s") as err:
+            group.recv(torch.empty(3), 1, timeout=0.5)
+        assert time.monotonic() - start >= 0.45 and err.value.peers == (1,)
+        ctx.store.set("timed-out", "1")
+        got = torch.empty(3)
+        group.recv(got, 1)
+        group.barrier()
+        return str(got.tolist())
+
+
+def test_a_receive_times_out_naming_its_peer_and_is_withdrawn(pools: Pools) -> None:
+    assert pools(2).run(receive_timeout_then_in_step, timeout=120)[0] == "[0.0, 1.0, 2.0]"
+
+
 def abort_unblocks_a_receive(ctx: RankContext) -> str:
     """Rank 0 receives what rank 1 never sends, in another thread; aborting the group makes it raise."""
     group = _group(ctx)
