@@ -5,9 +5,12 @@ where an MPI is installed: ``backends/mpi/tests``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from pg_core import launchers
 from pg_core.backend import BackendSpec
-from pg_core.launchers import LAUNCHERS, launched_rank
+from pg_core.launchers import LAUNCHERS, launch_command, launched_rank
 
 
 @pytest.mark.parametrize(
@@ -34,3 +37,28 @@ def test_a_spec_declares_a_known_launcher_or_none() -> None:
     assert BackendSpec("x", factory="m:f", devices=("cpu",), launcher="mpiexec").launcher == "mpiexec"
     with pytest.raises(ValueError, match="unknown launcher 'srun'"):
         BackendSpec("x", factory="m:f", devices=("cpu",), launcher="srun")
+
+
+@pytest.mark.parametrize(
+    ("version", "plain", "keep_going"),
+    [
+        ("HYDRA build details:\n    Version: 5.0.2", ["-n", "3"], ["-disable-auto-cleanup", "-n", "3"]),
+        (
+            "mpiexec (Open MPI) 5.0.11",
+            ["--oversubscribe", "-n", "3"],
+            ["--oversubscribe", "--enable-recovery", "-n", "3"],
+        ),
+    ],
+)
+def test_the_command_line_is_the_launchers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str, plain: list[str], keep_going: list[str]
+) -> None:
+    """Hydra and Open MPI spell "keep the others when a rank dies" differently; which one
+    ``mpiexec`` is, is read from its ``--version`` (a stand-in script here, started)."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{version}\nEOF\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(launchers, "find_launcher", lambda launcher: str(fake))
+    argv = ["python", "x.py"]
+    assert launch_command("mpiexec", 3, argv) == [str(fake), *plain, *argv]
+    assert launch_command("mpiexec", 3, argv, keep_going=True) == [str(fake), *keep_going, *argv]

@@ -90,12 +90,15 @@ def _is_hydra(executable: str) -> bool:
 def launch_command(launcher: str, n: int, argv: Sequence[str], *, keep_going: bool = False) -> list[str]:
     """The command line that starts ``n`` ranks running ``argv`` through ``launcher``.
 
-    ``keep_going``: a rank that dies does not take the others down (Hydra's
-    ``-disable-auto-cleanup``; by default Hydra kills the whole job when one rank exits
-    without ``MPI_Finalize``). A test pool wants that, to report which rank died; a job wants
-    the default. Open MPI's ``mpiexec`` gets ``--oversubscribe`` (more ranks than cores is
-    what a test machine does) and has no such switch. Raises ``FileNotFoundError`` if the
-    launcher is not installed."""
+    ``keep_going``: a rank that dies does not take the others down. By default both
+    launchers kill the whole job when one rank exits without ``MPI_Finalize``; Hydra keeps
+    the others with ``-disable-auto-cleanup``, Open MPI's ``mpiexec`` with
+    ``--enable-recovery`` (PRRTE's ``--runtime-options recoverable``; without it, Open MPI
+    5.0.11 killed the survivors of the conformance suite's ``dead_peer`` test, which then
+    reported them dead instead of timed out). A test pool wants that, to report which rank
+    died; a job wants the default. Open MPI's ``mpiexec`` also gets ``--oversubscribe``
+    (more ranks than cores is what a test machine does). Raises ``FileNotFoundError`` if
+    the launcher is not installed."""
     executable = find_launcher(launcher)
     if executable is None:
         raise FileNotFoundError(
@@ -104,7 +107,7 @@ def launch_command(launcher: str, n: int, argv: Sequence[str], *, keep_going: bo
         )
     if _is_hydra(executable):
         return [executable, *(["-disable-auto-cleanup"] if keep_going else []), "-n", str(n), *argv]
-    return [executable, "--oversubscribe", "-n", str(n), *argv]
+    return [executable, "--oversubscribe", *(["--enable-recovery"] if keep_going else []), "-n", str(n), *argv]
 
 
 def why_unavailable_launched(ref: str, launcher: str, *, timeout: float = 120.0) -> str | None:
