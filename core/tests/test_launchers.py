@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pg_core import launchers
 from pg_core.backend import BackendSpec
-from pg_core.launchers import LAUNCHERS, launch_command, launched_rank
+from pg_core.launchers import LAUNCHERS, launch_command, launched_rank, why_unavailable_launched
 
 
 @pytest.mark.parametrize(
@@ -62,3 +62,23 @@ def test_the_command_line_is_the_launchers_own(
     argv = ["python", "x.py"]
     assert launch_command("mpiexec", 3, argv) == [str(fake), *plain, *argv]
     assert launch_command("mpiexec", 3, argv, keep_going=True) == [str(fake), *keep_going, *argv]
+
+
+def test_open_mpi_refusing_root_is_reported_with_the_variables_that_allow_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pg-core writes the command line, so Open MPI's advice (add ``--allow-run-as-root`` to it)
+    is not one the user can follow: the report names the environment variables instead."""
+    fake = tmp_path / "mpiexec"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo "mpiexec (Open MPI) 5.0.11"; exit 0; fi\n'
+        "echo 'prterun has detected an attempt to run as root.' >&2\n"
+        "echo 'You can override this protection by adding the --allow-run-as-root option' >&2\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(launchers, "find_launcher", lambda launcher: str(fake))
+    said = why_unavailable_launched("mpi", "mpiexec")
+    assert said is not None and said.startswith("a process started with mpiexec exited 1 without an answer: prterun")
+    assert "OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" in said

@@ -48,6 +48,15 @@ else:
 """
 
 
+#: Open MPI's ``mpiexec`` refuses to run as root and says to add ``--allow-run-as-root`` to the
+#: command line, which pg-core writes, not the user: the environment says the same, and stays
+#: the user's choice (Open MPI's refusal is deliberate).
+_AS_ROOT: Final = (
+    "; pg-core writes mpiexec's command line: to let Open MPI run as root, set OMPI_ALLOW_RUN_AS_ROOT=1 "
+    "and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 in the environment"
+)
+
+
 def launched_rank(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
     """``(rank, size)`` of this process in the job an MPI launcher started (``size`` is
     ``None`` where the launcher does not say), or ``None`` when no MPI launcher started it.
@@ -131,6 +140,7 @@ def why_unavailable_launched(ref: str, launcher: str, *, timeout: float = 120.0)
         return f"{launcher} could not be started: {exc}"
     verdicts = [line.split(_VERDICT, 1)[1] for line in proc.stdout.splitlines() if _VERDICT in line]
     if not verdicts:
-        said = " ".join((proc.stdout + proc.stderr).split())[-800:]
-        return f"a process started with {launcher} exited {proc.returncode} without an answer: {said or 'no output'}"
+        said = " ".join((proc.stdout + proc.stderr).split())
+        why = f"a process started with {launcher} exited {proc.returncode} without an answer: {said[-800:] or 'no output'}"
+        return why + (_AS_ROOT if "--allow-run-as-root" in said else "")
     return None if verdicts[-1] == "available" else f"in a process started with {launcher}: {verdicts[-1]}"
