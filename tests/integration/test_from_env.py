@@ -96,9 +96,12 @@ def test_under_torchruns_agent_the_group_keeps_to_the_attempts_prefix_of_the_age
 
 
 def demo_env(**launcher: str) -> dict[str, str]:
-    """This process's environment without any launcher's variables, plus ``launcher``."""
+    """This process's environment without any launcher's variables, plus ``launcher``. Open
+    MPI's permission to run as root is the user's setting, not a launcher's variable: without
+    it Open MPI's ``mpiexec`` refuses to start as root."""
     inherited = ("PG_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
+    settings = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+    keep = {k: v for k, v in os.environ.items() if k in settings or not k.startswith(inherited)}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MPI_LOCALRANKID"):
         keep.pop(var, None)
     return {**keep, "OMP_NUM_THREADS": "1", **launcher}

@@ -99,6 +99,48 @@ def test_the_declared_tags_fit_the_librarys_bound_and_mpi_runs_multithreaded(poo
     assert multiple
 
 
+# -- reductions: torch's results, whatever the library's arithmetic ----------------------------------
+
+
+INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def overflowing_integer_reductions(ctx: RankContext) -> list[str]:
+    """Sums and products of each integer type's extremes over 1024 elements (past any vector
+    unit's width), by all_reduce (three calls: the core then prepares it), reduce and
+    reduce_scatter_tensor: what differs from torch's own wrapped-around arithmetic."""
+    wrong = []
+    with _group(ctx) as group:
+        for dtype in INTEGERS:
+            info = torch.iinfo(dtype)
+            mine = torch.tensor([info.max, info.min], dtype=dtype).repeat(512 * ctx.size)
+            for op, fold in ((ReduceOp.SUM, torch.add), (ReduceOp.PRODUCT, torch.mul)):
+                expected = mine.clone()
+                for _ in range(ctx.size - 1):
+                    expected = fold(expected, mine)  # every rank holds the same values
+                for call in range(3):
+                    t = mine.clone()
+                    group.all_reduce(t, op)
+                    if not torch.equal(t, expected):
+                        wrong.append(f"all_reduce #{call} {dtype} {op.type.name}: {t[:2].tolist()}")
+                t = mine.clone()
+                group.reduce(t, 0, op)
+                if ctx.rank == 0 and not torch.equal(t, expected):
+                    wrong.append(f"reduce {dtype} {op.type.name}: {t[:2].tolist()}")
+                out = torch.empty(mine.numel() // ctx.size, dtype=dtype)
+                group.reduce_scatter_tensor(out, mine.clone(), op)
+                if not torch.equal(out, expected.chunk(ctx.size)[ctx.rank]):
+                    wrong.append(f"reduce_scatter_tensor {dtype} {op.type.name}: {out[:2].tolist()}")
+    return wrong
+
+
+def test_integer_sums_and_products_wrap_around_as_torchs_do(pools: Pools) -> None:
+    """Open MPI 5.0's AVX ``MPI_SUM`` saturates 8- and 16-bit integers (``127 + 127 = 127``);
+    torch, and every other backend, wraps around (``-2``). pg-mpi asks the library and lets
+    torch reduce the ones it gets wrong."""
+    assert pools(2).run(overflowing_integer_reductions, timeout=180) == [[], []]
+
+
 # -- groups are communicators of exactly their members ------------------------------------------------
 
 

@@ -48,6 +48,15 @@ else:
 """
 
 
+#: Open MPI's ``mpiexec`` refuses to run as root and says to add ``--allow-run-as-root`` to the
+#: command line, which pg-core writes, not the user: the environment says the same, and stays
+#: the user's choice (Open MPI's refusal is deliberate).
+_AS_ROOT: Final = (
+    "; pg-core writes mpiexec's command line: to let Open MPI run as root, set OMPI_ALLOW_RUN_AS_ROOT=1 "
+    "and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 in the environment"
+)
+
+
 def launched_rank(env: Mapping[str, str] | None = None) -> tuple[int, int | None] | None:
     """``(rank, size)`` of this process in the job an MPI launcher started (``size`` is
     ``None`` where the launcher does not say), or ``None`` when no MPI launcher started it.
@@ -90,12 +99,15 @@ def _is_hydra(executable: str) -> bool:
 def launch_command(launcher: str, n: int, argv: Sequence[str], *, keep_going: bool = False) -> list[str]:
     """The command line that starts ``n`` ranks running ``argv`` through ``launcher``.
 
-    ``keep_going``: a rank that dies does not take the others down (Hydra's
-    ``-disable-auto-cleanup``; by default Hydra kills the whole job when one rank exits
-    without ``MPI_Finalize``). A test pool wants that, to report which rank died; a job wants
-    the default. Open MPI's ``mpiexec`` gets ``--oversubscribe`` (more ranks than cores is
-    what a test machine does) and has no such switch. Raises ``FileNotFoundError`` if the
-    launcher is not installed."""
+    ``keep_going``: a rank that dies does not take the others down. By default both
+    launchers kill the whole job when one rank exits without ``MPI_Finalize``; Hydra keeps
+    the others with ``-disable-auto-cleanup``, Open MPI's ``mpiexec`` with
+    ``--enable-recovery`` (PRRTE's ``--runtime-options recoverable``; without it, Open MPI
+    5.0.11 killed the survivors of the conformance suite's ``dead_peer`` test, which then
+    reported them dead instead of timed out). A test pool wants that, to report which rank
+    died; a job wants the default. Open MPI's ``mpiexec`` also gets ``--oversubscribe``
+    (more ranks than cores is what a test machine does). Raises ``FileNotFoundError`` if
+    the launcher is not installed."""
     executable = find_launcher(launcher)
     if executable is None:
         raise FileNotFoundError(
@@ -104,7 +116,7 @@ def launch_command(launcher: str, n: int, argv: Sequence[str], *, keep_going: bo
         )
     if _is_hydra(executable):
         return [executable, *(["-disable-auto-cleanup"] if keep_going else []), "-n", str(n), *argv]
-    return [executable, "--oversubscribe", "-n", str(n), *argv]
+    return [executable, "--oversubscribe", *(["--enable-recovery"] if keep_going else []), "-n", str(n), *argv]
 
 
 def why_unavailable_launched(ref: str, launcher: str, *, timeout: float = 120.0) -> str | None:
@@ -128,6 +140,7 @@ def why_unavailable_launched(ref: str, launcher: str, *, timeout: float = 120.0)
         return f"{launcher} could not be started: {exc}"
     verdicts = [line.split(_VERDICT, 1)[1] for line in proc.stdout.splitlines() if _VERDICT in line]
     if not verdicts:
-        said = " ".join((proc.stdout + proc.stderr).split())[-800:]
-        return f"a process started with {launcher} exited {proc.returncode} without an answer: {said or 'no output'}"
+        said = " ".join((proc.stdout + proc.stderr).split())
+        why = f"a process started with {launcher} exited {proc.returncode} without an answer: {said[-800:] or 'no output'}"
+        return why + (_AS_ROOT if "--allow-run-as-root" in said else "")
     return None if verdicts[-1] == "available" else f"in a process started with {launcher}: {verdicts[-1]}"

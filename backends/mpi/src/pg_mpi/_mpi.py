@@ -20,7 +20,7 @@ import torch
 from pg_core.errors import BackendUnavailableError
 from pg_core.ops import RedOpType
 
-__all__ = ["TYPE_NAMES", "initialized_mpi", "load_mpi", "thread_level_problem", "user_op"]
+__all__ = ["TYPE_NAMES", "initialized_mpi", "load_mpi", "thread_level_problem", "user_op", "wrong_integer_ops"]
 
 #: MPI is one per process: initialising it is the one thing done once per process.
 _INIT_LOCK: Final = threading.Lock()
@@ -114,10 +114,63 @@ def initialized_mpi() -> Any:
     return mpi
 
 
+#: The integer reductions :func:`wrong_integer_ops` checks: those whose result can overflow.
+_OVERFLOWING: Final = ("SUM", "PROD")
+
+#: Elements per check: more than any vector unit takes at once (64 bytes is AVX-512's), so
+#: that a library's vectorised loop runs, not only its scalar tail.
+_CHECK_COUNT: Final = 1024
+
+_wrong_ops: frozenset[tuple[torch.dtype, str]] | None = None
+
+
+def wrong_integer_ops(mpi: Any) -> frozenset[tuple[torch.dtype, str]]:
+    """The (integer dtype, MPI op name) pairs, among ``SUM`` and ``PROD``, whose predefined
+    ``MPI_Op`` does not wrap around on overflow as torch's integer arithmetic does; pg-mpi
+    reduces those through :func:`user_op` instead. Found once per process, with MPI
+    initialised, by ``MPI_Reduce_local`` on values that overflow (the per-type functions it
+    runs are the ones collectives run).
+
+    Why: Open MPI's ``op/avx`` component (Open MPI 4.1 and later, on CPUs with AVX) adds 8- and
+    16-bit integers with saturating instructions: under Open MPI 5.0.11, ``MPI_SUM`` of two
+    ``int8`` 127s gave 127 (torch: -2) and of two ``uint8`` 255s gave 255 (torch: 254) in the
+    vectorised part of a buffer, while MPICH wraps (open-mpi/ompi#8045, closed as wontfix).
+    Asking the library, not its name, keeps MPI's own op wherever it is right: MPICH, an
+    Open MPI without ``op/avx`` (``OMPI_MCA_op=^avx``), a CPU without AVX."""
+    global _wrong_ops
+    with _INIT_LOCK:
+        if _wrong_ops is None:
+            _wrong_ops = frozenset(
+                (dtype, name)
+                for dtype, type_name in TYPE_NAMES.items()
+                if not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool
+                for name in _OVERFLOWING
+                if not _wraps(mpi, dtype, type_name, name)
+            )
+    return _wrong_ops
+
+
+def _wraps(mpi: Any, dtype: torch.dtype, type_name: str, op_name: str) -> bool:
+    """Whether MPI's ``op_name`` on ``dtype`` gives torch's result for the type's extremes,
+    each reduced with itself (``max + max`` overflows every integer type)."""
+    info = torch.iinfo(dtype)
+    source = torch.tensor([info.max, info.min], dtype=dtype).repeat(_CHECK_COUNT // 2)
+    inout = source.clone()
+    expected = (torch.add if op_name == "SUM" else torch.mul)(source, inout)
+    mpi_type = getattr(mpi, type_name)
+
+    def buf(t: torch.Tensor) -> list[Any]:
+        return [mpi.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size()), t.numel(), mpi_type]
+
+    getattr(mpi, op_name).Reduce_local(buf(source), buf(inout))
+    return torch.equal(inout, expected)
+
+
 def user_op(mpi: Any, dtype: torch.dtype, kind: RedOpType) -> Any:
-    """A new commutative ``MPI_Op`` that reduces ``dtype`` (carried as 2-byte elements) with
-    torch's own elementwise op for ``kind``: ``inout = in (op) inout``, rounded to ``dtype`` as
-    torch's CPU ops round. The caller frees it."""
+    """A new commutative ``MPI_Op`` that reduces ``dtype`` (carried as MPI elements of its
+    size: 2-byte ones for float16 and bfloat16) with torch's own elementwise op for ``kind``:
+    ``inout = in (op) inout``, rounded or wrapped around to ``dtype`` as torch's CPU ops do.
+    The caller frees it."""
     fn = _TORCH_OPS[kind]
 
     def reduce(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:

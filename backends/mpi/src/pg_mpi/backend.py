@@ -22,7 +22,9 @@ waited for or polled (API 1.2: no thread per operation). A blocking ``all_reduce
 dtype and op MPI reduces itself also has a prepared form (API 1.5: the datatype and op looked
 up once), which the core calls once a call of that kind has gone the full way. ``AVG`` is MPI's sum divided by the
 group size, ``PREMUL_SUM`` the input times the factor summed by MPI; ``float16`` and
-``bfloat16`` reduce through user-defined ``MPI_Op``\\ s that run torch's elementwise ops.
+``bfloat16`` reduce through user-defined ``MPI_Op``\\ s that run torch's elementwise ops, and so
+do integer sums and products where the MPI library's do not wrap around as torch's do (Open
+MPI's AVX sums of 8- and 16-bit integers saturate; see :func:`~pg_mpi._mpi.wrong_integer_ops`).
 
 **Point to point.** A send never waits for its receiver (the contract's rule): ``send``,
 ``isend`` and ``send_bytes`` copy the message once into a buffer of its own and post it with
@@ -64,7 +66,7 @@ from pg_core.ops import RedOpType, ReduceOp
 from pg_core.store import wait_for
 from pg_core.work import Work
 
-from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, user_op
+from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, user_op, wrong_integer_ops
 from .plugin import HOW_TO_LAUNCH
 
 __all__ = ["MPIBackend"]
@@ -105,6 +107,8 @@ class MPIBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx, self.rank, self.size = ctx, ctx.rank, ctx.size
         self._mpi = initialized_mpi()
+        #: (integer dtype, MPI op name) that this MPI does not wrap around as torch does: torch reduces them
+        self._wrong_ops = wrong_integer_ops(self._mpi)
         #: why operations are refused (shutdown or abort), or None
         self._closed: str | None = None
         self._lock = threading.Lock()
@@ -269,9 +273,14 @@ class MPIBackend(Backend):
         name = TYPE_NAMES.get(t.dtype, "INT16_T")
         return [self._memory(t), t.numel(), getattr(self._mpi, name)]
 
+    def _torch_reduced(self, dtype: torch.dtype, op: ReduceOp) -> bool:
+        """Whether torch reduces ``dtype`` in a user-defined op: MPI has no type for it, or
+        MPI's op on it does not wrap around as torch's does (see :func:`wrong_integer_ops`)."""
+        return dtype in _TORCH_REDUCED or (dtype, OP_NAMES[op.type]) in self._wrong_ops
+
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         """MPI's op for ``op`` on ``dtype``: a predefined one, or this backend's user-defined one."""
-        if dtype not in _TORCH_REDUCED:
+        if not self._torch_reduced(dtype, op):
             return getattr(self._mpi, OP_NAMES[op.type])
         key = (dtype, op.type)
         with self._lock:
@@ -319,8 +328,8 @@ class MPIBackend(Backend):
         """:meth:`all_reduce` for blocking calls of one dtype and reduce op, with MPI's datatype
         and op looked up once: ``MPI_Iallreduce`` and its polled wait, nothing else (pg-core
         backend API 1.5). ``None`` for AVG and PREMUL_SUM (a step before or after) and for the
-        dtypes torch reduces in a user-defined op."""
-        if op.type in (RedOpType.AVG, RedOpType.PREMUL_SUM) or dtype in _TORCH_REDUCED:
+        dtypes and ops torch reduces in a user-defined op."""
+        if op.type in (RedOpType.AVG, RedOpType.PREMUL_SUM) or self._torch_reduced(dtype, op):
             return None
         mpi = self._mpi
         mpi_op, mpi_type, in_place = getattr(mpi, OP_NAMES[op.type]), getattr(mpi, TYPE_NAMES[dtype]), mpi.IN_PLACE

@@ -10,6 +10,8 @@ and certified by the conformance suite under ``mpiexec`` (world sizes 1 to 4):
   user-defined ``MPI_Op`` that applies torch's own elementwise op to the pieces MPI hands it;
   ``AVG`` is ``SUM`` then a division by the group size, ``PREMUL_SUM`` a local multiplication
   by the factor then ``SUM``: each correct by definition, with the same result on every rank;
+  an integer ``SUM`` or ``PROD`` that the library does not wrap around as torch does (Open
+  MPI's AVX sums of 8- and 16-bit integers saturate) is torch's too, found after ``MPI_Init``;
 * tags up to ``32767``: the ``MPI_TAG_UB`` every MPI implementation guarantees at least
   (MPICH's is ``2**29 - 1``, but the real bound is known only after ``MPI_Init``, and
   declaring must not initialise MPI).
