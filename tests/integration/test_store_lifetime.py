@@ -31,7 +31,15 @@ from typing import Any
 import pytest
 import torch
 from pg_core import PeerFailureError, ProcessGroup, StoreServer, StoreUnavailableError, TCPStore
-from pg_core.store import GuardedStore, PrefixStore, hosts_store, store_address, store_host
+from pg_core.store import (
+    GuardedStore,
+    PrefixStore,
+    _listening_addresses,
+    _local_addresses,
+    hosts_store,
+    store_address,
+    store_host,
+)
 
 PREFIX = "@@ "
 SCENARIO_LIMIT_S = 120.0  # a whole scenario, process start-up on a loaded 2-core machine included
@@ -249,6 +257,24 @@ def test_store_server_hosts_until_closed() -> None:
         _ = server.store
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+
+
+def test_hosting_means_this_port_listening_here_on_the_stores_own_host() -> None:
+    """What hosts_store combines: the addresses this process listens on at a port (as bound, or
+    the wildcard), and the addresses of a host that are this machine's (none for a host
+    elsewhere, so a store there is not hosted here even if this process serves its port number)."""
+    with socket.socket() as one, socket.socket() as every:
+        one.bind(("127.0.0.1", 0))
+        one.listen()
+        every.bind(("0.0.0.0", 0))
+        every.listen()
+        port = one.getsockname()[1]
+        assert _listening_addresses(port) == {"127.0.0.1"}
+        assert _listening_addresses(every.getsockname()[1]) == {"0.0.0.0"}
+    assert _listening_addresses(port) == set()  # closed: nothing listens
+    assert _local_addresses("127.0.0.1") == {"127.0.0.1"} and "127.0.0.1" in _local_addresses("localhost")
+    assert _local_addresses("192.0.2.1") == set()  # TEST-NET-1: never this machine's
+    assert _local_addresses("no-such-host.invalid") == set()
 
 
 def test_a_guarded_store_translates_a_lost_server_once_and_carries_what_torch_forwards() -> None:

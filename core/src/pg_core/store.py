@@ -80,23 +80,61 @@ def hosts_store(store: Store) -> bool:
     """Whether this process hosts the server of ``store``, a ``TCPStore`` (possibly wrapped):
     whether the store ends when this process exits. Torch's object does not say whether it was
     made with ``is_master=True``, so this asks the system whether this process holds a socket
-    listening on the store's port (its descriptors, from ``/proc/self/fd`` or ``/dev/fd``;
-    where neither lists them, ``False``, so nothing waits). ``False`` for other stores
-    (``FileStore``, ``HashStore``)."""
+    listening on the store's port, bound to the store's host or to every address, and whether
+    that host is this machine (the same port number served here for another store, while this
+    store's server runs elsewhere, is not this store). Its descriptors come from
+    ``/proc/self/fd`` or ``/dev/fd``; where neither lists them, ``False``, so nothing waits.
+    ``False`` for other stores (``FileStore``, ``HashStore``)."""
     inner = _innermost(store)
-    return isinstance(inner, TCPStore) and _listens_here(int(inner.port))
+    if not isinstance(inner, TCPStore):
+        return False
+    bound = _listening_addresses(int(inner.port))
+    if not bound:
+        return False
+    local = _local_addresses(str(inner.host))
+    return bool(local) and any(addr in local or ipaddress.ip_address(addr).is_unspecified for addr in bound)
 
 
-def _listens_here(port: int) -> bool:
-    """Whether a TCP socket of this process listens on ``port``: each socket among this
-    process's file descriptors, asked through a duplicate (which is all that is closed)."""
+def _normalised(address: object) -> str:
+    """An IP address as :mod:`ipaddress` writes it, without an IPv6 zone, an IPv4-mapped IPv6
+    address as the IPv4 one."""
+    ip = ipaddress.ip_address(str(address).partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def _local_addresses(host: str) -> set[str]:
+    """The addresses ``host`` resolves to that belong to this machine (a socket can be bound
+    to them), normalised as :mod:`ipaddress` writes them; empty if it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    local = set()
+    for family, _, _, _, sockaddr in infos:
+        addr = _normalised(sockaddr[0])
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((addr, 0))
+        except OSError:
+            continue
+        local.add(addr)
+    return local
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The addresses this process's listening TCP sockets on ``port`` are bound to (``0.0.0.0``
+    or ``::`` for every address): each socket among this process's file descriptors, asked
+    through a duplicate (which is all that is closed)."""
+    found: set[str] = set()
     try:
         names = os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd")
     except OSError:
-        return False
+        return found
     accepting = getattr(socket, "SO_ACCEPTCONN", None)
     if accepting is None:
-        return False
+        return found
     for name in names:
         try:
             fd = int(name)
@@ -114,11 +152,12 @@ def _listens_here(port: int) -> bool:
             try:
                 if sock.family not in (socket.AF_INET, socket.AF_INET6):
                     continue
-                if sock.getsockopt(socket.SOL_SOCKET, accepting) and sock.getsockname()[1] == port:
-                    return True
+                bound_to = sock.getsockname()
+                if sock.getsockopt(socket.SOL_SOCKET, accepting) and bound_to[1] == port:
+                    found.add(_normalised(bound_to[0]))
             except OSError:
                 continue
-    return False
+    return found
 
 
 def _gone(address: str | None, op: str, exc: BaseException) -> str:
