@@ -31,7 +31,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from .backend import BackendSpec
 from .dispatch import describe
@@ -99,7 +99,7 @@ def join(store: Store, namespace: str, key: str, rank: int | None, size: int) ->
         store.set(f"{gen}/full", "1")
     if rank is None:
         rank = joined - 1
-    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+    token = f"{_this_process()}{uuid.uuid4().hex}"
     claimed = store.compare_set(f"{gen}/rank/{rank}", "", token).decode()
     if claimed != token:
         raise ValueError(
@@ -144,6 +144,17 @@ def wait_until_full(store: Store, m: Membership, timeout: float, what: str) -> N
     )
 
 
+#: Drawn once per interpreter: with the host name and the pid, what tells this process from
+#: another that has the same host name and pid (containers on two machines, both named alike
+#: and both running Python as pid 1). A forked child keeps it but has another pid.
+_PROCESS_NONCE: Final = uuid.uuid4().hex[:16]
+
+
+def _this_process() -> str:
+    """The start of the rank tokens this process claims: ``host:pid:nonce:``."""
+    return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_NONCE}:"
+
+
 def leave(group_store: Store, rank: int) -> None:
     """Record that ``rank`` left its formation (``group_store``: the formation's prefixed store)."""
     group_store.set(f"left/{rank}", "1")
@@ -153,7 +164,7 @@ def await_leaving(group_store: Store, size: int, timeout: float, what: str) -> l
     """Wait, at most ``timeout`` seconds, until every rank of the formation that runs in
     another process has left it; the ranks that had not by then (none: all left). Ranks in
     this process (threads) cannot outlive it, so they are not waited for."""
-    here = f"{socket.gethostname()}:{os.getpid()}:"  # the start of this process's tokens (see join)
+    here = _this_process()  # the start of this process's tokens (see join)
 
     def elsewhere(rank: int) -> bool:
         claimed = f"rank/{rank}"
