@@ -107,6 +107,25 @@ def test_slurm_finds_the_first_node_of_the_step_and_derives_the_port_from_the_jo
     assert (overridden.host, overridden.port) == ("login", 3000)
 
 
+def test_under_slurm_the_first_task_on_the_first_node_hosts_the_store_whichever_rank_it_is() -> None:
+    """With tasks not laid out in blocks, task 0 need not run on the step's first node, where
+    every rank looks for the store: the first task there hosts it (srun sets SLURMD_NODENAME)."""
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_JOB_ID": "7",
+        "SLURMD_NODENAME": "n2",
+        "SLURM_LOCALID": "0",
+    }
+    assert read_launch(env).host == "n1" and not read_launch(env).host_store  # task 0, on n2
+    on_first = {**env, "SLURM_PROCID": "3", "SLURMD_NODENAME": "n1"}
+    assert read_launch(on_first).host_store  # task 3, the first on n1
+    assert not read_launch({**on_first, "SLURM_LOCALID": "1"}).host_store  # n1's second task
+    assert read_launch({**env, "MASTER_ADDR": "n2"}).host_store  # an address given: rank 0 hosts, as env://
+    assert not read_launch({**on_first, "MASTER_ADDR": "n1"}).host_store
+
+
 def test_the_slurm_port_stays_in_its_range_for_any_job() -> None:
     ports = {
         slurm_port({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)})

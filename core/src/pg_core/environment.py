@@ -14,7 +14,9 @@ until :meth:`LaunchEnv.connect`. The launchers it understands, first match wins:
    torch's ``env://`` does.
 3. **SLURM** (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the store on
    ``MASTER_ADDR`` or else the first host of ``SLURM_STEP_NODELIST`` (``SLURM_JOB_NODELIST``),
-   at ``MASTER_PORT`` or else :func:`slurm_port`; rank 0 hosts it.
+   at ``MASTER_PORT`` or else :func:`slurm_port`. On that first host, its first task
+   (``SLURMD_NODENAME`` the host, ``SLURM_LOCALID`` 0) hosts the store, whichever rank it is;
+   with ``MASTER_ADDR`` set, or without those two variables, rank 0 does.
 4. **MPI** (``mpiexec``): Open MPI's ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
    ``OMPI_COMM_WORLD_LOCAL_RANK``, then MPICH's / PMI's ``PMI_RANK``, ``PMI_SIZE``,
    ``MPI_LOCALRANKID``; the store on ``MASTER_ADDR``/``MASTER_PORT``, rank 0 hosts it.
@@ -123,6 +125,10 @@ def read_launch(env: Mapping[str, str]) -> LaunchEnv:
     elif source == "slurm":
         host = env.get("MASTER_ADDR") or _slurm_host(env)
         port = _port(env["MASTER_PORT"], "MASTER_PORT") if env.get("MASTER_PORT") else slurm_port(env)
+        if not env.get("MASTER_ADDR") and env.get("SLURMD_NODENAME") and env.get("SLURM_LOCALID"):
+            # the store is on the step's first node: its first task hosts it, which is task 0
+            # only where tasks are laid out in blocks (not with --distribution=arbitrary or plane)
+            host_store = env["SLURMD_NODENAME"] == host and _int(env["SLURM_LOCALID"], "SLURM_LOCALID") == 0
     else:
         missing = [var for var in ("MASTER_ADDR", "MASTER_PORT") if not env.get(var)]
         if missing:
