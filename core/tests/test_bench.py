@@ -14,7 +14,6 @@ import io
 import itertools
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import torch
 from pg_core import bench
 from pg_core.backend import Backend, BackendContext, Capabilities
 from pg_core.ops import OPS, ReduceOp
+from pg_core.procs import wait_exited
 from pg_core.store import wait_for
 
 HERE = Path(__file__).resolve().parent
@@ -912,15 +912,7 @@ def test_a_failing_rank_shows_its_traceback_and_no_rank_is_left(
     assert "# broadcast (world size 2" in run.stdout  # the rows measured before the failure are shown
     assert "rank 1 exited with status 1" in run.stderr
     assert "Traceback" in run.stderr and "planted failure in all_reduce on rank 1" in run.stderr
-    for pid in _leftovers():  # killed ranks may still be exiting: wait for their exit, not a while
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            select.select([fd], [], [], 5.0)
-        finally:
-            os.close(fd)
+    wait_exited(_leftovers(), 5.0)  # killed ranks may still be exiting: wait for their exit, not a while
     assert _leftovers() == []
 
 

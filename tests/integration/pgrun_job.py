@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
-import select
 import sys
 import threading
-import time
 from pathlib import Path
+
+from pg_core.procs import wait_exited
 
 LAUNCHER_VARS = (
     *("PG_RANK", "PG_WORLD_SIZE", "PG_LOCAL_RANK", "PG_STORE", "PG_BACKENDS", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -42,19 +42,7 @@ def job_pids(pid_dir: Path, count: int) -> list[int]:
 
 def assert_gone(pids: list[int], timeout: float = GONE_S) -> None:
     """Every process in ``pids`` has exited (a zombie has) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            os.close(fd)
-        if not ready:
-            alive.append(pid)
+    alive = wait_exited(pids, timeout)
     assert not alive, f"processes of the job still running: {alive}"
 
 

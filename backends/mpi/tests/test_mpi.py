@@ -27,6 +27,7 @@ from pg_core import ProcessGroup
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout
 from pg_core.launchers import find_launcher, launch_command
 from pg_core.ops import ReduceOp
+from pg_core.procs import wait_exited
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool, RanksFailed
 from pg_core.testing.rank import run_warm_up
@@ -371,12 +372,7 @@ def pid(ctx: RankContext) -> int:
 
 
 def _gone(pids: list[int], within: float = 20.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if not any(os.path.exists(f"/proc/{p}") for p in pids):
-            return True
-        time.sleep(0.1)  # processes of another session (mpiexec's): no event tells their exit; polled with a deadline
-    return False
+    return not wait_exited(pids, within)  # mpiexec's processes, not this one's children
 
 
 def test_a_launched_pool_dumps_a_hang_reports_a_death_respawns_and_leaves_no_process() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ __all__ = [
     "die_with_parent",
     "prepare_rank",
     "tail",
+    "wait_exited",
 ]
 
 #: How long :meth:`RankProcesses.dump_stacks` waits at most for the dumps to be written.
@@ -351,6 +353,33 @@ def _alive(pid: int) -> bool:
     except OSError:
         return True
     return True
+
+
+def wait_exited(pids: Iterable[int], timeout: float) -> list[int]:
+    """Wait, at most ``timeout`` seconds in all, until every process in ``pids`` has exited
+    (a zombie has), children of this process or not; the ones still running then. Waits on
+    each process's pidfd where the system has them (Linux 5.3+: woken by the exit itself),
+    else re-reads ``/proc`` every 50 ms."""
+    deadline = time.monotonic() + timeout
+    running = []
+    for pid in pids:
+        if not hasattr(os, "pidfd_open"):
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)  # no pidfd: nothing tells another session's process's exit
+            if _alive(pid):
+                running.append(pid)
+            continue
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+        if not ready:
+            running.append(pid)
+    return running
 
 
 def tail(path: str | os.PathLike[str], *, lines: int | None = None, chars: int | None = None) -> str:
