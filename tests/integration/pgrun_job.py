@@ -29,6 +29,8 @@ LAUNCHER_VARS = (
     *("LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"),
 )
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_env_demo.py"
+#: this script: what the launcher tests start as each rank
+JOB = Path(__file__)
 
 
 GONE_S = 20.0  # a stopped job's processes are gone within this

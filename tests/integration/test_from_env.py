@@ -4,7 +4,6 @@ this process, groups formed from a launcher's variables on a store the test host
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -14,15 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from pg_core import PrefixStore, ProcessGroup, TCPStore
-
-JOB = Path(__file__).with_name("pgrun_job.py")
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "from_env_demo.py"
-_spec = importlib.util.spec_from_file_location("pgrun_job", JOB)
-assert _spec is not None and _spec.loader is not None
-job_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(job_module)
-expected_demo, demo_lines = job_module.expected_demo, job_module.demo_lines
-job_pids, assert_gone = job_module.job_pids, job_module.assert_gone
+from pgrun_job import EXAMPLE, JOB, assert_gone, demo_lines, expected_demo, job_pids  # (tests/integration/conftest.py)
 
 
 def launch(argv: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,6 @@ the process under test, and stopping them is what is tested.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import signal
@@ -22,14 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pgrun_job import JOB, assert_gone, demo_lines, expected_demo, job_pids  # (tests/integration/conftest.py)
 
-JOB = Path(__file__).with_name("pgrun_job.py")
-_spec = importlib.util.spec_from_file_location("pgrun_job", JOB)
-assert _spec is not None and _spec.loader is not None
-job_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(job_module)
-expected_demo, demo_lines = job_module.expected_demo, job_module.demo_lines
-job_pids, assert_gone = job_module.job_pids, job_module.assert_gone
 PGRUN = Path(sys.executable).with_name("pgrun")
 PG_CORE = Path(sys.executable).with_name("pg-core")
 
