@@ -102,6 +102,20 @@ class ManglingBackend(StoreBackend):
                 view[at : at + len(pattern)] = torch.frombuffer(bytearray(replacement), dtype=torch.uint8)
 
 
+class LoggedA(StoreBackend):
+    """Correct; each all_reduce appends the class's name to ``calls-<rank>.log`` in the
+    working directory, so a test can see the order in which the benchmark ran two backends."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        super().all_reduce(tensor, op, timeout=timeout)
+        with open(f"calls-{self.rank}.log", "a") as log:
+            log.write(type(self).__name__ + "\n")
+
+
+class LoggedB(LoggedA):
+    """LoggedA under another name."""
+
+
 class CrashOnRank1Backend(StoreBackend):
     """Rank 1 raises in all_reduce; rank 0 is left waiting for it."""
 
@@ -590,6 +604,7 @@ def _args(*argv: str) -> Any:
         (["--baseline", "torch-gloo,nccl"], "--baseline: unknown nccl; known: torch-gloo, mpi4py"),
         (["--baseline", ","], "--baseline: unknown nothing named"),
         (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
         (["--backends", "", "--plot", "no/such/folder/x.png"], "--plot no/such/folder/x.png: the folder"),
     ],
 )
@@ -664,6 +679,24 @@ def _commands(tmp: Path) -> dict[str, list[str]]:
             *TINY,
         ],
     }
+    # two backends timed in 3 interleaved rounds; the only run here whose backends log their calls
+    commands["rounds"] = [
+        "--backends",
+        "test_bench:LoggedA,test_bench:LoggedB",
+        "--no-baseline",
+        "--ops",
+        "all_reduce",
+        "--sizes",
+        "4",
+        "--iters",
+        "6",
+        "--warmup",
+        "1",
+        "--time-budget",
+        "0.2",
+        "--rounds",
+        "3",
+    ]
     if _tcp_reason() is None:
         commands["tcp"] = ["--backends", "tcp", "--json", *TINY]
     return commands
@@ -914,6 +947,28 @@ def test_a_failing_rank_shows_its_traceback_and_no_rank_is_left(
     assert "Traceback" in run.stderr and "planted failure in all_reduce on rank 1" in run.stderr
     wait_exited(_leftovers(), 5.0)  # killed ranks may still be exiting: wait for their exit, not a while
     assert _leftovers() == []
+
+
+@pytest.mark.slow
+def test_rounds_interleave_the_backends_timed_iterations(
+    runs: dict[str, subprocess.CompletedProcess[str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    run = runs["rounds"]
+    assert run.returncode == 0, run.stderr
+    assert "# all_reduce (world size 2, float32, sum, interleaved in 3 rounds)" in run.stdout
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("4 ")]
+    assert [r[2] for r in rows] == ["LoggedA", "LoggedB"] and all(r[-1] == "ok" for r in rows)
+    iters = {r[2]: int(r[3]) for r in rows}
+    assert all(5 <= n <= 6 for n in iters.values()), rows
+    logs = {log.resolve() for log in tmp_path_factory.getbasetemp().glob("bench*/calls-0.log")}  # benchcurrent: a link
+    assert len(logs) == 1
+    calls = logs.pop().read_text().split()
+    # rank 0's all_reduce calls, run by run: each backend's warmup, then three rounds of
+    # (one untimed iteration and a third of the timed ones) for one backend, then the other
+    turns = [name for name, _ in itertools.groupby(calls)]
+    assert turns == ["LoggedA", "LoggedB"] * 4, turns
+    for name, n in iters.items():
+        assert calls.count(name) == 1 + 3 + n  # --warmup 1, one per round, the timed ones
 
 
 @pytest.mark.slow

@@ -66,7 +66,13 @@ and rank 1 echoes what it received back, and the time is rank 0's round trip
 divided by 2 (one-way latency); serializing and deserializing are inside it. Buffers
 that an op reduces into (``all_reduce``, ``reduce``, the input of
 ``reduce_scatter_tensor``) are refilled before every iteration, outside the
-timed region.
+timed region. With ``--rounds R`` (R > 1) the rows of one (op, size) are timed
+together: every runner warms up and is planned as above, then each runs its share of
+its timed iterations (after a barrier and one untimed iteration) in turn, R times
+over, and each row's statistics are over all its iterations. A drift of the machine's
+speed during the run (another tenant, frequency, the host's scheduler) then weighs on
+each row alike rather than on whichever ran during it, which is what a ratio of two
+rows measured seconds apart is most sensitive to.
 
 **What is reported.** ``min``/``median``/``max`` of the per-iteration times,
 in microseconds; ``algbw = size / median time`` and ``busbw = algbw * factor``
@@ -582,6 +588,7 @@ class Row:
     ratio_to: str | None = None
     ref_ratio: float | None = None
     ref_op: str | None = None
+    rounds: int = 1  # --rounds: blocks the timed iterations came in, interleaved with the other rows'
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Row:
@@ -684,6 +691,8 @@ def _what(op: str, first: Row) -> str:
         what += ", shape unknown to the receiver"
     if op in _ECHO_OPS:
         what += ", ranks 0<->1, one-way time = round trip / 2"
+    if first.rounds > 1:
+        what += f", interleaved in {first.rounds} rounds"
     return what
 
 
@@ -797,6 +806,7 @@ class _Config:
     timeout: float
     pin_ranks: bool = False
     to_torch: bool = False
+    rounds: int = 1
     port: int = 0
     results: str = ""
     parent_pid: int = 0
@@ -1141,6 +1151,18 @@ class _ToTorchRunner(_TorchGlooRunner):
 
 
 @dataclasses.dataclass
+class _Slot:
+    """One runner's row of one (op, size) between its warmup and its report."""
+
+    index: int
+    runner: _Runner
+    row: Row
+    case: _Case | None  # None on a rank that takes no part
+    iters: int  # timed iterations planned, over every round
+    times: list[int] = dataclasses.field(default_factory=list)  # this rank's, ns
+
+
+@dataclasses.dataclass
 class _Case:
     """One op on one runner with its buffers: ``run`` is what is timed."""
 
@@ -1294,11 +1316,24 @@ class _Rank:
         index = 0
         for op, requested in sweep_order(cfg.ops, cfg.sizes):
             count = element_count(op, requested, cfg.world_size, self.dtype.itemsize)
-            for runner in self.runners:
-                index += 1
-                row = self._row(index, op, requested, count, runner)
-                if row is not None:
-                    self.emit("row", **dataclasses.asdict(row))
+            # one runner after the other; with --rounds R > 1, every runner's iterations interleaved
+            batches = [[runner] for runner in self.runners] if cfg.rounds == 1 else [self.runners]
+            for batch in batches:
+                slots: list[_Slot] = []
+                for runner in batch:
+                    index += 1
+                    ready = self._ready(index, op, requested, count, runner)
+                    if isinstance(ready, _Slot):
+                        slots.append(ready)
+                    elif ready is not None:
+                        self.emit("row", **dataclasses.asdict(ready))
+                for block in range(cfg.rounds):
+                    for slot in slots:
+                        self._block(slot, block)
+                for slot in slots:
+                    row = self._finish(slot)
+                    if row is not None:
+                        self.emit("row", **dataclasses.asdict(row))
         # every rank done before any group goes away, so no peer sees a closed connection mid-op
         self.ctl.set(f"finished/{self.rank}", "1")
         self.ctl.wait([f"finished/{q}" for q in range(cfg.world_size)], timedelta(seconds=cfg.timeout))
@@ -1335,7 +1370,9 @@ class _Rank:
             status="skipped",
         )
 
-    def _row(self, index: int, op: str, requested: int, count: int, runner: _Runner) -> Row | None:
+    def _ready(self, index: int, op: str, requested: int, count: int, runner: _Runner) -> _Slot | Row | None:
+        """Row ``index`` warmed up and planned (a :class:`_Slot`); or, where the runner cannot
+        run it, its skipped row on rank 0 (``None`` elsewhere)."""
         cfg, rank, n = self.cfg, self.rank, self.cfg.world_size
         row = self._base_row(op, requested, count, runner)
         reason = "needs world size >= 2" if op in _ECHO_OPS and n < 2 else runner.why_not(op, self.dtype)
@@ -1358,24 +1395,43 @@ class _Rank:
             )
         else:
             more, iters = (int(x) for x in self.ctl.get(f"plan/{index}").decode().split())
-        times: list[int] = []
-        error: str | None = None
         if case is not None:
             for _ in range(more):
                 case.refill()
                 case.run()
-        self._sync(runner, f"{index}/timed")
-        if case is not None:
-            for i in range(iters):
-                case.refill()
-                if i == iters - 1:
-                    case.poison()
-                times.append(_timed(case.run))
-            error = self._check(op, count, case.output())
-            self.ctl.set(f"result/{index}/{rank}", json.dumps({"ns": times, "error": error}))
+        row.warmup, row.iters, row.rounds = first + more, iters, cfg.rounds
+        return _Slot(index, runner, row, case, iters)
+
+    def _block(self, slot: _Slot, block: int) -> None:
+        """Timed block ``block`` of ``--rounds``: its share of the slot's iterations, after a
+        barrier (and, between other runners' blocks, one untimed iteration); the output
+        poisoned before the very last."""
+        rounds, case = self.cfg.rounds, slot.case
+        share = slot.iters * (block + 1) // rounds - slot.iters * block // rounds
+        if share == 0:
+            return
+        self._sync(slot.runner, f"{slot.index}/timed/{block}")
+        if case is None:
+            return
+        if rounds > 1:
+            slot.row.warmup += 1
+            case.refill()
+            case.run()
+        for _ in range(share):
+            case.refill()
+            if len(slot.times) == slot.iters - 1:
+                case.poison()
+            slot.times.append(_timed(case.run))
+
+    def _finish(self, slot: _Slot) -> Row | None:
+        """Check this rank's output and report its times; on rank 0, the row from every rank's."""
+        index, row, rank, n = slot.index, slot.row, self.rank, self.cfg.world_size
+        op = row.op
+        if slot.case is not None:
+            error = self._check(op, row.count, slot.case.output())
+            self.ctl.set(f"result/{index}/{rank}", json.dumps({"ns": slot.times, "error": error}))
         if rank != 0:
             return None
-        row.warmup, row.iters = first + more, iters
         per_rank: list[list[int]] = []
         errors: list[str] = []
         for q in range(2 if op in _ECHO_OPS else n):
@@ -1521,6 +1577,7 @@ def _supervise(
     deadline = time.monotonic() + t + 120.0  # import torch, form every group
     waiting_for = "the ranks to start and form their groups"
     done = False
+    planned = 0.0  # seconds the rows planned since the last row came should take (--rounds: all of them)
     while True:
         for event in results.read():
             kind = event.pop("event")
@@ -1528,14 +1585,15 @@ def _supervise(
             if kind == "start":
                 deadline, waiting_for = now + 3 * t + 30.0, "the first measurement"
             elif kind == "plan":
-                expected = event["runs"] * event["probe_ns"] / 1e9
-                deadline = now + 3 * expected + 2 * t + 30.0
+                planned += event["runs"] * event["probe_ns"] / 1e9
+                deadline = now + 3 * planned + 2 * t + 30.0
                 waiting_for = f"{event['op']} {event['size']} B on {event['backend']}"
                 if bar is not None:
                     bar.update(current=f"{event['op']} {_human(event['size'])} on {event['backend']}")
             elif kind == "row":
                 row = Row.from_dict(event)
                 rows.append(row)
+                planned = 0.0
                 deadline, waiting_for = now + 3 * t + 30.0, "the next measurement"
                 if progress is not None:
                     took = "" if row.median_us is None else f"median {row.median_us:.1f} us over {row.iters} iters, "
@@ -1713,6 +1771,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds per (backend, op, size); at least 5 timed iterations run regardless (default 2)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="time each (op, size) in R rounds: every backend and baseline runs its share of the timed iterations "
+        "in turn, R times over, so that a machine that slows down or speeds up during the run weighs on every "
+        "row alike (default 1: one row after the other)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=60.0, metavar="S", help="seconds any one operation may take (default 60)"
     )
     parser.add_argument(
@@ -1780,6 +1847,8 @@ def _config(args: argparse.Namespace) -> _Config:
         raise BenchError(f"--iters must be >= 1, got {args.iters}")
     if args.warmup < 0:
         raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds must be >= 1, got {args.rounds}")
     if not args.time_budget > 0 or not args.timeout > 0:
         raise BenchError("--time-budget and --timeout must be positive")
     if args.pin_ranks and not hasattr(os, "sched_setaffinity"):
@@ -1816,6 +1885,7 @@ def _config(args: argparse.Namespace) -> _Config:
         timeout=args.timeout,
         pin_ranks=args.pin_ranks,
         to_torch=args.to_torch,
+        rounds=args.rounds,
         launcher=next(iter(launchers), None),
     )
 
