@@ -4,6 +4,8 @@ capability checks before the backend sees anything, staging, ordering, life cycl
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
 
 import pytest
@@ -603,3 +605,164 @@ def test_a_prepared_all_reduce_waits_behind_queued_collectives_and_its_failure_s
     assert (info.value.op, info.value.seq) == ("all_reduce", 6)
     with pytest.raises(CollectiveTimeout, match="stopped after all_reduce \\(collective #6\\) failed"):
         g.all_reduce(t)
+
+
+# -- a native split (API 1.6) ----------------------------------------------------------------------
+class InMemory(Backend):
+    """Thread ranks of one process: every message is a copy put in the queue of its (group
+    formation, sender, receiver, tag). Records its creation (with ``ctx.split_from``) in the
+    ``log`` of its options (one per rank)."""
+
+    name = "memory"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.queues: dict = ctx.options["queues"]
+        self.lock: threading.Lock = ctx.options["lock"]
+        self.log: list = ctx.options["log"]
+        self.log.append(("created", ctx.group_name, ctx.rank, ctx.split_from))
+
+    def _queue(self, src, dst, tag) -> queue.Queue:
+        with self.lock:
+            return self.queues.setdefault((self.ctx.group_uid, src, dst, tag), queue.Queue())
+
+    def _get(self, src, tag, timeout):
+        try:
+            return self._queue(src, self.rank, tag).get(timeout=timeout)
+        except queue.Empty:
+            raise CollectiveTimeout(f"nothing from rank {src} in {timeout} s", peers=[src]) from None
+
+    def send(self, tensor, dst, tag, *, timeout):
+        self._queue(self.rank, dst, tag).put(tensor.clone())
+
+    def recv(self, tensor, src, tag, *, timeout):
+        tensor.copy_(self._get(src, tag, timeout))
+
+    def send_bytes(self, data, dst, tag, *, timeout):
+        self._queue(self.rank, dst, tag).put(b"".join(bytes(memoryview(p).cast("B")) for p in data))
+
+    def recv_bytes(self, src, tag, *, timeout):
+        return bytearray(self._get(src, tag, timeout))
+
+
+class NativeSplit(InMemory):
+    """Splits "natively": records the call and returns a handle naming what it was asked for."""
+
+    name = "memory-split"
+
+    def split(self, color, rank, *, timeout):
+        self.log.append(("split", self.ctx.group_name, self.rank, color, rank, timeout))
+        return None if color is None else ("handle", self.ctx.group_uid, color, rank)
+
+
+def _thread_ranks(size: int, fn) -> list:
+    """``fn(rank, group, log)`` on ``size`` thread ranks of a group on NativeSplit, each with a log of
+    its own; every rank's (result, log), or the first rank's error."""
+    store, queues, lock = HashStore(), {}, threading.Lock()
+    results: list = [None] * size
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        log: list = []
+        try:
+            options = {name: {"queues": queues, "lock": lock, "log": log} for name in ("memory", "memory-split")}
+            with ProcessGroup(store, rank, size, backends=NativeSplit, options=options, timeout=30) as group:
+                results[rank] = (fn(rank, group, log), log)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads), "a rank is stuck"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_split_calls_the_parents_native_split_on_every_member_and_hands_the_handle_to_the_subgroup():
+    colors, keys = [5, None, 2, 5], [3, 9, 0, 1]  # colors 2 and 5 are subgroups 0 and 1; 5 ranks 3 before 0
+
+    def body(rank, group, log):
+        before = group._executor.seq
+        sub = group.split(colors[rank], key=keys[rank], timeout=20)
+        numbered = group._executor.seq - before  # the all_gather_object, then the split
+        if sub is None:
+            return numbered, None
+        made = sub._dispatch.instance(torch.device("cpu")).backend.ctx.split_from  # made inside split()
+        t = torch.tensor([float(rank)])
+        sub.all_reduce(t)
+        members = sub.all_gather_object(rank)
+        sub.shutdown()
+        return numbered, (sub.rank, sub.parent_ranks, made, t.item(), members)
+
+    results = _thread_ranks(4, body)
+    (n0, r0), (n1, r1), (n2, r2), (n3, r3) = (result for result, _ in results)
+    assert n0 == n1 == n2 == n3 == 2  # the split is one collective of the parent, after its all_gather_object
+    assert r1 is None
+    assert r0[:2] == (1, (3, 0)) and r3[:2] == (0, (3, 0)) and r2[:2] == (0, (2,))
+    assert [r[3:] for r in (r0, r3, r2)] == [(3.0, [3, 0]), (3.0, [3, 0]), (2.0, [2])]
+    logs = [log for _, log in results]
+    parent = results[0][1][0][1]  # the name the first backend was created with: the parent's
+    splits = [[e for e in log if e[0] == "split"] for log in logs]
+    # once on every member, color None included, with dense colors and the subgroup ranks
+    assert [[e[1:] for e in calls] for calls in splits] == [
+        [(parent, 0, 1, 1, 20.0)],
+        [(parent, 1, None, 1, 20.0)],
+        [(parent, 2, 0, 0, 20.0)],
+        [(parent, 3, 1, 0, 20.0)],
+    ]
+    for rank, log in enumerate(logs):
+        created = [e for e in log if e[0] == "created"]
+        if rank == 1:
+            assert [e[3] for e in created] == [None]  # the parent's backend only
+            continue
+        # the subgroup's backend was created right after the split, inside split(), with the handle
+        at = log.index(splits[rank][0])
+        sub = log[at + 1]
+        assert sub[0] == "created" and sub[1] != parent
+        handle = sub[3]
+        assert handle[0] == "handle" and handle[2:] == (splits[rank][0][3], splits[rank][0][4])
+        assert handle == results[rank][0][1][2]
+        assert [e[3] for e in created] == [None, handle]
+
+
+class Plain(InMemory):
+    """The same in-memory backend without a native split."""
+
+    name = "memory"
+
+
+def test_a_split_whose_subgroups_change_backend_and_new_group_never_split_natively():
+    def body(rank, group, log):
+        seqs = []
+        seqs.append(group._executor.seq)
+        # every subgroup on another backend
+        everyone = group.split(0, backends=Plain)
+        seqs.append(group._executor.seq)
+        # decided together: only color 0's members move to another backend, and nobody splits natively
+        mixed = group.split(rank % 2, backends=Plain if rank % 2 == 0 else None)
+        seqs.append(group._executor.seq)
+        pair = group.new_group([0, 2]) if rank in (0, 2) else None
+        seqs.append(group._executor.seq)
+        out = []
+        for sub in (everyone, mixed, pair):
+            if sub is None:
+                continue
+            assert not any(e[0] == "created" and e[1] == sub.name for e in log), "created before its first use"
+            t = torch.ones(1)
+            sub.all_reduce(t)
+            out.append((sub.name, sub.backends["cpu"], t.item()))
+            sub.shutdown()
+        return [b - a for a, b in itertools.pairwise(seqs)], out
+
+    results = _thread_ranks(4, body)
+    for rank, ((numbered, used), log) in enumerate(results):
+        assert numbered == [1, 1, 0]  # each split took its all_gather_object's number only
+        assert not [e for e in log if e[0] == "split"]
+        assert all(e[3] is None for e in log if e[0] == "created")  # no handle anywhere
+        backends = [b for _, b, _ in used]
+        assert backends == (["memory", "memory", "memory-split"] if rank in (0, 2) else ["memory", "memory-split"])
+        assert [v for *_, v in used] == ([4.0, 2.0, 2.0] if rank in (0, 2) else [4.0, 2.0])

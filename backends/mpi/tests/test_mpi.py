@@ -186,6 +186,51 @@ def test_several_overlapping_groups_at_once_and_a_split(pools: Pools) -> None:
     assert r0["split"] == (1, 2, 2) and r2["split"] == (0, 2, 2) and r1["split"] == (0, 1, 1)
 
 
+def native_split(ctx: RankContext) -> dict[str, Any]:
+    """Four ranks split into colors 7 and 3 and none, keys putting rank 3 before rank 0; then
+    everyone splits again (reversed) and aborts that subgroup."""
+    from mpi4py import MPI
+
+    colors, keys = [7, 3, None, 7], [2, 0, 0, -1]
+    out: dict[str, Any] = {}
+    with _group(ctx) as world:
+        world_ranks = world.all_gather_object(MPI.COMM_WORLD.Get_rank())
+        sub = world.split(colors[ctx.rank], key=keys[ctx.rank])
+        if sub is None:
+            out["sub"] = None
+        else:
+            backend = sub._dispatch.instance(torch.device("cpu")).backend
+            comm = backend.comm
+            out["made_by_split"] = backend.ctx.split_from is comm  # and created inside split(), before any use
+            comm_group, world_group = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+            out["world_ranks"] = comm_group.Translate_ranks(list(range(comm.Get_size())), world_group)
+            out["expected_world_ranks"] = [world_ranks[p] for p in sub.parent_ranks]
+            comm_group.Free()
+            world_group.Free()
+            t = torch.tensor([10**ctx.rank], dtype=torch.int64)
+            sub.all_reduce(t)
+            out["sub"] = (sub.rank, sub.size, sub.parent_ranks, int(t.item()))
+            sub.shutdown()
+            out["freed_at_shutdown"] = backend.ctx.split_from == MPI.COMM_NULL and backend.comm is None
+        again = world.split(0, key=-ctx.rank)
+        assert again is not None
+        backend = again._dispatch.instance(torch.device("cpu")).backend
+        out["again"] = (again.rank, backend.comm.Get_rank(), backend.ctx.split_from is backend.comm)
+        again.abort()
+        out["freed_at_abort"] = backend.ctx.split_from == MPI.COMM_NULL and backend.comm is None
+    return out
+
+
+def test_split_makes_each_subgroups_communicator_with_mpi_comm_split(pools: Pools) -> None:
+    results = pools(4).run(native_split, timeout=180)
+    assert [r["sub"] for r in results] == [(1, 2, (3, 0), 1001), (0, 1, (1,), 10), None, (0, 2, (3, 0), 1001)]
+    for rank, r in enumerate(results):
+        assert r["again"] == (3 - rank, 3 - rank, True) and r["freed_at_abort"], r
+        if rank != 2:
+            assert r["made_by_split"] and r["freed_at_shutdown"], r
+            assert r["world_ranks"] == r["expected_world_ranks"], r
+
+
 JOINER = """
 import sys
 from datetime import timedelta

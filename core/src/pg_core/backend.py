@@ -170,6 +170,26 @@ with what it guarantees for ``all_reduce`` (validated, declared, dense, in order
 :class:`~pg_core.c10d.C10dBackend`; it is what keeps pg-gloo's 4-byte all_reduce within a few
 percent of the raw ``ProcessGroupGloo`` call.
 
+**A native split (API 1.6, optional).** A backend whose library splits a communicator itself
+(``MPI_Comm_split``; NCCL's ``ncclCommSplit`` is the other example) overrides
+``split(color, rank, timeout=)``; the core detects the override (``type(b).split is not
+Backend.split``), as it detects ``isend``'s. ``ProcessGroup.split`` calls it on the parent
+group's message-device backend (which has just carried the split's ``all_gather_object``, so
+it exists on every member), on *every* member of the parent, members that join no subgroup
+included, as one collective in the group's order (op ``"split"``, one sequence number), after
+the colors are agreed, and only when every member's subgroup uses the parent's backend spec
+for that device type (the members decide together; otherwise the subgroup forms the usual way,
+and so does every ``new_group``). ``color`` is a dense index (the agreed distinct colors
+sorted, numbered ``0 .. k-1``), ``None`` for a member that joins none; ``rank`` is the member's
+rank in its subgroup (ranked by the user's key, then by parent rank: order by ``rank`` and the
+backend's order is the core's), for a ``None`` member its rank in the parent. The backend
+returns its library's handle of the new communicator (anything, ``None`` say, for ``color
+None``); raising fails the split like any collective. The core then creates the subgroup's
+backend of that device type at once, inside ``split()`` (every member of the subgroup is
+there), with the handle as :attr:`BackendContext.split_from`: that backend owns it from then
+on, and its ``shutdown``/``abort`` release it. A library without a non-blocking split may wait
+without ``timeout`` there: every member was just heard from in the ``all_gather_object``.
+
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
 group's later collectives, so a backend never has to resynchronise ranks whose
 messages may still be in flight; point to point keeps working.
@@ -232,8 +252,10 @@ __all__ = [
 #: major version is refused with :class:`~pg_core.errors.PluginVersionError`. Minor versions
 #: add, and never take away: 1.1, ``send_bytes`` takes a message's parts as a list; 1.2,
 #: collectives that launch (:attr:`Backend.launches`); 1.3, coalescing (:meth:`Backend.coalesced`);
-#: 1.4, receiving from any source (``recv_anysource``, an optional op a backend declares by name).
-API_VERSION: Final[str] = "1.5"
+#: 1.4, receiving from any source (``recv_anysource``, an optional op a backend declares by name);
+#: 1.5, a prepared all_reduce (:meth:`Backend.prepared_all_reduce`); 1.6, a native split
+#: (:meth:`Backend.split`, with :attr:`BackendContext.split_from`).
+API_VERSION: Final[str] = "1.6"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -453,7 +475,11 @@ class BackendContext:
     ``timeout`` is the group's default per-operation timeout in seconds.
     ``group_uid`` is unique per formation of the group (a re-formed group with the
     same name gets a new one). ``options`` are the user's ``options=`` for this
-    backend.
+    backend. ``split_from`` (API 1.6) is ``None`` but for the backend of a subgroup that
+    ``ProcessGroup.split`` formed through the parent's :meth:`Backend.split`: then it is
+    the handle that hook returned on this member (an ``mpi4py`` communicator, say), of
+    ``size`` members with this one at ``rank``, for the backend to take over (no store
+    exchange needed) and to release in its ``shutdown``/``abort``.
     """
 
     store: Store
@@ -465,6 +491,7 @@ class BackendContext:
     group_uid: str
     backend_name: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    split_from: Any = None
 
     @property
     def store_timeout(self) -> timedelta:
@@ -489,8 +516,9 @@ class Backend:
 
     Subclasses implement ``send`` and ``recv`` (required) and may override any
     collective, ``isend``/``irecv``, ``send_bytes``/``recv_bytes``,
-    ``recv_anysource``/``irecv_anysource`` (declared as ``"recv_anysource"``), ``shutdown``
-    and ``abort``. Every method receives ``timeout`` in seconds.
+    ``recv_anysource``/``irecv_anysource`` (declared as ``"recv_anysource"``),
+    ``prepared_all_reduce``, ``split`` (a native split), ``shutdown`` and ``abort``. Every
+    method receives ``timeout`` in seconds.
 
     The constructor takes the :class:`BackendContext`. Calling ``super().__init__(ctx)``
     is optional: the core sets ``ctx``, ``rank`` and ``size`` on an instance that has
@@ -624,6 +652,18 @@ class Backend:
         blocking call on a tensor of ``dtype``, or ``None`` (the default: the core calls :meth:`all_reduce`). See
         "A prepared all_reduce" in the module docstring."""
         return None
+
+    # -- optional: a native split (API 1.6) ------------------------------------
+    def split(self, color: int | None, rank: int, *, timeout: float) -> Any:
+        """Split this backend's communicator, collectively over every member of the group:
+        ``color`` is the dense index of this member's subgroup (``None``: it joins none) and
+        ``rank`` its rank there. Return the library's handle of the new communicator (for
+        ``color=None``, anything). Optional: the core calls it only where a subclass
+        overrides it; see "A native split" in the module docstring."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not split natively (it does not override Backend.split); "
+            "the core forms its subgroups through the store"
+        )
 
     # -- collectives: defaults from pg_core.algorithms --------------------------
     # (they return None: done; a backend with ``launches = True`` returns a Work for async_op=True)

@@ -236,9 +236,12 @@ def context_factory(
     group_name: str,
     group_uid: str,
     options: Mapping[str, Mapping[str, Any]],
+    split_from: Mapping[str, Any] | None = None,
 ) -> Callable[[BackendSpec, torch.device], BackendContext]:
     """How a group's dispatcher builds each backend's context: the store under
-    ``<device type>/<backend name>``, the user's options for that backend."""
+    ``<device type>/<backend name>``, the user's options for that backend, and for a device
+    type in ``split_from`` (a subgroup split natively, API 1.6) the parent backend's handle."""
+    handles = dict(split_from or {})
 
     def ctx(spec: BackendSpec, device: torch.device) -> BackendContext:
         return BackendContext(
@@ -251,6 +254,7 @@ def context_factory(
             group_uid=group_uid,
             backend_name=spec.name,
             options=dict(options.get(spec.name, {})),
+            split_from=handles.get(device.type),
         )
 
     return ctx

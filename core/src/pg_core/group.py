@@ -180,6 +180,7 @@ class ProcessGroup:
                 group_name=f.name,
                 group_uid=f.uid,
                 options=f.options,
+                split_from=f.split_from,
             ),
         )
         # where barrier (an op without tensors) and messages go: the cpu backend, else the first configured one
@@ -1085,7 +1086,13 @@ class ProcessGroup:
     ) -> ProcessGroup | None:
         """Collective over this group, with ``MPI_Comm_split`` semantics: ranks passing the
         same ``color`` (an int ``>= 0``) form one subgroup, ranked by ``key`` and then by
-        their rank here; ``color=None`` joins none and returns ``None``."""
+        their rank here; ``color=None`` joins none and returns ``None``.
+
+        The colors and keys travel in one ``all_gather_object``. Where this group's message
+        backend splits natively (``Backend.split``, backend API 1.6: pg-mpi's
+        ``MPI_Comm_split``) and every subgroup keeps that backend, it then splits, as one more
+        collective of this group, and each subgroup's backend is created at once, here, on the
+        communicator it made; otherwise the subgroups' backends form as ``new_group``'s do."""
         self._executor.check_open()
         if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
             raise ValueError(f"split: color must be an int >= 0 or None, got {color!r}")
@@ -1094,16 +1101,38 @@ class ProcessGroup:
         if name is not None:
             check_name(name, "split name")
         specs, budget, opts = self._inherited(backends, timeout, options)
+
+        def native(index: int | None, rank: int) -> dict[str, Any]:
+            """The message backend's native split, in collective order, where it has one."""
+            inst = self._dispatch.instance(self._barrier_device, "split")  # made by the all_gather_object
+            if not inst.native_split:
+                return {}
+            backend = inst.backend
+            handle = self._executor.run(
+                "split", lambda _seq: backend.split(index, rank, timeout=budget), async_op=False
+            )
+            return {inst.device.type: handle}
+
         formation = self._subgroups.split(
             color,
             key,
             name,
             lambda mine: self.all_gather_object(mine, timeout=timeout),
+            native,
             specs=specs,
             timeout=budget,
             options=opts,
         )
-        return None if formation is None else ProcessGroup._of(formation)
+        if formation is None:
+            return None
+        group = ProcessGroup._of(formation)
+        try:
+            for device_type in formation.split_from:  # created now, while every member is here
+                group._dispatch.instance(self._dispatch.device(device_type), "split")
+        except BaseException:
+            group.abort()
+            raise
+        return group
 
     def _inherited(
         self,

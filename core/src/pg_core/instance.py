@@ -51,6 +51,7 @@ class Instance:
         "native_irecv",
         "native_irecv_any",
         "native_isend",
+        "native_split",
         "scatter_gather",
         "spec",
         "tags",
@@ -74,6 +75,8 @@ class Instance:
         self.native_irecv = cls.irecv is not Backend.irecv
         self.native_irecv_any = cls.irecv_anysource is not Backend.irecv_anysource
         self.native_bytes = cls.send_bytes is not Backend.send_bytes and cls.recv_bytes is not Backend.recv_bytes
+        #: the backend splits its communicator itself (``Backend.split``, API 1.6)
+        self.native_split = cls.split is not Backend.split
         #: ``send_bytes`` takes a list of buffers (contract 1.1); else the parts are joined
         self.scatter_gather = (parse_api_version(spec.api_version) or (0, 0)) >= (1, 1)
         self._streams = _Streams(

@@ -30,11 +30,11 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from .backend import BackendSpec
-from .dispatch import describe
+from .dispatch import describe, message_device
 from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from .store import Store, guarded, wait_any, wait_for
 
@@ -193,6 +193,9 @@ class Formation:
     options: Mapping[str, Mapping[str, Any]]
     registry: Registry | None
     parent_ranks: tuple[int, ...] | None = None
+    #: device type -> the handle the parent's backend of that type returned from its native
+    #: split (``Backend.split``, API 1.6), for this group's backend of that type (``ctx.split_from``)
+    split_from: Mapping[str, Any] = field(default_factory=dict)
 
 
 def form(
@@ -273,23 +276,41 @@ class Subgroups:
         color: int | None,
         key: int,
         name: str | None,
-        gather: Callable[[tuple[int | None, int]], list[tuple[int | None, int]]],
+        gather: Callable[[tuple[int | None, int, bool]], list[tuple[int | None, int, bool]]],
+        native: Callable[[int | None, int], Mapping[str, Any]],
         *,
         specs: Mapping[str, BackendSpec],
         timeout: float,
         options: Mapping[str, Mapping[str, Any]],
     ) -> Formation | None:
-        """``MPI_Comm_split``: ``gather`` is the parent's ``all_gather_object``."""
+        """``MPI_Comm_split``: ``gather`` is the parent's ``all_gather_object``. Each member
+        also says whether its subgroup would use the parent's backend on the parent's message
+        device (a member that joins none has no objection); when all do, ``native(color
+        index, rank)`` runs on every member (the parent's ``Backend.split``, API 1.6, where
+        its backend has one) and what it returns (device type -> handle) goes to the
+        subgroup's formation as ``split_from``."""
         with self._lock:
             number = self._splits
             self._splits += 1
-        chosen = gather((color, key))
+        parent = self._parent
+        device = message_device(parent.specs).type
+        agrees = color is None or (device in specs and specs[device] == parent.specs[device])
+        chosen = gather((color, key, agrees))
+        me = parent.membership.rank
+        members = [r for _, r in sorted((k, r) for r, (c, k, _) in enumerate(chosen) if c == color)]
+        handles: Mapping[str, Any] = {}
+        if all(a for _, _, a in chosen):
+            colors = sorted({c for c, _, _ in chosen if c is not None})
+            if color is None:
+                native(None, me)
+            else:
+                handles = native(colors.index(color), members.index(me))
         if color is None:
             return None
-        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(chosen) if c == color)]
         store_key = f"split{number}.{color}"
-        display = name or f"{self._parent.name}.{store_key}"
-        return self._form(store_key, display, members, specs=specs, timeout=timeout, options=options)
+        display = name or f"{parent.name}.{store_key}"
+        formation = self._form(store_key, display, members, specs=specs, timeout=timeout, options=options)
+        return replace(formation, split_from=handles) if handles else formation
 
     def _form(
         self,

@@ -6,10 +6,17 @@ that they are one MPI job (the same world size and job id, distinct world ranks,
 ring of messages over ``MPI_COMM_WORLD`` that each member receives from the world rank its
 neighbour claimed, within the group's timeout), then builds its communicator with
 ``MPI_Comm_create_group`` over exactly its members: several groups per process, overlapping
-or not, subgroups (``new_group``/``split`` form new groups the same way). Members that are
-not one job raise :class:`~pg_core.errors.BackendUnavailableError` saying how to launch.
+or not, and ``new_group`` subgroups the same way. Members that are not one job raise
+:class:`~pg_core.errors.BackendUnavailableError` saying how to launch. A subgroup made by
+``ProcessGroup.split`` on an ``mpi`` group that stays on ``mpi`` takes its communicator from
+``MPI_Comm_split`` of the parent's instead (:meth:`MPIBackend.split`, backend API 1.6:
+``ctx.split_from``), with no store exchange and no handshake: the members are the parent's.
+MPI has no non-blocking ``MPI_Comm_split``, so that call waits without the group's timeout;
+in practice it returns at once, because the core calls it right after the split's
+``all_gather_object``, in which every member of the parent was just heard from (only a
+member dying in between leaves the others waiting, as in ``MPI_Comm_create_group``).
 MPI is initialised (``MPI_THREAD_MULTIPLE``) by the first group that needs it; ``shutdown``
-frees the communicator; mpi4py finalises MPI at exit.
+and ``abort`` free the communicator, however it was made; mpi4py finalises MPI at exit.
 
 **Operations** are MPI's own, on the tensors' memory (no copy) where the call's buffers are
 one tensor each: ``Iallreduce``, ``Ibcast``, ``Ireduce``, ``Iallgather``,
@@ -120,12 +127,39 @@ class MPIBackend(Backend):
         self._send_errors: dict[int, BaseException] = {}
         #: user-defined MPI_Ops by (dtype, reduce op), made on first use, freed at shutdown
         self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
-        self._comm: Any = _form(ctx, self._mpi, self._wait_until)
+        split_from = getattr(ctx, "split_from", None)  # (a BackendContext of pg-core before 1.6 has none)
+        self._comm: Any = (
+            _form(ctx, self._mpi, self._wait_until) if split_from is None else _adopt(ctx, self._mpi, split_from)
+        )
 
     @property
     def comm(self) -> Any:
         """The group's ``mpi4py.MPI.Intracomm`` (its ranks are the group's ranks)."""
         return self._comm
+
+    # -- a native split (API 1.6) ---------------------------------------------------------
+    def split(self, color: int | None, rank: int, *, timeout: float) -> Any:
+        """``MPI_Comm_split`` of the group's communicator (``MPI_UNDEFINED`` for ``color=None``),
+        ranked by ``rank``: the new ``Intracomm``, or ``None`` where this member joins none.
+        MPI has no non-blocking form, so ``timeout`` cannot bound it (see the module
+        docstring); an ``abort`` from another thread waits for it (at most 5 s) before it frees
+        the communicator."""
+        mpi = self._mpi
+        with self._lock:
+            if self._closed is not None:
+                raise GroupClosedError(f"split: group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
+            comm = self._comm
+            self._busy += 1
+        try:
+            made = comm.Split(mpi.UNDEFINED if color is None else color, rank)
+        except mpi.Exception as exc:
+            raise self._error(exc, "split") from exc
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if self._busy == 0:
+                    self._idle.notify_all()
+        return None if made == mpi.COMM_NULL else made
 
     # -- waiting --------------------------------------------------------------------------
     def _wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
@@ -822,6 +856,25 @@ def _form(ctx: BackendContext, mpi: Any, wait_until: Callable[[Callable[[], bool
     finally:
         members_group.Free()
         world_group.Free()
+
+
+def _adopt(ctx: BackendContext, mpi: Any, comm: Any) -> Any:
+    """The communicator the parent's :meth:`MPIBackend.split` made for this subgroup, checked
+    against the group's size and this member's rank (freed if it is not the group's)."""
+    if not isinstance(comm, mpi.Intracomm) or comm == mpi.COMM_NULL:
+        raise TypeError(
+            f"Backend 'mpi' of group {ctx.group_name!r}: ctx.split_from must be an mpi4py Intracomm made by "
+            f"MPIBackend.split, got {comm!r}"
+        )
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if (size, rank) != (ctx.size, ctx.rank):
+        comm.Free()
+        raise ValueError(
+            f"Backend 'mpi' of group {ctx.group_name!r}: the split communicator has {size} ranks with this process "
+            f"at rank {rank}, but the group has {ctx.size} with this member at rank {ctx.rank}; the core and the "
+            "backend disagree on the split"
+        )
+    return comm
 
 
 def _handshake(
