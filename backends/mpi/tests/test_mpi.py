@@ -386,7 +386,7 @@ def abort_unblocks_a_receive(ctx: RankContext) -> str:
     th.start()
     backend = group._dispatch.instance(torch.device("cpu")).backend
     deadline = time.monotonic() + 30
-    while backend._busy == 0 and th.is_alive() and time.monotonic() < deadline:
+    while not backend._polling and th.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)  # polling a condition, with a deadline: the receive is waiting in MPI
     group.abort()
     th.join(30)
