@@ -366,6 +366,18 @@ def test_a_receive_times_out_naming_its_peer_and_is_withdrawn(pools: Pools) -> N
     assert pools(2).run(receive_timeout_then_in_step, timeout=120)[0] == "[0.0, 1.0, 2.0]"
 
 
+class _Signalling(list):
+    """A list that sets ``entered`` when something is appended to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+
+    def append(self, item: object) -> None:
+        super().append(item)
+        self.entered.set()
+
+
 def abort_unblocks_a_receive(ctx: RankContext) -> str:
     """Rank 0 receives what rank 1 never sends, in another thread; aborting the group makes it raise."""
     group = _group(ctx)
@@ -382,12 +394,11 @@ def abort_unblocks_a_receive(ctx: RankContext) -> str:
         except BaseException as exc:
             caught.append(exc)
 
+    backend = group._dispatch.instance(torch.device("cpu")).backend
+    backend._polling = _Signalling()  # the backend's record of its polling loops, telling when one starts
     th = threading.Thread(target=receive)
     th.start()
-    backend = group._dispatch.instance(torch.device("cpu")).backend
-    deadline = time.monotonic() + 30
-    while not backend._polling and th.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling a condition, with a deadline: the receive is waiting in MPI
+    assert backend._polling.entered.wait(30), "the receive never started waiting in MPI"
     group.abort()
     th.join(30)
     ctx.store.set("aborted", "1")

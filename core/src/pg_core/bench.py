@@ -1158,7 +1158,6 @@ class _Slot:
     runner: _Runner
     row: Row
     case: _Case | None  # None on a rank that takes no part
-    iters: int  # timed iterations planned, over every round
     times: list[int] = dataclasses.field(default_factory=list)  # this rank's, ns
 
 
@@ -1400,14 +1399,14 @@ class _Rank:
                 case.refill()
                 case.run()
         row.warmup, row.iters, row.rounds = first + more, iters, cfg.rounds
-        return _Slot(index, runner, row, case, iters)
+        return _Slot(index, runner, row, case)
 
     def _block(self, slot: _Slot, block: int) -> None:
         """Timed block ``block`` of ``--rounds``: its share of the slot's iterations, after a
         barrier (and, between other runners' blocks, one untimed iteration); the output
         poisoned before the very last."""
-        rounds, case = self.cfg.rounds, slot.case
-        share = slot.iters * (block + 1) // rounds - slot.iters * block // rounds
+        rounds, case, iters = self.cfg.rounds, slot.case, slot.row.iters  # iters: planned, over every round
+        share = iters * (block + 1) // rounds - iters * block // rounds
         if share == 0:
             return
         self._sync(slot.runner, f"{slot.index}/timed/{block}")
@@ -1419,7 +1418,7 @@ class _Rank:
             case.run()
         for _ in range(share):
             case.refill()
-            if len(slot.times) == slot.iters - 1:
+            if len(slot.times) == iters - 1:
                 case.poison()
             slot.times.append(_timed(case.run))
 

@@ -91,9 +91,8 @@ _YIELD_S: Final = 2e-2
 _MAX_NAP: Final = 1e-3
 
 #: While yielding, a wait reads the clock and the closed state every this many polls, not
-#: every poll: where ranks share a core each poll's own cost comes back many times over (a
-#: 4-byte all_reduce at 3 ranks on 2 cores was 12-18 us slower, median, with two clock reads
-#: and three tests per poll than with a bare test-and-yield loop). A poll and a yield take
+#: every poll: where ranks share a core, what a wait does between tests comes back many times
+#: over (docs/decisions.md: "pg-mpi's waits poll without a lock"). A poll and a yield take
 #: about a microsecond, so a deadline or an abort is seen within a few tens of them.
 _CHECK_EVERY: Final = 16
 
@@ -157,9 +156,7 @@ class MPIBackend(Backend):
         mpi = self._mpi
         self._polling.append(None)
         try:
-            if self._closed is not None:
-                raise GroupClosedError(f"split: group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
-            made = self._comm.Split(mpi.UNDEFINED if color is None else color, rank)
+            made = self._check("split").Split(mpi.UNDEFINED if color is None else color, rank)
         except mpi.Exception as exc:
             raise self._error(exc, "split") from exc
         finally:
@@ -189,7 +186,7 @@ class MPIBackend(Backend):
                 if polls % _CHECK_EVERY:
                     continue
                 if self._closed is not None:
-                    raise GroupClosedError(f"group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
+                    raise self._closed_error()
                 now = time.monotonic()
                 if now >= deadline:
                     return False
@@ -198,7 +195,7 @@ class MPIBackend(Backend):
             nap = 1e-5
             while not ready():
                 if self._closed is not None:
-                    raise GroupClosedError(f"group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
+                    raise self._closed_error()
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(nap)
@@ -219,12 +216,17 @@ class MPIBackend(Backend):
     def _check(self, what: str, peers: Sequence[int] = ()) -> Any:
         """The communicator, or the error this backend's state calls for, before anything is posted."""
         if self._closed is not None:
-            raise GroupClosedError(f"{what}: group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
+            raise self._closed_error(what)
         for peer in peers:
             failed = self._send_errors.get(peer)
             if failed is not None:
                 raise PeerFailureError(f"{what}: an earlier send to rank {peer} failed: {failed}", peers=[peer])
         return self._comm
+
+    def _closed_error(self, what: str = "") -> GroupClosedError:
+        """Why an operation (``what``) is refused once ``shutdown`` or ``abort`` closed this backend."""
+        prefix = f"{what}: " if what else ""
+        return GroupClosedError(f"{prefix}group {self.ctx.group_name!r}: backend 'mpi' was {self._closed}")
 
     def _error(self, exc: BaseException, what: str, peers: Sequence[int] = ()) -> BaseException:
         """An ``MPI.Exception`` as pg-core's error (a failed or aborted process: ``PeerFailureError``)."""
