@@ -336,6 +336,43 @@ def collective_timeout(ctx: RankContext) -> str:
         return ""
 
 
+def sends_reuse_finished_buffers(ctx: RankContext) -> list[float] | dict[str, Any]:
+    """Rank 0 sends three 4 MiB messages that rank 1 receives only later, then, once rank 1 has
+    them all, a fourth: the messages in flight keep their own buffers, the fourth is copied
+    into one of theirs, and shutdown lets the kept buffers go."""
+    n = 1 << 20  # 4 MiB of float32: copied into a tensor, and past MPI's eager sizes
+    with _group(ctx) as group:
+        if ctx.rank == 1:
+            group.recv(torch.empty(1), 0, tag=4)  # rank 0 has sent the three
+            got = []
+            for _ in range(4):
+                t = torch.empty(n)
+                group.recv(t, 0, tag=3)
+                got.append(float(t.min()) if bool((t == t[0]).all()) else -1.0)
+                if len(got) == 3:
+                    group.send(torch.ones(1), 0, tag=4)
+            group.barrier()
+            return got
+        backend = group._dispatch.instance(torch.device("cpu")).backend
+        for value in (1.0, 2.0, 3.0):
+            group.send(torch.full((n,), value), 1, tag=3)
+        in_flight = {payload.data_ptr() for _, payload, _ in backend._sends}
+        group.send(torch.ones(1), 1, tag=4)
+        group.recv(torch.empty(1), 1, tag=4)  # rank 1 holds all three
+        group.send(torch.full((n,), 4.0), 1, tag=3)
+        used = {b.data_ptr() for b in backend._spares} | {p.data_ptr() for _, p, _ in backend._sends if p.numel() >= n}
+        out = {"in_flight": len(in_flight), "no_new_buffer": used == in_flight}
+        group.barrier()
+    out["kept_after_shutdown"] = len(backend._spares)
+    return out
+
+
+def test_a_send_reuses_the_buffers_of_finished_sends_never_of_those_in_flight(pools: Pools) -> None:
+    sender, receiver = pools(2).run(sends_reuse_finished_buffers, timeout=120)
+    assert receiver == [1.0, 2.0, 3.0, 4.0]
+    assert sender == {"in_flight": 3, "no_new_buffer": True, "kept_after_shutdown": 0}
+
+
 def test_a_collective_that_a_rank_never_joins_times_out(pools: Pools) -> None:
     said, _ = pools(2).run(collective_timeout, timeout=120)
     assert "all_reduce" in said and "1 s" in said
