@@ -101,6 +101,34 @@ def test_send_returns_before_the_receiver_posts(rank_pools: Pools) -> None:
     assert got == [[2.0, 2.0], [1.0, 1.0]]
 
 
+def ping_pong_reusing_buffers(ctx: RankContext) -> dict[str, Any]:
+    """Four 8 MiB round trips (a header message, then the payload) with new values each time:
+    the buffers that finished sends and receives leave behind are reused and never carry an
+    old value; shutdown lets them go."""
+    n = 2 << 20
+    with _group(ctx) as group:
+        backend = group._dispatch.instance(torch.device("cpu")).backend
+        peer, got, kept = 1 - ctx.rank, [], []
+        for i in range(4):
+            t = torch.empty(n)
+            if ctx.rank == 0:
+                group.send(torch.full((n,), float(i)), peer, tag=7)
+                group.recv(t, peer, tag=7)
+            else:
+                group.recv(t, peer, tag=7)
+                group.send(t + 100.0, peer, tag=7)
+            got.append(float(t[0]) if bool((t == t[0]).all()) else None)
+            kept.append(len(backend._spares))  # at least the receive's first buffer, given back
+        group.barrier()
+    return {"got": got, "kept_while_running": min(kept) > 0, "kept_after_shutdown": len(backend._spares)}
+
+
+def test_large_messages_reuse_the_buffers_of_finished_ones(rank_pools: Pools) -> None:
+    sender, echo = rank_pools(2).run(ping_pong_reusing_buffers, timeout=120)
+    assert sender == {"got": [100.0, 101.0, 102.0, 103.0], "kept_while_running": True, "kept_after_shutdown": 0}
+    assert echo == {"got": [0.0, 1.0, 2.0, 3.0], "kept_while_running": True, "kept_after_shutdown": 0}
+
+
 def wrong_size_then_right(ctx: RankContext) -> str:
     with _group(ctx) as group:
         if ctx.rank == 0:

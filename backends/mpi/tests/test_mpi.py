@@ -360,7 +360,8 @@ def sends_reuse_finished_buffers(ctx: RankContext) -> list[float] | dict[str, An
         group.send(torch.ones(1), 1, tag=4)
         group.recv(torch.empty(1), 1, tag=4)  # rank 1 holds all three
         group.send(torch.full((n,), 4.0), 1, tag=3)
-        used = {b.data_ptr() for b in backend._spares} | {p.data_ptr() for _, p, _ in backend._sends if p.numel() >= n}
+        kept = backend._spares._kept
+        used = {b.data_ptr() for b in kept} | {p.data_ptr() for _, p, _ in backend._sends if p.numel() >= n}
         out = {"in_flight": len(in_flight), "no_new_buffer": used == in_flight}
         group.barrier()
     out["kept_after_shutdown"] = len(backend._spares)

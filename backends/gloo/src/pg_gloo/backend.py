@@ -18,7 +18,7 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   message, received straight into the tensor. The receiver refuses a message of the wrong
   size or dtype with :class:`~pg_core.errors.CollectiveMismatchError` (after draining it,
   so the stream stays in step). ``send`` copies the tensor into a buffer of the message's
-  own and returns at once (the contract's "send never waits for its receiver"); one reaper
+  own (above 4 MiB, one a finished send left: :mod:`pg_core.buffers`) and returns at once (the contract's "send never waits for its receiver"); one reaper
   thread per backend waits for Gloo's sends in order and releases their buffers (torch's
   Gloo send work says it is complete only from inside ``wait()``, so a thread must wait).
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
@@ -42,6 +42,7 @@ from typing import Any, Final
 
 import torch
 from pg_core.backend import BackendContext, tensor_bytes
+from pg_core.buffers import SpareBuffers
 from pg_core.c10d import C10dBackend, first_line, flat_bytes, timeout_delta
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
@@ -89,8 +90,14 @@ class GlooBackend(C10dBackend):
         #: why this backend cannot communicate any more (Gloo closed its connections), or None
         self._broken: str | None = None
         #: Gloo's sends in flight, in posting order, each with its buffer (Gloo needs it until the
-        #: receiver has the message), destination and deadline; the reaper thread waits for them
-        self._sends: queue.SimpleQueue[tuple[Any, torch.Tensor, int, float] | None] = queue.SimpleQueue()
+        #: receiver has the message), destination, deadline and the spare buffer it is part of, if
+        #: any; the reaper thread waits for them
+        self._sends: queue.SimpleQueue[tuple[Any, torch.Tensor, int, float, torch.Tensor | None] | None] = (
+            queue.SimpleQueue()
+        )
+        #: buffers of finished messages, for the next ones: large sends' payloads and receives'
+        #: first buffers (a fresh tensor of megabytes costs its page faults: pg_core.buffers)
+        self._spares = SpareBuffers()
         self._reaper: threading.Thread | None = None
         self._lock = threading.Lock()
         #: a send the reaper saw fail, per destination: raised by that peer's next operation
@@ -223,9 +230,10 @@ class GlooBackend(C10dBackend):
         if nbytes <= _INLINE:  # (cpu: the only device pg-gloo declares point to point for)
             self._post(_message(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
         else:
-            payload = torch.empty(nbytes, dtype=torch.uint8)
+            spare = self._spares.take(nbytes)
+            payload = spare[:nbytes]
             payload.copy_(flat_bytes(tensor))
-            self._post(_message(nbytes, code), payload, dst, tag, timeout=timeout, what="send")
+            self._post(_message(nbytes, code), payload, dst, tag, timeout=timeout, what="send", spare=spare)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
         """The message is Gloo's (in a buffer of its own) when this returns: the work is done."""
@@ -238,16 +246,27 @@ class GlooBackend(C10dBackend):
         inline = nbytes <= _INLINE
         first = torch.empty(_HEAD + nbytes if inline else _HEAD, dtype=torch.uint8)
         _HEADER.pack_into(tensor_bytes(first), 0, nbytes, _BYTES)
-        payload = None if inline else torch.empty(nbytes, dtype=torch.uint8)
+        spare = None if inline else self._spares.take(nbytes)
+        payload = None if spare is None else spare[:nbytes]
         target, offset = (tensor_bytes(first), _HEAD) if payload is None else (tensor_bytes(payload), 0)
         for view in views:
             target[offset : offset + view.nbytes] = view
             offset += view.nbytes
-        self._post(first, payload, dst, tag, timeout=timeout, what="send_bytes")
+        self._post(first, payload, dst, tag, timeout=timeout, what="send_bytes", spare=spare)
 
     def _post(
-        self, first: torch.Tensor, payload: torch.Tensor | None, dst: int, tag: int, *, timeout: float, what: str
+        self,
+        first: torch.Tensor,
+        payload: torch.Tensor | None,
+        dst: int,
+        tag: int,
+        *,
+        timeout: float,
+        what: str,
+        spare: torch.Tensor | None = None,
     ) -> None:
+        """Gloo's sends of a message (``payload`` a slice of ``spare`` where given, which goes
+        back to the spare buffers once Gloo is done with it)."""
         pg = self._ready(what, [dst])
         deadline = time.monotonic() + timeout
         try:
@@ -263,25 +282,29 @@ class GlooBackend(C10dBackend):
                 )
                 self._reaper.start()
         for work, buffer in works:
-            self._sends.put((work, buffer[0], dst, deadline))
+            self._sends.put((work, buffer[0], dst, deadline, spare if buffer[0] is payload else None))
 
     def _reap(self) -> None:
         """Wait for Gloo's sends in order and drop their buffers; a failure is recorded for the
         destination's next operation. (A thread must: torch's Gloo send work tells it is
         complete only from inside ``wait()``, so nothing could poll it.)"""
         while (item := self._sends.get()) is not None:
-            work, _buffer, dst, deadline = item
+            work, _buffer, dst, deadline, spare = item
             try:
                 work.wait(timeout_delta(max(deadline - time.monotonic(), 0.001)))
             except RuntimeError as exc:
                 self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
-            del item, work, _buffer
+            else:
+                if spare is not None:
+                    self._spares.give(spare)
+            del item, work, _buffer, spare
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         nbytes, code, first, view = self._first(src, tag, timeout, "recv")
         want = tensor.numel() * tensor.element_size()
         if nbytes != want or code != dtype_code(tensor.dtype):
+            self._spares.give(first)
             self._discard(nbytes, src, tag, deadline, "recv")
             sent = "a send_bytes message" if code == _BYTES else _describe(nbytes, code)
             raise CollectiveMismatchError(
@@ -291,8 +314,9 @@ class GlooBackend(C10dBackend):
             )
         if nbytes <= _INLINE:
             tensor_bytes(tensor)[:] = view[_HEAD : _HEAD + nbytes]
-            del first  # (view, of its memory, is used up)
+            self._spares.give(first)  # (view, of its memory, is used up)
             return
+        self._spares.give(first)
         pg = self.c10d
         self._wait(
             lambda: pg.recv([flat_bytes(tensor)], src, tag),
@@ -306,6 +330,7 @@ class GlooBackend(C10dBackend):
         deadline = time.monotonic() + timeout
         nbytes, code, first, view = self._first(src, tag, timeout, "recv_bytes")
         if code != _BYTES:
+            self._spares.give(first)
             self._discard(nbytes, src, tag, deadline, "recv_bytes")
             raise CollectiveMismatchError(
                 f"recv_bytes from rank {src} (tag {tag}): the message is {_describe(nbytes, code)} sent with send, "
@@ -314,8 +339,9 @@ class GlooBackend(C10dBackend):
             )
         if nbytes <= _INLINE:
             message = bytearray(view[_HEAD : _HEAD + nbytes])
-            del first  # (view, of its memory, is used up)
+            self._spares.give(first)  # (view, of its memory, is used up)
             return message
+        self._spares.give(first)
         buffer = bytearray(nbytes)
         pg = self.c10d
         target = torch.frombuffer(buffer, dtype=torch.uint8)
@@ -324,11 +350,13 @@ class GlooBackend(C10dBackend):
 
     def _first(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
         """The next message's first Gloo message from ``src`` on ``tag``: the payload's size,
-        its dtype code, the buffer it arrived in and a view of that buffer's bytes (which does
-        not keep it alive)."""
+        its dtype code, the buffer it arrived in (a spare one: give it back once ``view`` is used
+        up) and a view of that buffer's bytes (which does not keep it alive). If the receive
+        fails, the buffer is not kept (Gloo may still write to it)."""
         pg = self._ready(what, [src])
-        first = torch.empty(_HEAD + _INLINE, dtype=torch.uint8)
-        self._wait(lambda: pg.recv([first], src, tag), what, timeout, [src], bounded=True)
+        first = self._spares.take(_HEAD + _INLINE)
+        head = first if first.numel() == _HEAD + _INLINE else first[: _HEAD + _INLINE]
+        self._wait(lambda: pg.recv([head], src, tag), what, timeout, [src], bounded=True)
         view = tensor_bytes(first)
         nbytes, code = _HEADER.unpack_from(view)
         return nbytes, code, first, view
@@ -345,11 +373,13 @@ class GlooBackend(C10dBackend):
     def shutdown(self) -> None:
         self._stop_reaper(self.ctx.timeout + 1.0)  # the sends in flight first
         super().shutdown()
+        self._spares.clear()
 
     def abort(self) -> None:
         self._broken = self._broken or "the group was aborted"
         super().abort()  # Gloo's sends fail at once, so the reaper ends
         self._stop_reaper(5.0)
+        self._spares.clear()
 
     def _stop_reaper(self, bound: float) -> None:
         with self._lock:

@@ -34,7 +34,8 @@ do integer sums and products where the MPI library's do not wrap around as torch
 MPI's AVX sums of 8- and 16-bit integers saturate; see :func:`~pg_mpi._mpi.wrong_integer_ops`).
 
 **Point to point.** A send never waits for its receiver (the contract's rule): ``send``,
-``isend`` and ``send_bytes`` copy the message once into a buffer of its own and post it with
+``isend`` and ``send_bytes`` copy the message once into a buffer of its own (for a tensor
+above 256 KiB, one a finished send left: :mod:`pg_core.buffers`) and post it with
 ``MPI_Isend`` (``MPI_Bsend``'s semantics); the request completes in a later MPI call of this
 process, and ``shutdown`` waits for the ones still in flight. A receive is zero-copy and
 matches its message first (``MPI_Improbe``), so a message of the wrong size is drained and
@@ -62,6 +63,7 @@ from typing import Any, Final
 
 import torch
 from pg_core.backend import Backend, BackendContext, tensor_bytes
+from pg_core.buffers import SpareBuffers
 from pg_core.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -104,12 +106,6 @@ _yield: Final[Callable[[], None]] = getattr(os, "sched_yield", lambda: time.slee
 #: copy is the faster (1 MiB: 83 against 127 us; 64 MiB: 21 against 40 ms).
 _BYTEARRAY_COPY: Final = 256 << 10
 
-#: Bytes of finished sends' buffers (each above ``_BYTEARRAY_COPY``) kept for the next sends
-#: to copy into: a fresh 64 MiB tensor is written through a page fault per page (45 ms for
-#: ``torch.empty`` and ``copy_`` on this project's CI machine, against 11 ms into a buffer
-#: used before). Freed at shutdown; a message larger than this is copied into a new buffer.
-_SPARE_BYTES: Final = 256 << 20
-
 #: Environment variables that name a launcher's job (where it sets one); Hydra sets none.
 _JOB_ENV: Final = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID", "SLURM_STEP_ID")
 
@@ -139,8 +135,9 @@ class MPIBackend(Backend):
         self._idle = threading.Condition(self._lock)
         #: sends in flight: (request, the message's own buffer, destination)
         self._sends: list[tuple[Any, bytearray | torch.Tensor, int]] = []
-        #: finished sends' buffers for the next sends above ``_BYTEARRAY_COPY``, oldest first
-        self._spares: list[torch.Tensor] = []
+        #: finished sends' buffers, for the next sends above ``_BYTEARRAY_COPY`` to copy into
+        #: (a fresh 64 MiB tensor costs its page faults: pg_core.buffers)
+        self._spares = SpareBuffers()
         self._send_errors: dict[int, BaseException] = {}
         #: user-defined MPI_Ops by (dtype, reduce op), made on first use, freed at shutdown
         self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
@@ -744,15 +741,10 @@ class MPIBackend(Backend):
         self._post(payload, dst, tag, "send_bytes")
 
     def _spare(self, nbytes: int) -> torch.Tensor:
-        """A ``uint8`` buffer of at least ``nbytes`` for a send to copy into: the smallest
-        kept from a finished send that is large enough, else a new one (not zeroed)."""
+        """A buffer of at least ``nbytes`` for a send to copy into, the finished sends' first."""
         if self._sends:
             self._reap()
-        with self._lock:
-            fits = [i for i, b in enumerate(self._spares) if b.numel() >= nbytes]
-            if fits:
-                return self._spares.pop(min(fits, key=lambda i: self._spares[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._spares.take(nbytes)
 
     def _post(
         self, payload: bytearray | torch.Tensor, dst: int, tag: int, what: str, nbytes: int | None = None
@@ -823,10 +815,8 @@ class MPIBackend(Backend):
         with self._lock:
             self._sends[:0] = left
             if self._closed is None:
-                self._spares.extend(spare)
-                kept = sum(b.numel() for b in self._spares)
-                while kept > _SPARE_BYTES:
-                    kept -= self._spares.pop(0).numel()
+                for buffer in spare:
+                    self._spares.give(buffer)
 
     def _sent(self) -> bool:
         """Whether every send has completed (reaping the ones that have)."""
