@@ -129,6 +129,34 @@ def test_large_messages_reuse_the_buffers_of_finished_ones(rank_pools: Pools) ->
     assert echo == {"got": [0.0, 1.0, 2.0, 3.0], "kept_while_running": True, "kept_after_shutdown": 0}
 
 
+def many_sends_then_receives(ctx: RankContext) -> list[float] | int:
+    """Rank 0 sends 150 small messages and a large one before rank 1 receives any: they cross
+    the reaper's batches (64 sends) and arrive in order; what is not yet handed over goes to
+    the reaper at shutdown, which waits for it (the pool checks no thread is left)."""
+    with _group(ctx) as group:
+        if ctx.rank == 0:
+            backend = group._dispatch.instance(torch.device("cpu")).backend
+            for i in range(150):
+                group.send(torch.full((4,), float(i)), 1, tag=2)
+            group.send(torch.full((2 << 20,), 150.0), 1, tag=2)  # a payload: hands over the batch
+            gathered = len(backend._unreaped)
+            group.barrier()
+            return gathered
+        got = []
+        for i in range(151):
+            t = torch.empty(4 if i < 150 else 2 << 20)
+            group.recv(t, 0, tag=2)
+            got.append(float(t[0]) if bool((t == t[0]).all()) else -1.0)
+        group.barrier()
+        return got
+
+
+def test_sends_reach_the_reaper_in_batches_and_arrive_in_order(rank_pools: Pools) -> None:
+    gathered, got = rank_pools(2).run(many_sends_then_receives, timeout=120)
+    assert got == [float(i) for i in range(151)]
+    assert gathered == 0  # the large payload handed everything over
+
+
 def wrong_size_then_right(ctx: RankContext) -> str:
     with _group(ctx) as group:
         if ctx.rank == 0:
