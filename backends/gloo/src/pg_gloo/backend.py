@@ -18,10 +18,11 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   message, received straight into the tensor. The receiver refuses a message of the wrong
   size or dtype with :class:`~pg_core.errors.CollectiveMismatchError` (after draining it,
   so the stream stays in step). ``send`` copies the tensor into a buffer of the message's
-  own (above 4 MiB, one a finished send left: :mod:`pg_core.buffers`) and returns at once (the contract's "send never waits for its receiver"); one reaper
-  thread per backend waits for Gloo's sends in order and releases their buffers (torch's
-  Gloo send work says it is complete only from inside ``wait()``, so a thread must wait);
-  the sends reach it in batches (``_REAP_SENDS``), not with a wake-up each.
+  own (above 4 MiB, one a finished send left: :mod:`pg_core.buffers`) and returns at once
+  (the contract's "send never waits for its receiver"); one reaper thread per backend waits
+  for Gloo's sends in order and releases their buffers (torch's Gloo send work says it is
+  complete only from inside ``wait()``, so a thread must wait); the sends reach it in
+  batches (``_REAP_SENDS``), not with a wake-up each.
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
   says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
   not claim it and the core runs a batch one call after another, in order.
@@ -316,7 +317,7 @@ class GlooBackend(C10dBackend):
         """Wait for Gloo's sends in order, batch by batch, and drop their buffers; a failure
         is recorded for the destination's next operation. (A thread must: torch's Gloo send work
         tells it is complete only from inside ``wait()``, so nothing could poll it.) Every
-        ``_REAP_S`` seconds that sends are waiting in ``_batch``, it takes them itself."""
+        ``_REAP_S`` seconds that sends are waiting in ``_unreaped``, it takes them itself."""
         while True:
             try:
                 batch = self._sends.get(timeout=_REAP_S if self._unreaped else 1.0)
