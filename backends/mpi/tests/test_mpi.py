@@ -303,6 +303,40 @@ def test_a_receive_of_the_wrong_size_is_a_mismatch_and_the_stream_stays_in_step(
     assert pools(2).run(wrong_size_then_right, timeout=120) == ["sent", "refused"]
 
 
+def from_any_source(ctx: RankContext) -> list[Any] | None:
+    """Ranks 1 and 2 each send rank 0 one message, then rank 2 one too large and one right:
+    rank 0 receives from any source (blocking and with irecv), learns each sender, and a
+    wrong size is a mismatch that names its sender and consumes the message."""
+    with _group(ctx) as group:
+        if ctx.rank > 0:
+            group.send(torch.full((4,), float(ctx.rank)), 0, tag=9)
+            group.barrier()  # rank 0 has both
+            if ctx.rank == 2:
+                group.send(torch.zeros(8), 0, tag=9)
+                group.send(torch.full((4,), 7.0), 0, tag=9)
+            group.barrier()
+            return None
+        t = torch.empty(4)
+        first = group.recv(t, None, tag=9)
+        got = [(first, t[0].item())]
+        work = group.irecv(t, None, tag=9)
+        work.wait()
+        got.append((work.result(), t[0].item()))
+        group.barrier()
+        with pytest.raises(CollectiveMismatchError, match=r"rank 2 .*larger than 16 bytes") as err:
+            group.recv(t, None, tag=9)
+        got.append(err.value.peers)
+        got.append((group.recv(t, None, tag=9), t[0].item()))
+        group.barrier()
+        return got
+
+
+def test_a_receive_from_any_source_is_mpi_any_source(pools: Pools) -> None:
+    got = pools(3).run(from_any_source, timeout=120)[0]
+    assert sorted(got[:2]) == [(1, 1.0), (2, 2.0)]
+    assert got[2:] == [(2,), (2, 7.0)]
+
+
 def large_sends_before_receives(ctx: RankContext) -> list[float]:
     """Both ranks send 32 MiB before either receives; the sender then changes its tensor."""
     with _group(ctx) as group:

@@ -41,7 +41,8 @@ process, and ``shutdown`` waits for the ones still in flight. A receive is zero-
 matches its message first (``MPI_Improbe``), so a message of the wrong size is drained and
 refused with :class:`~pg_core.errors.CollectiveMismatchError` instead of MPI's truncation
 error, and ``recv_bytes`` receives a message of unknown size with one receive; ``irecv``
-progresses when its work is waited for or polled.
+progresses when its work is waited for or polled. A receive from any source is the same
+receive from ``MPI_ANY_SOURCE``, returning the sender's rank.
 
 **Faults.** MPI reports no peer's death to the others: a survivor's operation ends at its
 timeout with ``CollectiveTimeout``, if the launcher lets it live (MPICH's Hydra kills the
@@ -644,29 +645,49 @@ class MPIBackend(Backend):
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         """:meth:`irecv` and its wait, in this thread, without the work."""
-        comm = self._check("recv", [src])
+        self._recv(tensor, src, tag, timeout)
+
+    def recv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> int:
+        """:meth:`recv` from ``MPI_ANY_SOURCE``: MPI's own matching is the contract's (each
+        peer's messages in the order it sent them; a message goes to the first posted receive
+        that accepts it). Returns the sender's rank (the communicator's ranks are the group's)."""
+        return self._recv(tensor, None, tag, timeout)
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float) -> int:
+        """A blocking receive from ``src`` (``None``: any source); the sender's rank."""
+        peers = self._peers(src)
+        comm = self._check("recv", () if src is None else peers)
         status = self._mpi.Status()
         try:
-            request = comm.Irecv(self._bytes(tensor), src, tag)
+            request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
             if not request.Test(status) and not self._poll(lambda: request.Test(status), time.monotonic() + timeout):
                 self._cancel(request)
-                raise self._timeout(f"recv from rank {src} (tag {tag})", timeout, [src])
+                raise self._timeout(_receiving(src, tag), timeout, peers)
         except self._mpi.Exception as exc:
-            raise self._received_error(exc, tensor, src, tag) from exc
-        self._check_count(status, tensor, src, tag)
+            raise self._received_error(exc, tensor, _sender(src, status), tag) from exc
+        sender = status.Get_source()
+        self._check_count(status, tensor, sender, tag)
+        return int(sender)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
         """``MPI_Irecv`` into the tensor's memory, posted now (so receives on one stream match
         messages in the order they were called), tested when the work is waited for or polled.
         A message of another size is refused with ``CollectiveMismatchError`` (it was received,
         so the stream stays in step); past ``timeout`` the receive is cancelled."""
-        what = f"recv from rank {src} (tag {tag})"
-        comm = self._check(what, [src])
+        return self._irecv(tensor, src, tag, timeout)
+
+    def irecv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> Work:
+        """:meth:`irecv` from ``MPI_ANY_SOURCE``, posted now; the work's result is the sender's rank."""
+        return self._irecv(tensor, None, tag, timeout)
+
+    def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float) -> Work:
+        what, peers = _receiving(src, tag), self._peers(src)
+        comm = self._check(what, () if src is None else peers)
         status = self._mpi.Status()
         try:
-            request = comm.Irecv(self._bytes(tensor), src, tag)
+            request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
         except self._mpi.Exception as exc:
-            raise self._error(exc, what, [src]) from exc
+            raise self._error(exc, what, peers) from exc
         deadline = time.monotonic() + timeout
         testing = threading.Lock()
 
@@ -682,30 +703,35 @@ class MPIBackend(Backend):
                     else:
                         done = self._wait_until(lambda: request.Test(status), min(deadline, time.monotonic() + budget))
                 except self._mpi.Exception as exc:
-                    raise self._received_error(exc, tensor, src, tag) from None
+                    raise self._received_error(exc, tensor, _sender(src, status), tag) from None
                 if not done:
                     if time.monotonic() >= deadline:
                         self._cancel(request)
-                        work.set_exception(self._timeout(what, timeout, [src]))
+                        work.set_exception(self._timeout(what, timeout, peers))
                     return
-                self._check_count(status, tensor, src, tag)
+                sender = int(status.Get_source())
+                self._check_count(status, tensor, sender, tag)
             except BaseException as exc:
-                work.set_exception(self._error(exc, what, [src]))
+                work.set_exception(self._error(exc, what, peers))
             else:
-                work.set_result(None)
+                work.set_result(None if src is not None else sender)
             finally:
                 testing.release()
 
         return Work("recv", driver=drive)
 
-    def _received_error(self, exc: BaseException, tensor: torch.Tensor, src: int, tag: int) -> BaseException:
+    def _peers(self, src: int | None) -> list[int]:
+        """The ranks a receive waits for: ``src``, or every other rank for any source."""
+        return [src] if src is not None else [r for r in range(self.size) if r != self.rank]
+
+    def _received_error(self, exc: BaseException, tensor: torch.Tensor, src: int | None, tag: int) -> BaseException:
         """A receive's ``MPI.Exception`` as pg-core's error: a message larger than the tensor
         (MPI's truncation) is a ``CollectiveMismatchError``."""
-        what = f"recv from rank {src} (tag {tag})"
+        what = _receiving(src, tag)
         if isinstance(exc, self._mpi.Exception) and exc.Get_error_class() == self._mpi.ERR_TRUNCATE:
             want = tensor.numel() * tensor.element_size()
             return self._mismatch(what, f"larger than {want} bytes", tensor, want, src)
-        return self._error(exc, what, [src])
+        return self._error(exc, what, self._peers(src))
 
     def _check_count(self, status: Any, tensor: torch.Tensor, src: int, tag: int) -> None:
         """Raise ``CollectiveMismatchError`` unless the message received had the tensor's size."""
@@ -713,12 +739,13 @@ class MPIBackend(Backend):
         if got != want:
             raise self._mismatch(f"recv from rank {src} (tag {tag})", f"{got} bytes", tensor, want, src)
 
-    @staticmethod
-    def _mismatch(what: str, sent: str, tensor: torch.Tensor, want: int, src: int) -> CollectiveMismatchError:
+    def _mismatch(
+        self, what: str, sent: str, tensor: torch.Tensor, want: int, src: int | None
+    ) -> CollectiveMismatchError:
         return CollectiveMismatchError(
             f"{what}: the message is {sent}, the receiving tensor {tuple(tensor.shape)} x "
             f"{str(tensor.dtype).removeprefix('torch.')} is {want} bytes",
-            peers=[src],
+            peers=self._peers(src),
         )
 
     def _cancel(self, request: Any) -> None:
@@ -853,6 +880,20 @@ class MPIBackend(Backend):
             comm.Free()
             for op in ops:
                 op.Free()
+
+
+def _receiving(src: int | None, tag: int) -> str:
+    """How an error names a receive."""
+    return f"recv from rank {src} (tag {tag})" if src is not None else f"recv from any rank (tag {tag})"
+
+
+def _sender(src: int | None, status: Any) -> int | None:
+    """The sender of a receive that failed: ``src``, or for any source the one MPI's status
+    names, where it names one."""
+    if src is not None:
+        return src
+    source = status.Get_source()
+    return int(source) if source >= 0 else None
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

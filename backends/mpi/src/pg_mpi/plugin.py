@@ -36,9 +36,10 @@ hookimpl = pluggy.HookimplMarker("pg_core")
 #: The MPI standard's guaranteed minimum of ``MPI_TAG_UB``.
 MAX_TAG = 32767
 
-#: cpu: every op and dtype, every reduce op that makes sense for each dtype.
+#: cpu: every op and dtype, every reduce op that makes sense for each dtype, and receiving from
+#: any source (``MPI_ANY_SOURCE``).
 CAPABILITIES = Capabilities(
-    ops=frozenset(OPS),
+    ops=frozenset(OPS) | {"recv_anysource"},
     dtypes=frozenset(DTYPES),
     reduce_ops={dtype: default_reduce_ops(dtype) for dtype in DTYPES},
     max_tag=MAX_TAG,
@@ -77,7 +78,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=("cpu",),
             capabilities=CAPABILITIES,
             priority=3,
-            api_version="1.2",  # collectives launch (Backend.launches)
+            api_version="1.4",  # collectives launch (1.2), receives from any source (1.4)
             is_available=is_available,
             description="MPI through mpi4py: one communicator per group, MPI's own collectives",
             launcher="mpiexec",
