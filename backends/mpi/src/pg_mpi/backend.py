@@ -665,9 +665,7 @@ class MPIBackend(Backend):
                 raise self._timeout(_receiving(src, tag), timeout, peers)
         except self._mpi.Exception as exc:
             raise self._received_error(exc, tensor, _sender(src, status), tag) from exc
-        sender = status.Get_source()
-        self._check_count(status, tensor, sender, tag)
-        return int(sender)
+        return self._check_count(status, tensor, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
         """``MPI_Irecv`` into the tensor's memory, posted now (so receives on one stream match
@@ -709,8 +707,7 @@ class MPIBackend(Backend):
                         self._cancel(request)
                         work.set_exception(self._timeout(what, timeout, peers))
                     return
-                sender = int(status.Get_source())
-                self._check_count(status, tensor, sender, tag)
+                sender = self._check_count(status, tensor, tag)
             except BaseException as exc:
                 work.set_exception(self._error(exc, what, peers))
             else:
@@ -733,11 +730,14 @@ class MPIBackend(Backend):
             return self._mismatch(what, f"larger than {want} bytes", tensor, want, src)
         return self._error(exc, what, self._peers(src))
 
-    def _check_count(self, status: Any, tensor: torch.Tensor, src: int, tag: int) -> None:
-        """Raise ``CollectiveMismatchError`` unless the message received had the tensor's size."""
+    def _check_count(self, status: Any, tensor: torch.Tensor, tag: int) -> int:
+        """The sender of the message received, once it is checked to have the tensor's size
+        (else ``CollectiveMismatchError`` naming the sender)."""
+        src = int(status.Get_source())
         got, want = status.Get_count(self._mpi.BYTE), tensor.numel() * tensor.element_size()
         if got != want:
-            raise self._mismatch(f"recv from rank {src} (tag {tag})", f"{got} bytes", tensor, want, src)
+            raise self._mismatch(_receiving(src, tag), f"{got} bytes", tensor, want, src)
+        return src
 
     def _mismatch(
         self, what: str, sent: str, tensor: torch.Tensor, want: int, src: int | None
