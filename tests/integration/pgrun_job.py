@@ -5,8 +5,8 @@ its pid into ``--pids DIR`` first thing, then does what MODE says.
 - ``print``: write ``out R`` to stdout and ``err R`` to stderr (no group, no torch);
 - ``env``: print ``env R`` and the launcher variables it was given, ``NAME=value`` (no torch);
 - ``hang``: print ``ready R`` and wait (at most 120 s) until pgrun stops it (no group, no torch);
-- ``raise R``: form the group, print ``ready R``, then rank R raises while the others wait in a
-  barrier (timeout 120 s) that only R's failure ends;
+- ``raise R``: form the group, pass a barrier (so every rank has written its pid), print
+  ``ready R``, then rank R raises while the others wait (at most 120 s) until pgrun stops them;
 - ``exit R CODE``: like ``raise``, but rank R exits with status CODE.
 
 The tests load it as a module for :func:`expected_demo` and :func:`demo_lines`, and for the
@@ -105,13 +105,18 @@ def main() -> None:
     from pg_core import ProcessGroup
 
     group = ProcessGroup.from_env(timeout=120)
+    # Forming the group need not wait for every rank (a backend may connect lazily): this barrier
+    # does, so every rank has written its pid before any of them fails.
+    group.barrier()
     print(f"ready {group.rank}", flush=True)
     if group.rank == args.values[0]:
         if args.mode == "exit":
             sys.exit(args.values[1])
         raise ValueError(f"rank {group.rank} fails on purpose")
-    group.barrier()  # ends only when pgrun stops this rank
-    raise SystemExit("pgrun_job.py: the barrier returned though a rank failed")
+    # Wait for pgrun to stop this rank without talking to the failing one: a rank that saw its
+    # peer's sockets close would fail too, and race it to be the first failure pgrun reports.
+    threading.Event().wait(120)
+    raise SystemExit("pgrun_job.py: nobody stopped this rank within 120 s of another's failure")
 
 
 if __name__ == "__main__":

@@ -482,6 +482,48 @@ def test_abort_makes_a_blocked_receive_raise(pools: Pools) -> None:
     assert pools(2).run(abort_unblocks_a_receive, timeout=120)[0] == "GroupClosedError"
 
 
+RAISER = r"""
+import sys
+from datetime import timedelta
+from pg_core import ProcessGroup, TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+rank = int(__import__("os").environ["PMI_RANK"])  # (MPI is left to pg-mpi to initialise)
+group = ProcessGroup(store, rank, 2, backends="mpi", timeout=120)
+group.barrier()
+sys.stdout.write(f"FORMED {rank}\n")
+sys.stdout.flush()
+if rank == 0:
+    raise ValueError("rank 0 fails on purpose")
+group.barrier()  # ends only when the launcher ends this rank: rank 0 never comes
+print("the barrier returned", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_an_uncaught_exception_ends_the_rank_without_waiting_in_mpi_finalize() -> None:
+    """MPICH's ``MPI_Finalize`` waits for every rank: without pg-mpi's exit on an uncaught
+    exception, rank 0 would sit in it, and rank 1 in its barrier, for the group's 120 s."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    job = subprocess.Popen(
+        launch_command("mpiexec", 2, [sys.executable, "-c", RAISER, str(store.port)]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        out, err = job.communicate(timeout=60)  # far less than the group's 120 s
+    finally:
+        job.kill()
+        job.wait()
+    assert out.count("FORMED") == 2, out  # both formed the group (mpiexec may interleave their lines)
+    assert job.returncode != 0, (out, err)
+    assert "ValueError: rank 0 fails on purpose" in err, err
+    assert "the barrier returned" not in out, out
+
+
 # -- the launched pool: failures reported, nothing left behind -----------------------------------------
 
 

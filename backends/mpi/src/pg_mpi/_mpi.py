@@ -11,6 +11,9 @@ says whether pg-mpi can use it.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -103,6 +106,7 @@ def initialized_mpi() -> Any:
     with _INIT_LOCK:
         if not mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Init_thread(mpi.THREAD_MULTIPLE)
+            atexit.register(_exit_after_uncaught_exception, mpi)
     problem = thread_level_problem(mpi)
     if problem is None and mpi.Query_thread() < mpi.THREAD_MULTIPLE:
         problem = (
@@ -112,6 +116,27 @@ def initialized_mpi() -> Any:
     if problem is not None:
         raise BackendUnavailableError(f"Backend 'mpi' cannot run here: {problem}")
     return mpi
+
+
+def _exit_after_uncaught_exception(mpi: Any) -> None:
+    """At exit, for MPI that pg-mpi initialised: if the program is ending on an uncaught
+    exception, leave at once with status 1 instead of letting mpi4py call ``MPI_Finalize``,
+    which waits for every other rank to finalise too (MPICH's does): the others, blocked on
+    this rank, and this rank would each wait for their timeouts. A rank that leaves without
+    finalising is a failed rank to the launcher (Hydra's default ends the job; with
+    ``-disable-auto-cleanup`` the others see it as a dead peer), and its exit status is the
+    one Python gives an uncaught exception. The atexit handlers registered before MPI was
+    initialised do not run (as with ``MPI_Abort``); stdout and stderr are flushed.
+
+    The interpreter sets ``sys.last_value`` when it prints an uncaught exception; an
+    interactive session sets it for every error typed, so there this does nothing."""
+    if getattr(sys, "last_value", None) is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    if mpi.Is_initialized() and not mpi.Is_finalized():
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
 
 #: The integer reductions :func:`wrong_integer_ops` checks: those whose result can overflow.
