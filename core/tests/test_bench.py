@@ -394,6 +394,25 @@ def test_reports() -> None:
     assert "vs " not in table  # all_reduce has no reference op
 
 
+def test_with_rounds_each_rounds_medians_are_compared_round_by_round() -> None:
+    base, gloo, tcp = _row(bench.BASELINE, 100.0, baseline=True), _row("gloo", 104.0), _row("tcp", 90.0)
+    base.round_median_us = [100.0, 200.0, 100.0, 100.0, 100.0]  # the machine slowed down in round 2
+    gloo.round_median_us = [104.0, 204.0, 102.0, 101.0, 106.0]  # paired: that round weighs as little as the others
+    tcp.round_median_us = [90.0, 180.0, 90.0]  # rounds that do not pair up give no round ratios
+    for row in (base, gloo, tcp):
+        row.rounds = 5
+    rows = [base, gloo, tcp]
+    bench._add_ratios(rows)
+    assert gloo.round_ratios == pytest.approx([1.04, 1.02, 1.02, 1.01, 1.06])
+    assert base.round_ratios is None and tcp.round_ratios is None and tcp.ratio == pytest.approx(0.9)
+    assert bench.quartiles(gloo.round_ratios) == pytest.approx((1.02, 1.04))
+    assert bench.quartiles([1.5]) == (1.5, 1.5)
+    table = bench.format_table(rows)
+    assert "1.04x torch-gloo [1.02-1.04]" in table and "0.90x torch-gloo [" not in table
+    assert "interleaved in 5 rounds" in table and "# [a-b] (with --rounds)" in table
+    assert json.loads(bench.format_json(rows))[1]["round_ratios"] == pytest.approx(gloo.round_ratios)
+
+
 def test_send_tensor_is_compared_with_send_recv_on_the_same_backend() -> None:
     rows = [
         _row(bench.BASELINE, 300.0, baseline=True, op="send_tensor"),

@@ -83,6 +83,12 @@ time divided by its baseline's median at the same op and size: the baseline of
 the library it wraps (:func:`compared_with`: ``gloo`` against ``torch-gloo``,
 ``mpi`` against ``mpi4py``) when measured, else the first baseline. ``0.85x
 torch-gloo`` means 15% less time than torch's Gloo, ``2.00x`` twice as long.
+With ``--rounds R``, each row also keeps the median of each round's iterations
+(``round_median_us``), and a pg-core backend's row the ratios of its round medians
+to its baseline's, round by round (``round_ratios``): each pairs blocks timed
+moments apart, so a slow spell of the machine weighs on both sides of one ratio.
+The table shows their middle half after the ratio (``1.03x torch-gloo
+[1.01-1.05]``): how far the ratio can be trusted in this run.
 ``--json`` and ``--csv`` give every row; ``--plot PNG`` draws median time and
 bus bandwidth against size (:func:`plot_figure`). On stderr, a line per row
 (not with ``--quiet``) and, when stderr is a terminal, a progress bar below them
@@ -123,6 +129,7 @@ import dataclasses
 import importlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -589,6 +596,10 @@ class Row:
     ref_ratio: float | None = None
     ref_op: str | None = None
     rounds: int = 1  # --rounds: blocks the timed iterations came in, interleaved with the other rows'
+    #: with ``--rounds R`` (R > 1): the median of each round's iterations, in round order
+    round_median_us: list[float] | None = None
+    #: with ``--rounds R``: this row's round median over its baseline's in the same round, round by round
+    round_ratios: list[float] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Row:
@@ -616,11 +627,22 @@ def _add_ratios(rows: list[Row]) -> None:
         if ref is not None and ref.median_us:
             row.ratio = row.median_us / ref.median_us
             row.ratio_to = ref.backend
+            mine, theirs = row.round_median_us, ref.round_median_us
+            if mine and theirs and len(mine) == len(theirs) and all(theirs):
+                row.round_ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
         ref_op = REFERENCE_OPS.get(row.op)
         other = None if ref_op is None else same.get((ref_op, row.size, row.backend))
         if other is not None and other.median_us:
             row.ref_ratio = row.median_us / other.median_us
             row.ref_op = ref_op
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (at least one): the middle half's ends."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -639,6 +661,9 @@ def format_table(rows: Sequence[Row]) -> str:
         for r in mine:
             check = r.status if r.status != "skipped" else f"skipped: {r.detail}"
             ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x {r.ratio_to}"
+            if r.round_ratios:
+                low, high = quartiles(r.round_ratios)
+                ratio += f" [{low:.2f}-{high:.2f}]"
             line = [
                 str(r.size),
                 str(r.count),
@@ -665,6 +690,7 @@ def format_table(rows: Sequence[Row]) -> str:
         "# iteration (slowest rank). algbw = size / median, busbw = algbw * nccl-tests factor, in GB/s.\n"
         "# ratio: median time / its baseline's median at the same op and size (below 1x is faster); a backend's\n"
         "# baseline is the raw library it wraps (gloo: torch-gloo, mpi: mpi4py) when measured, else the first.\n"
+        "# [a-b] (with --rounds): the middle half of the ratios of each round's medians, round by round.\n"
         "# Compare ratios measured side by side in one run, not absolute times across runs or machines."
     )
     if any(r.op in OBJECT_OPS for r in rows):
@@ -1446,6 +1472,10 @@ class _Rank:
             per_iter = [float(max(ts)) for ts in zip(*per_rank, strict=True)]
         us = [t / 1e3 for t in per_iter]
         row.min_us, row.median_us, row.max_us = min(us), statistics.median(us), max(us)
+        rounds = self.cfg.rounds
+        if rounds > 1 and len(us) >= rounds:  # each round's share, as _block took them
+            bounds = [len(us) * b // rounds for b in range(rounds + 1)]
+            row.round_median_us = [statistics.median(us[a:z]) for a, z in itertools.pairwise(bounds) if z > a]
         row.algbw_gbps = row.size / row.median_us / 1e3 if row.median_us > 0 else None
         row.busbw_gbps = None if row.algbw_gbps is None else row.algbw_gbps * busbw_factor(op, n)
         row.status = "WRONG" if errors else "ok"
