@@ -89,7 +89,7 @@ class Executor:
         """Run collective ``op`` as ``fn(arg)``, blocking, in order; return its result. In the
         caller's thread when nothing is queued (the hot path: no closure, no handoff), else
         queued behind what is. :meth:`run` passes the sequence number as ``arg``."""
-        if self._worker_ident == threading.get_ident():
+        if self._worker_ident is not None and self._worker_ident == threading.get_ident():
             raise RuntimeError(
                 f"{op}: a blocking operation cannot run on group {self._name!r}'s progress thread (from a Work "
                 "callback); pass async_op=True there"
@@ -101,7 +101,17 @@ class Executor:
                 if self._pending == 0:
                     if self._state is not None:
                         self.check_open()
-                    return self._invoke(op, fn, arg)
+                    if arg is _SEQ or self._broken is not None:
+                        return self._invoke(op, fn, arg)
+                    # _invoke, written out: where ranks share cores, each call on this path costs
+                    # several times its own time (docs/decisions.md, "The blocking all_reduce's hot path")
+                    seq = self.seq = self._next_seq
+                    self._next_seq = seq + 1
+                    try:
+                        return fn(arg)
+                    except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
+                        self.latch(op, seq, exc)
+                        raise
             finally:
                 running.release()
         return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False)

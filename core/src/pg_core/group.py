@@ -365,17 +365,18 @@ class ProcessGroup:
         """Reduce ``tensor`` across the group, in place, on every rank."""
         # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
         # that went through the full path once): the backend's prepared all_reduce, in order.
-        plain = not async_op and timeout is None and type(tensor) is torch.Tensor and type(op) is ReduceOp
-        plain = plain and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]  # (a factor per call)
-        if plain and not self._coalescing:
-            lane = self._lanes.get((tensor.device, tensor.dtype, op.type))  # type: ignore[union-attr]
+        # (No lane is made for PREMUL_SUM, whose factor changes per call: it never finds one.)
+        fast = not async_op and timeout is None and not self._coalescing and type(tensor) is torch.Tensor
+        if fast and type(op) is ReduceOp:
+            lane = self._lanes.get((tensor.device, tensor.dtype, op.type))
             if lane is not None and not tensor.requires_grad and dense(tensor):
                 return self._executor.call("all_reduce", lane, tensor)  # type: ignore[no-any-return]
+        plain = fast and type(op) is ReduceOp and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
         rop = as_reduce_op(op)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
-        if plain and not self._coalescing:  # it ran: the backend exists, and declares this kind
+        if plain and not self._coalescing:  # it ran (the backend exists, and declares this kind); not in a batch
             key = (tensor.device, tensor.dtype, rop.type)
             if key not in self._lanes:
                 self._lanes[key] = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
