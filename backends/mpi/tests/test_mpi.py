@@ -524,6 +524,28 @@ def test_an_uncaught_exception_ends_the_rank_without_waiting_in_mpi_finalize() -
     assert "the barrier returned" not in out, out
 
 
+EXIT_HANDLER = r"""
+import sys
+from pg_mpi._mpi import _exit_after_uncaught_exception
+class Initialised:  # MPI as the handler sees it: initialised, not finalised
+    def Is_initialized(self): return True
+    def Is_finalized(self): return False
+if sys.argv[1] != "none":
+    sys.last_value = {"error": ValueError("x"), "interrupt": KeyboardInterrupt()}[sys.argv[1]]
+_exit_after_uncaught_exception(Initialised())
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "out"), [("none", 0, "returned\n"), ("error", 1, ""), ("interrupt", -2, "")]
+)
+def test_the_exit_handler_ends_as_python_ends_on_the_uncaught_exception(failure: str, status: int, out: str) -> None:
+    command = [sys.executable, "-c", EXIT_HANDLER, failure]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout) == (status, out), done.stderr
+
+
 # -- the launched pool: failures reported, nothing left behind -----------------------------------------
 
 

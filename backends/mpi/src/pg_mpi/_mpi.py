@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -124,18 +125,23 @@ def _exit_after_uncaught_exception(mpi: Any) -> None:
     which waits for every other rank to finalise too (MPICH's does): the others, blocked on
     this rank, and this rank would each wait for their timeouts. A rank that leaves without
     finalising is a failed rank to the launcher (Hydra's default ends the job; with
-    ``-disable-auto-cleanup`` the others see it as a dead peer), and its exit status is the
-    one Python gives an uncaught exception. The atexit handlers registered before MPI was
-    initialised do not run (as with ``MPI_Abort``); stdout and stderr are flushed.
+    ``-disable-auto-cleanup`` the others see it as a dead peer), and it ends as Python ends on
+    an uncaught exception (status 1; by SIGINT for ``KeyboardInterrupt``). The atexit handlers
+    registered before MPI was initialised do not run (as with ``MPI_Abort``); stdout and
+    stderr are flushed.
 
     The interpreter sets ``sys.last_value`` when it prints an uncaught exception; an
     interactive session sets it for every error typed, so there this does nothing."""
-    if getattr(sys, "last_value", None) is None or hasattr(sys, "ps1") or sys.flags.interactive:
+    failure = getattr(sys, "last_value", None)
+    if failure is None or hasattr(sys, "ps1") or sys.flags.interactive:
         return
     if mpi.Is_initialized() and not mpi.Is_finalized():
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if isinstance(failure, KeyboardInterrupt):  # Python ends on SIGINT itself: so does this
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(1)
 
 
