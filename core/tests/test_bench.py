@@ -409,7 +409,8 @@ def test_with_rounds_each_rounds_medians_are_compared_round_by_round() -> None:
     assert bench.quartiles([1.5]) == (1.5, 1.5)
     table = bench.format_table(rows)
     assert "1.04x torch-gloo [1.02-1.04]" in table and "0.90x torch-gloo [" not in table
-    assert "interleaved in 5 rounds" in table and "# [a-b] (with --rounds)" in table
+    assert "interleaved in 5 rounds" in table and "# [a-b] (--rounds)" in table
+    assert "# [a-b]" not in bench.format_table([base, tcp])  # no round ratios: no legend for them
     assert json.loads(bench.format_json(rows))[1]["round_ratios"] == pytest.approx(gloo.round_ratios)
 
 

@@ -690,9 +690,10 @@ def format_table(rows: Sequence[Row]) -> str:
         "# iteration (slowest rank). algbw = size / median, busbw = algbw * nccl-tests factor, in GB/s.\n"
         "# ratio: median time / its baseline's median at the same op and size (below 1x is faster); a backend's\n"
         "# baseline is the raw library it wraps (gloo: torch-gloo, mpi: mpi4py) when measured, else the first.\n"
-        "# [a-b] (with --rounds): the middle half of the ratios of each round's medians, round by round.\n"
         "# Compare ratios measured side by side in one run, not absolute times across runs or machines."
     )
+    if any(r.round_ratios for r in rows):
+        out.append("# [a-b] (--rounds): the middle half of the ratios of each round's medians, round by round.")
     if any(r.op in OBJECT_OPS for r in rows):
         out.append("# Object ops: size is the pickled object's bytes (protocol 5), count its payload's bytes.")
     if any(r.op in REFERENCE_OPS for r in rows):
