@@ -101,17 +101,7 @@ class Executor:
                 if self._pending == 0:
                     if self._state is not None:
                         self.check_open()
-                    if arg is _SEQ or self._broken is not None:
-                        return self._invoke(op, fn, arg)
-                    # _invoke, written out: where ranks share cores, each call on this path costs
-                    # several times its own time (docs/decisions.md, "The blocking all_reduce's hot path")
-                    seq = self.seq = self._next_seq
-                    self._next_seq = seq + 1
-                    try:
-                        return fn(arg)
-                    except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
-                        self.latch(op, seq, exc)
-                        raise
+                    return self._invoke(op, fn, arg)
             finally:
                 running.release()
         return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False)
