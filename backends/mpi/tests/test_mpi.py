@@ -483,11 +483,12 @@ def test_abort_makes_a_blocked_receive_raise(pools: Pools) -> None:
 
 
 RAISER = r"""
+import os
 import sys
 from datetime import timedelta
 from pg_core import ProcessGroup, TCPStore
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
-rank = int(__import__("os").environ["PMI_RANK"])  # (MPI is left to pg-mpi to initialise)
+rank = int(os.environ["PMI_RANK"])  # Hydra's; MPI itself is left to pg-mpi to initialise
 group = ProcessGroup(store, rank, 2, backends="mpi", timeout=120)
 group.barrier()
 sys.stdout.write(f"FORMED {rank}\n")

@@ -376,7 +376,7 @@ class ProcessGroup:
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
-        if plain and not self._coalescing:  # it ran (the backend exists, and declares this kind); not in a batch
+        if plain:  # it ran: the backend exists, and declares this kind (`fast`: not inside a batch)
             key = (tensor.device, tensor.dtype, rop.type)
             if key not in self._lanes:
                 self._lanes[key] = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
