@@ -655,8 +655,23 @@ class NativeSplit(InMemory):
         return None if color is None else ("handle", self.ctx.group_uid, color, rank)
 
 
-def _thread_ranks(size: int, fn) -> list:
-    """``fn(rank, group, log)`` on ``size`` thread ranks of a group on NativeSplit, each with a log of
+class Releasing(NativeSplit):
+    """Also makes a handle for ``color=None``, and records what the core gives back."""
+
+    name = "memory-split"
+
+    def split(self, color, rank, *, timeout):
+        made = super().split(color, rank, timeout=timeout)
+        made = ("no subgroup", self.ctx.group_uid, rank) if made is None else made
+        self.log.append(("made", self.ctx.group_name, self.rank, made))
+        return made
+
+    def release_split(self, handle):
+        self.log.append(("released", self.ctx.group_name, self.rank, handle))
+
+
+def _thread_ranks(size: int, fn, backend: type[Backend] = NativeSplit) -> list:
+    """``fn(rank, group, log)`` on ``size`` thread ranks of a group on ``backend``, each with a log of
     its own; every rank's (result, log), or the first rank's error."""
     store, queues, lock = HashStore(), {}, threading.Lock()
     results: list = [None] * size
@@ -666,7 +681,7 @@ def _thread_ranks(size: int, fn) -> list:
         log: list = []
         try:
             options = {name: {"queues": queues, "lock": lock, "log": log} for name in ("memory", "memory-split")}
-            with ProcessGroup(store, rank, size, backends=NativeSplit, options=options, timeout=30) as group:
+            with ProcessGroup(store, rank, size, backends=backend, options=options, timeout=30) as group:
                 results[rank] = (fn(rank, group, log), log)
         except BaseException as exc:
             errors.append(exc)
@@ -766,3 +781,48 @@ def test_a_split_whose_subgroups_change_backend_and_new_group_never_split_native
         backends = [b for _, b, _ in used]
         assert backends == (["memory", "memory", "memory-split"] if rank in (0, 2) else ["memory", "memory-split"])
         assert [v for *_, v in used] == ([4.0, 2.0, 2.0] if rank in (0, 2) else [4.0, 2.0])
+
+
+def test_a_handle_made_for_no_subgroup_goes_back_to_the_backend_that_made_it():
+    colors = [0, None, 0, None]
+
+    def body(rank, group, log):
+        sub = group.split(colors[rank])
+        if sub is not None:
+            sub.shutdown()
+        return sub is None
+
+    results = _thread_ranks(4, body, Releasing)
+    for rank, (outside, log) in enumerate(results):
+        made = [e[3] for e in log if e[0] == "made"]
+        released = [e[3] for e in log if e[0] == "released"]
+        taken = [e[3] for e in log if e[0] == "created" and e[3] is not None]
+        assert outside == (colors[rank] is None) and len(made) == 1
+        if outside:  # its handle came back to the parent's backend, once
+            assert made[0][0] == "no subgroup" and released == made and taken == []
+        else:  # its subgroup's backend took it; nothing came back
+            assert made[0][0] == "handle" and released == [] and taken == made
+
+
+def test_a_subgroup_that_fails_to_form_after_the_split_gives_its_handle_back(monkeypatch):
+    import pg_core.membership as membership
+
+    real_form = membership.form
+
+    def form(store, prefix, key, *args, **kwargs):
+        if key.startswith("split"):  # the subgroup's store exchange, after the native split
+            raise ConnectionError(f"the store went away forming {key}")
+        return real_form(store, prefix, key, *args, **kwargs)
+
+    monkeypatch.setattr(membership, "form", form)
+
+    def body(rank, group, log):
+        with pytest.raises(ConnectionError, match="the store went away forming split0.7"):
+            group.split(7)
+
+    results = _thread_ranks(3, body, Releasing)
+    for rank, (_, log) in enumerate(results):
+        made = [e[3] for e in log if e[0] == "made"]
+        assert [e[3:5] for e in log if e[0] == "split"] == [(0, rank)]
+        assert [e[3] for e in log if e[0] == "released"] == made  # given back, once
+        assert [e for e in log if e[0] == "created" and e[3] is not None] == []  # no backend took it

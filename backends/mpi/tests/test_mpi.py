@@ -231,6 +231,48 @@ def test_split_makes_each_subgroups_communicator_with_mpi_comm_split(pools: Pool
             assert r["world_ranks"] == r["expected_world_ranks"], r
 
 
+def unformed_split(ctx: RankContext) -> dict[str, Any]:
+    """A split whose subgroup fails to form after ``MPI_Comm_split`` (the store exchange raises):
+    the communicator it made is freed, and the parent goes on."""
+    import pg_core.membership as membership
+    from mpi4py import MPI
+    from pg_mpi.backend import MPIBackend
+
+    made: list[Any] = []
+    real_split, real_form = MPIBackend.split, membership.form
+
+    def split(self: MPIBackend, color: int | None, rank: int, *, timeout: float) -> Any:
+        comm = real_split(self, color, rank, timeout=timeout)
+        made.append(comm)
+        return comm
+
+    def form(store: Any, prefix: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key.startswith("split"):
+            raise ConnectionError(f"the store went away forming {key}")
+        return real_form(store, prefix, key, *args, **kwargs)
+
+    out: dict[str, Any] = {}
+    with _group(ctx) as world:
+        MPIBackend.split, membership.form = split, form  # type: ignore[method-assign]
+        try:
+            world.split(0)
+        except ConnectionError as exc:
+            out["error"] = str(exc)
+        finally:
+            MPIBackend.split, membership.form = real_split, real_form  # type: ignore[method-assign]
+        out["made"] = len(made) == 1 and isinstance(made[0], MPI.Intracomm)
+        out["freed"] = made[0] == MPI.COMM_NULL
+        t = torch.ones(1)
+        world.all_reduce(t)
+        out["after"] = t.item()
+    return out
+
+
+def test_a_communicator_that_no_subgroup_took_is_freed(pools: Pools) -> None:
+    for r in pools(2).run(unformed_split, timeout=120):
+        assert r == {"error": "the store went away forming split0.0", "made": True, "freed": True, "after": 2.0}, r
+
+
 JOINER = """
 import sys
 from datetime import timedelta

@@ -186,8 +186,14 @@ backend's order is the core's), for a ``None`` member its rank in the parent. Th
 returns its library's handle of the new communicator (anything, ``None`` say, for ``color
 None``); raising fails the split like any collective. The core then creates the subgroup's
 backend of that device type at once, inside ``split()`` (every member of the subgroup is
-there), with the handle as :attr:`BackendContext.split_from`: that backend owns it from then
-on, and its ``shutdown``/``abort`` release it. A library without a non-blocking split may wait
+there), with the handle as :attr:`BackendContext.split_from`: that backend owns it from the
+moment its constructor is called (a constructor that raises releases it), and its
+``shutdown``/``abort`` release it. A handle no subgroup takes goes back to the backend that
+made it, through ``release_split(handle)`` (API 1.7, optional, detected as an override as
+``split`` is): a handle returned for ``color None`` (anything but ``None``), and the handle of
+a member whose subgroup then failed to form (its store exchange raised) before any backend
+took it. A backend that splits natively but does not override ``release_split`` leaks such
+handles. A library without a non-blocking split may wait
 without ``timeout`` there: every member was just heard from in the ``all_gather_object``.
 
 After a collective fails (timeout, peer failure, mismatch) the core refuses the
@@ -254,8 +260,9 @@ __all__ = [
 #: collectives that launch (:attr:`Backend.launches`); 1.3, coalescing (:meth:`Backend.coalesced`);
 #: 1.4, receiving from any source (``recv_anysource``, an optional op a backend declares by name);
 #: 1.5, a prepared all_reduce (:meth:`Backend.prepared_all_reduce`); 1.6, a native split
-#: (:meth:`Backend.split`, with :attr:`BackendContext.split_from`).
-API_VERSION: Final[str] = "1.6"
+#: (:meth:`Backend.split`, with :attr:`BackendContext.split_from`); 1.7, releasing a split's handle
+#: that no subgroup took (:meth:`Backend.release_split`).
+API_VERSION: Final[str] = "1.7"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -517,8 +524,8 @@ class Backend:
     Subclasses implement ``send`` and ``recv`` (required) and may override any
     collective, ``isend``/``irecv``, ``send_bytes``/``recv_bytes``,
     ``recv_anysource``/``irecv_anysource`` (declared as ``"recv_anysource"``),
-    ``prepared_all_reduce``, ``split`` (a native split), ``shutdown`` and ``abort``. Every
-    method receives ``timeout`` in seconds.
+    ``prepared_all_reduce``, ``split`` and ``release_split`` (a native split), ``shutdown``
+    and ``abort``. Every method receives ``timeout`` in seconds.
 
     The constructor takes the :class:`BackendContext`. Calling ``super().__init__(ctx)``
     is optional: the core sets ``ctx``, ``rank`` and ``size`` on an instance that has
@@ -663,6 +670,15 @@ class Backend:
         raise NotImplementedError(
             f"{type(self).__name__} does not split natively (it does not override Backend.split); "
             "the core forms its subgroups through the store"
+        )
+
+    def release_split(self, handle: Any) -> None:
+        """Release ``handle``, which :meth:`split` returned on this member and no subgroup's
+        backend took (``color`` was ``None``, or the subgroup failed to form before its backend
+        was created). Optional (API 1.7): the core calls it only where a subclass overrides it
+        (``handle`` is never ``None``); see "A native split" in the module docstring."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not release split handles (it does not override Backend.release_split)"
         )
 
     # -- collectives: defaults from pg_core.algorithms --------------------------

@@ -1114,12 +1114,20 @@ class ProcessGroup:
             )
             return {inst.device.type: handle}
 
+        def release(handles: Mapping[str, Any]) -> None:
+            """Hand the split's handles that no subgroup took back to the backend that made them."""
+            inst = self._dispatch.instance(self._barrier_device, "split")
+            for handle in handles.values():
+                if handle is not None and inst.native_release:
+                    inst.backend.release_split(handle)
+
         formation = self._subgroups.split(
             color,
             key,
             name,
             lambda mine: self.all_gather_object(mine, timeout=timeout),
-            native,
+            native=native,
+            release=release,
             specs=specs,
             timeout=budget,
             options=opts,

@@ -51,6 +51,7 @@ class Instance:
         "native_irecv",
         "native_irecv_any",
         "native_isend",
+        "native_release",
         "native_split",
         "scatter_gather",
         "spec",
@@ -77,6 +78,8 @@ class Instance:
         self.native_bytes = cls.send_bytes is not Backend.send_bytes and cls.recv_bytes is not Backend.recv_bytes
         #: the backend splits its communicator itself (``Backend.split``, API 1.6)
         self.native_split = cls.split is not Backend.split
+        #: it releases a split's handle that no subgroup took (``Backend.release_split``, API 1.7)
+        self.native_release = cls.release_split is not Backend.release_split
         #: ``send_bytes`` takes a list of buffers (contract 1.1); else the parts are joined
         self.scatter_gather = (parse_api_version(spec.api_version) or (0, 0)) >= (1, 1)
         self._streams = _Streams(

@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
@@ -277,8 +278,9 @@ class Subgroups:
         key: int,
         name: str | None,
         gather: Callable[[tuple[int | None, int, bool]], list[tuple[int | None, int, bool]]],
-        native: Callable[[int | None, int], Mapping[str, Any]],
         *,
+        native: Callable[[int | None, int], Mapping[str, Any]],
+        release: Callable[[Mapping[str, Any]], None],
         specs: Mapping[str, BackendSpec],
         timeout: float,
         options: Mapping[str, Mapping[str, Any]],
@@ -288,7 +290,9 @@ class Subgroups:
         device (a member that joins none has no objection); when all do, ``native(color
         index, rank)`` runs on every member (the parent's ``Backend.split``, API 1.6, where
         its backend has one) and what it returns (device type -> handle) goes to the
-        subgroup's formation as ``split_from``."""
+        subgroup's formation as ``split_from``. What no subgroup will take, ``release``
+        gets back (the parent's ``Backend.release_split``, API 1.7): the handles of a member
+        that joins none, and those of a member whose subgroup's formation raised."""
         with self._lock:
             number = self._splits
             self._splits += 1
@@ -302,14 +306,26 @@ class Subgroups:
         if all(a for _, _, a in chosen):
             colors = sorted({c for c, _, _ in chosen if c is not None})
             if color is None:
-                native(None, me)
+                release(native(None, me))  # no subgroup will own what it made
             else:
                 handles = native(colors.index(color), members.index(me))
         if color is None:
             return None
         store_key = f"split{number}.{color}"
         display = name or f"{parent.name}.{store_key}"
-        formation = self._form(store_key, display, members, specs=specs, timeout=timeout, options=options)
+        try:
+            formation = self._form(store_key, display, members, specs=specs, timeout=timeout, options=options)
+        except BaseException as exc:
+            if handles:  # no backend took them: they go back, and the formation's error is what is raised
+                try:
+                    release(handles)
+                except Exception as failed:
+                    warnings.warn(
+                        f"split of group {parent.name!r}: releasing this member's handle after {exc!r} failed: {failed!r}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            raise
         return replace(formation, split_from=handles) if handles else formation
 
     def _form(

@@ -14,7 +14,8 @@ or not, and ``new_group`` subgroups the same way. Members that are not one job r
 MPI has no non-blocking ``MPI_Comm_split``, so that call waits without the group's timeout;
 in practice it returns at once, because the core calls it right after the split's
 ``all_gather_object``, in which every member of the parent was just heard from (only a
-member dying in between leaves the others waiting, as in ``MPI_Comm_create_group``).
+member dying in between leaves the others waiting, as in ``MPI_Comm_create_group``). A
+communicator no subgroup took (its formation failed) is freed (:meth:`MPIBackend.release_split`).
 MPI is initialised (``MPI_THREAD_MULTIPLE``) by the first group that needs it; ``shutdown``
 and ``abort`` free the communicator, however it was made; mpi4py finalises MPI at exit.
 
@@ -168,6 +169,14 @@ class MPIBackend(Backend):
         finally:
             self._left()
         return None if made == mpi.COMM_NULL else made
+
+    def release_split(self, handle: Any) -> None:
+        """Free a communicator :meth:`split` made that no subgroup's backend took (its subgroup
+        failed to form; backend API 1.7). ``MPI_Comm_free`` is collective in the standard, but
+        MPICH does not wait in it for the other members (they free theirs the same way, or when
+        their subgroup's backend shuts down)."""
+        if handle != self._mpi.COMM_NULL:
+            handle.Free()
 
     # -- waiting --------------------------------------------------------------------------
     def _wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
