@@ -826,3 +826,45 @@ def test_a_subgroup_that_fails_to_form_after_the_split_gives_its_handle_back(mon
         assert [e[3:5] for e in log if e[0] == "split"] == [(0, rank)]
         assert [e[3] for e in log if e[0] == "released"] == made  # given back, once
         assert [e for e in log if e[0] == "created" and e[3] is not None] == []  # no backend took it
+
+
+# -- blocking point to point's fast path -----------------------------------------------------------
+def test_blocking_send_and_recv_skip_the_checks_that_passed_once_and_still_refuse_bad_input(group, log):
+    t = torch.arange(3.0)
+    for tag in (1, 5):  # the full path, once per kind and tag
+        group.send(t, 1, tag=tag)
+        assert group.recv(t, 1, tag=tag) == 1
+    first = [(op, extra["tag"]) for op, _, _, extra in log]
+    assert {(k, tag) for k, _, _, tag in group._p2p_lanes} == {("send", 1), ("recv", 1), ("send", 5), ("recv", 5)}
+    log.clear()
+    for tag in (1, 5):  # the lane: the same calls, with the same wire tags
+        group.send(t, 1, tag=tag)
+        assert group.recv(t, 1, tag=tag) == 1
+    assert [(op, extra["tag"]) for op, _, _, extra in log] == first
+    assert t.tolist() == [7.0, 7.0, 7.0]
+    log.clear()
+    refused = [
+        (lambda: group.send(t, 0, tag=5), ValueError, "dst=0 is this rank"),
+        (lambda: group.recv(t, 2, tag=5), ValueError, "src=2 is out of range"),
+        (lambda: group.send(t, -1, tag=5), ValueError, "dst=-1 is out of range"),
+        (lambda: group.send(t, True, tag=5), TypeError, "dst must be an int group rank"),
+        (lambda: group.send(t, 1, tag=True), TypeError, "tag must be an int"),  # True == 1, a lane's tag
+        (lambda: group.recv(t, 1, tag=[5]), TypeError, "tag must be an int"),
+        (lambda: group.send(t, 1, tag=-5), ValueError, "tag must be >= 0"),
+        (lambda: group.send([1.0], 1, tag=5), TypeError, "must be a torch.Tensor"),
+    ]
+    for call, error, match in refused:
+        with pytest.raises(error, match=match):
+            call()
+    assert log == []  # nothing reached the backend
+    # tensors the backend may not be handed as they are take the full path, and are staged
+    strided = torch.zeros(2, 3).t()
+    group.recv(strided, 1, tag=5)
+    assert strided.tolist() == [[7.0, 7.0]] * 3
+    param = torch.zeros(3, requires_grad=True)
+    group.recv(param, 1, tag=5)
+    assert param.tolist() == [7.0] * 3 and param.requires_grad
+    assert [(op, shape) for op, _, (shape,), _ in log] == [("recv", (3, 2)), ("recv", (3,))]
+    group.shutdown()
+    with pytest.raises(GroupClosedError):
+        group.send(t, 1, tag=5)

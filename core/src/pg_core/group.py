@@ -189,6 +189,9 @@ class ProcessGroup:
         self._coalescing: dict[int, Batch] = {}
         #: blocking all_reduce's fast path: the backend's prepared call (or None) per (device, dtype, reduce op type)
         self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
+        #: blocking send/recv's fast path: the instance and wire tag per (op, device, dtype, user tag) whose
+        #: checks passed once (the ones that hold for every later call of that kind; see _p2p_lane)
+        self._p2p_lanes: dict[tuple[str, torch.device, torch.dtype, int], tuple[Instance, int]] = {}
         self._objects = Objects(
             rank=m.rank,
             size=m.size,
@@ -703,6 +706,33 @@ class ProcessGroup:
             )
 
     # -- point to point -----------------------------------------------------------
+    def _p2p_lane(
+        self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
+    ) -> tuple[Instance, int] | None:
+        """The fast path of a blocking ``send``/``recv`` (``kind``) with the group's timeout, outside
+        any coalescing block, of a dense plain tensor to or from a rank other than this one,
+        where one of its (device, dtype, tag) already passed :meth:`_p2p`'s checks: that call's
+        instance and wire tag. ``None``: take :meth:`_p2p`."""
+        if (
+            timeout is not None
+            or self._coalescing
+            or type(tensor) is not torch.Tensor
+            or type(peer) is not int
+            or type(tag) is not int  # (before the lookup: True would find tag 1's lane, a list raise there)
+        ):
+            return None
+        lane = self._p2p_lanes.get((kind, tensor.device, tensor.dtype, tag))
+        if (
+            lane is None
+            or not 0 <= peer < self._size
+            or peer == self._rank
+            or self._executor.state is not None
+            or tensor.requires_grad
+            or not dense(tensor)
+        ):
+            return None
+        return lane
+
     def _p2p(
         self, kind: str, tensor: torch.Tensor, peer: int | None, tag: int, timeout: float | timedelta | None
     ) -> tuple[Instance | Recorder, torch.Tensor, Staging, float]:
@@ -730,6 +760,8 @@ class ProcessGroup:
                         "names every peer (as NCCL's group calls do); receive from any source outside the block"
                     )
                 return batch.capture(inst, timeout), staged, st, self._seconds(timeout)
+        if timeout is None and peer is not None:  # what passed holds for later calls of this kind
+            self._p2p_lanes[(kind, tensor.device, tensor.dtype, tag)] = (inst, inst.tags.user(tag))
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
 
     def _p2p_any_source(
@@ -772,6 +804,10 @@ class ProcessGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
+        lane = self._p2p_lane("send", tensor, dst, tag, timeout)
+        if lane is not None:
+            lane[0].blocking("send", tensor, dst, lane[1], self._timeout)
+            return
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         inst.p2p("send", t, dst, tag, budget, async_op=False)
 
@@ -786,6 +822,11 @@ class ProcessGroup:
         :class:`~pg_core.errors.NotSupportedError` before anything is received). Each sender's
         messages arrive in the order it sent them, however receives naming it and any-source
         receives interleave (see docs/decisions.md)."""
+        if src is not None:
+            lane = self._p2p_lane("recv", tensor, src, tag, timeout)
+            if lane is not None:
+                lane[0].blocking("recv", tensor, src, lane[1], self._timeout)
+                return src
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
             sender = self._sender(inst, inst.recv_any(t, tag, budget, async_op=False))

@@ -107,13 +107,26 @@ class Instance:
         the backend's own ``isend``/``irecv`` where it has them, else the blocking call on the
         stream's helper thread (a :class:`Work`)."""
         wire = self.tags.user(tag)
+        if not async_op:
+            return self.blocking(kind, tensor, peer, wire, timeout)
         backend = self.backend
         sending = kind == "send"
-        if async_op and (self.native_isend if sending else self.native_irecv):
+        if self.native_isend if sending else self.native_irecv:
             return (backend.isend if sending else backend.irecv)(tensor, peer, wire, timeout=timeout)
         call = backend.send if sending else backend.recv
-        op = f"i{kind}" if async_op else kind
-        return self.ordered(kind, peer, wire, op, lambda: call(tensor, peer, wire, timeout=timeout), async_op=async_op)
+        return self.ordered(
+            kind, peer, wire, f"i{kind}", lambda: call(tensor, peer, wire, timeout=timeout), async_op=True
+        )
+
+    def blocking(self, kind: str, tensor: torch.Tensor, peer: int, wire: int, timeout: float) -> None:
+        """A blocking ``send``/``recv`` (``kind``) with wire tag ``wire``: here, unless the
+        stream's helper still has work, behind which it queues (:meth:`ordered`)."""
+        call = self.backend.send if kind == "send" else self.backend.recv
+        queued = self._streams.queued(self._key(kind, peer, wire))
+        if queued is None:
+            call(tensor, peer, wire, timeout=timeout)
+        else:
+            queued.submit(kind, lambda: call(tensor, peer, wire, timeout=timeout)).result()
 
     def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float, *, async_op: bool) -> Any:
         """The user's receive from any source with user ``tag`` (mapped as for ``recv``): what
