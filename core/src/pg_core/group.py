@@ -189,9 +189,10 @@ class ProcessGroup:
         self._coalescing: dict[int, Batch] = {}
         #: blocking all_reduce's fast path: the backend's prepared call (or None) per (device, dtype, reduce op type)
         self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
-        #: blocking send/recv's fast path: the instance and wire tag per (op, device, dtype, user tag) whose
-        #: checks passed once (the ones that hold for every later call of that kind; see _p2p_lane)
-        self._p2p_lanes: dict[tuple[str, torch.device, torch.dtype, int], tuple[Instance, int]] = {}
+        #: blocking send/recv's fast path: the instance per (op, device, dtype) whose checks passed once
+        #: (the ones that hold for every later call of that kind; see _p2p_lane). Not per tag: a program
+        #: may use a new tag per message, and this must not grow with them.
+        self._p2p_lanes: dict[tuple[str, torch.device, torch.dtype], Instance] = {}
         self._objects = Objects(
             rank=m.rank,
             size=m.size,
@@ -708,22 +709,23 @@ class ProcessGroup:
     # -- point to point -----------------------------------------------------------
     def _p2p_lane(
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
-    ) -> tuple[Instance, int] | None:
+    ) -> Instance | None:
         """The fast path of a blocking ``send``/``recv`` (``kind``) with the group's timeout, outside
         any coalescing block, of a dense plain tensor to or from a rank other than this one,
-        where one of its (device, dtype, tag) already passed :meth:`_p2p`'s checks: that call's
-        instance and wire tag. ``None``: take :meth:`_p2p`."""
+        with a tag in the backend's range, where one of its (device, dtype) already passed
+        :meth:`_p2p`'s checks: that call's instance. ``None``: take :meth:`_p2p`."""
         if (
             timeout is not None
             or self._coalescing
             or type(tensor) is not torch.Tensor
             or type(peer) is not int
-            or type(tag) is not int  # (before the lookup: True would find tag 1's lane, a list raise there)
+            or type(tag) is not int  # (a bool or a list: the full path's TypeError)
         ):
             return None
-        lane = self._p2p_lanes.get((kind, tensor.device, tensor.dtype, tag))
+        lane = self._p2p_lanes.get((kind, tensor.device, tensor.dtype))
         if (
             lane is None
+            or not 0 <= tag < lane.tags.limit
             or not 0 <= peer < self._size
             or peer == self._rank
             or self._executor.state is not None
@@ -761,7 +763,7 @@ class ProcessGroup:
                     )
                 return batch.capture(inst, timeout), staged, st, self._seconds(timeout)
         if timeout is None and peer is not None:  # what passed holds for later calls of this kind
-            self._p2p_lanes[(kind, tensor.device, tensor.dtype, tag)] = (inst, inst.tags.user(tag))
+            self._p2p_lanes[(kind, tensor.device, tensor.dtype)] = inst
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
 
     def _p2p_any_source(
@@ -806,7 +808,7 @@ class ProcessGroup:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
         lane = self._p2p_lane("send", tensor, dst, tag, timeout)
         if lane is not None:
-            lane[0].blocking("send", tensor, dst, lane[1], self._timeout)
+            lane.blocking("send", tensor, dst, lane.tags.user(tag), self._timeout)
             return
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         inst.p2p("send", t, dst, tag, budget, async_op=False)
@@ -825,7 +827,7 @@ class ProcessGroup:
         if src is not None:
             lane = self._p2p_lane("recv", tensor, src, tag, timeout)
             if lane is not None:
-                lane[0].blocking("recv", tensor, src, lane[1], self._timeout)
+                lane.blocking("recv", tensor, src, lane.tags.user(tag), self._timeout)
                 return src
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
