@@ -190,7 +190,7 @@ class ProcessGroup:
         #: blocking all_reduce's fast path: the backend's prepared call (or None) per (device, dtype, reduce op type)
         self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
         #: blocking send/recv's fast path: the instance per (op, device, dtype) whose checks passed once
-        #: (the ones that hold for every later call of that kind; see _p2p_lane). Not per tag: a program
+        #: (the ones that hold for every later call of that kind; see _p2p_fast). Not per tag: a program
         #: may use a new tag per message, and this must not grow with them.
         self._p2p_lanes: dict[tuple[str, torch.device, torch.dtype], Instance] = {}
         self._objects = Objects(
@@ -707,13 +707,14 @@ class ProcessGroup:
             )
 
     # -- point to point -----------------------------------------------------------
-    def _p2p_lane(
+    def _p2p_fast(
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
-    ) -> Instance | None:
+    ) -> bool:
         """The fast path of a blocking ``send``/``recv`` (``kind``) with the group's timeout, outside
         any coalescing block, of a dense plain tensor to or from a rank other than this one,
         with a tag in the backend's range, where one of its (device, dtype) already passed
-        :meth:`_p2p`'s checks: that call's instance. ``None``: take :meth:`_p2p`."""
+        :meth:`_p2p`'s checks: run it on that call's instance and return ``True``. ``False``
+        (nothing done): take :meth:`_p2p`."""
         if (
             timeout is not None
             or self._coalescing
@@ -721,7 +722,7 @@ class ProcessGroup:
             or type(peer) is not int
             or type(tag) is not int  # (a bool or a list: the full path's TypeError)
         ):
-            return None
+            return False
         lane = self._p2p_lanes.get((kind, tensor.device, tensor.dtype))
         if (
             lane is None
@@ -732,8 +733,9 @@ class ProcessGroup:
             or tensor.requires_grad
             or not dense(tensor)
         ):
-            return None
-        return lane
+            return False
+        lane.blocking(kind, tensor, peer, lane.tags.user(tag), self._timeout)
+        return True
 
     def _p2p(
         self, kind: str, tensor: torch.Tensor, peer: int | None, tag: int, timeout: float | timedelta | None
@@ -806,9 +808,7 @@ class ProcessGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
-        lane = self._p2p_lane("send", tensor, dst, tag, timeout)
-        if lane is not None:
-            lane.blocking("send", tensor, dst, lane.tags.user(tag), self._timeout)
+        if self._p2p_fast("send", tensor, dst, tag, timeout):
             return
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         inst.p2p("send", t, dst, tag, budget, async_op=False)
@@ -824,11 +824,8 @@ class ProcessGroup:
         :class:`~pg_core.errors.NotSupportedError` before anything is received). Each sender's
         messages arrive in the order it sent them, however receives naming it and any-source
         receives interleave (see docs/decisions.md)."""
-        if src is not None:
-            lane = self._p2p_lane("recv", tensor, src, tag, timeout)
-            if lane is not None:
-                lane.blocking("recv", tensor, src, lane.tags.user(tag), self._timeout)
-                return src
+        if src is not None and self._p2p_fast("recv", tensor, src, tag, timeout):
+            return src
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
             sender = self._sender(inst, inst.recv_any(t, tag, budget, async_op=False))
