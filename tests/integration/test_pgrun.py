@@ -248,6 +248,8 @@ def test_a_command_line_pgrun_cannot_run_is_refused_before_starting_anything(
         (["-n", "1", "--master", "nohost", "-m", "x"], "'nohost' is not HOST:PORT"),
         (["-n", "1", "--mpi", "--nnodes", "2", "--master", "h:1", "-m", "x"], "--mpi starts one node's ranks"),
         (["-n", "1", "--timeout", "0", "-m", "x"], "--timeout must be positive"),
+        (["-n", "1", "--node-timeout", "0.5", "-m", "x"], "--node-timeout must be at least 1 (seconds), got 0.5"),
+        (["-n", "1", "--node-timeout", "nan", "-m", "x"], "--node-timeout must be at least 1 (seconds), got nan"),
     ]
     for argv, says in cases:
         assert main(argv) == 2, argv
@@ -299,11 +301,8 @@ def test_node_0_gives_up_on_a_node_whose_pgrun_was_killed(tmp_path: Path) -> Non
     master = f"127.0.0.1:{free_port()}"
     (tmp_path / "n0").mkdir()
     (tmp_path / "n1").mkdir()
-    node0 = Job(
-        pgrun(
-            "-n", "1", "--nnodes", "2", "--node-rank", "0", "--master", master, JOB, "--pids", tmp_path / "n0", "print"
-        )
-    )
+    node0_args = f"-n 1 --nnodes 2 --node-rank 0 --master {master} --node-timeout 4".split()
+    node0 = Job(pgrun(*node0_args, JOB, "--pids", tmp_path / "n0", "print"))
     node1 = Job(
         pgrun(
             "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master", master, JOB, "--pids", tmp_path / "n1", "hang"
@@ -314,7 +313,7 @@ def test_node_0_gives_up_on_a_node_whose_pgrun_was_killed(tmp_path: Path) -> Non
     node1.proc.send_signal(signal.SIGKILL)
     node1.finish()
     assert node0.finish(timeout=120) == 1, node0.output
-    assert "pgrun: node 1's pgrun has not been heard from for 30 s and is not done: giving up on it" in node0.stderr
+    assert "pgrun: node 1's pgrun has not been heard from for 4 s and is not done: giving up on it" in node0.stderr
     assert_gone(job_pids(tmp_path / "n0", 1) + job_pids(tmp_path / "n1", 1))
 
 

@@ -59,7 +59,8 @@ _NODES_POLL_S: Final = 0.25
 #: How often ``--mpi`` looks for a rank's exit report.
 _MPI_POLL_S: Final = 0.2
 _TAIL_LINES: Final = 200
-#: Node 0, its own ranks done, gives up on a node whose pgrun has been silent this long.
+#: Node 0, its own ranks done, gives up on a node whose pgrun has been silent this long
+#: (``--node-timeout``'s default).
 _NODE_LOST_S: Final = 30.0
 _FAILED_KEY: Final = "pgrun/failed"
 #: Variables of other launchers that the ranks must not inherit (pgrun sets its own).
@@ -139,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=None, metavar="S", help="stop every rank after S seconds (exit status 124)"
     )
     parser.add_argument(
+        "--node-timeout",
+        type=float,
+        default=_NODE_LOST_S,
+        metavar="S",
+        help="node 0, its ranks done, gives up on a node whose pgrun has not been heard from for S seconds "
+        f"(exit status 1; default {_NODE_LOST_S:g}; at least 1: a node is heard from every {_NODES_POLL_S:g} s)",
+    )
+    parser.add_argument(
         "-m", "--module", action="store_true", help="run the target as a module (python -m TARGET), not a script"
     )
     parser.add_argument("target", metavar="script.py | module", help="the script (or, with -m, the module) to run")
@@ -188,6 +197,7 @@ class _Config:
     prefix: bool
     grace: float
     timeout: float | None
+    node_timeout: float  # node 0 gives up on a node silent this long
     command: tuple[str, ...]  # what each rank runs
 
     @classmethod
@@ -202,6 +212,8 @@ class _Config:
             raise _UsageError(f"--grace must be at least 0, got {args.grace:g}")
         if args.timeout is not None and args.timeout <= 0:
             raise _UsageError(f"--timeout must be positive, got {args.timeout:g}")
+        if not args.node_timeout >= 1:  # (NaN too)
+            raise _UsageError(f"--node-timeout must be at least 1 (seconds), got {args.node_timeout:g}")
         if args.master is not None:
             host, sep, port_text = args.master.rpartition(":")
             if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 2**16:
@@ -236,6 +248,7 @@ class _Config:
             prefix=not args.no_prefix,
             grace=args.grace,
             timeout=args.timeout,
+            node_timeout=args.node_timeout,
             command=command,
         )
 
@@ -524,7 +537,7 @@ class _Job:
 
     def _other_nodes_done(self, waiting: dict[int, tuple[int, float | None]]) -> _Failure | None:
         """For node 0, its ranks done: drop from ``waiting`` the nodes that are done too, and
-        follow the others' heartbeats; a failure once one has been silent for ``_NODE_LOST_S``."""
+        follow the others' heartbeats; a failure once one has been silent for ``--node-timeout``."""
         now = time.monotonic()
         for node, (beats, since) in list(waiting.items()):
             if self._store_call("check", [f"pgrun/done/{node}"]):
@@ -533,8 +546,8 @@ class _Job:
             now_beats = self._store_call("add", f"pgrun/beat/{node}", 0)
             if since is None or (now_beats is not None and now_beats != beats):
                 waiting[node] = (now_beats if now_beats is not None else beats, now)
-            elif now - since > _NODE_LOST_S:
-                what = f"node {node}'s pgrun has not been heard from for {_NODE_LOST_S:g} s and is not done"
+            elif now - since > self.config.node_timeout:
+                what = f"node {node}'s pgrun has not been heard from for {self.config.node_timeout:g} s and is not done"
                 self._say(f"{what}: giving up on it")
                 return _Failure(what, None, 1)
         return None
