@@ -301,13 +301,9 @@ def test_node_0_gives_up_on_a_node_whose_pgrun_was_killed(tmp_path: Path) -> Non
     master = f"127.0.0.1:{free_port()}"
     (tmp_path / "n0").mkdir()
     (tmp_path / "n1").mkdir()
-    node0_args = f"-n 1 --nnodes 2 --node-rank 0 --master {master} --node-timeout 4".split()
-    node0 = Job(pgrun(*node0_args, JOB, "--pids", tmp_path / "n0", "print"))
-    node1 = Job(
-        pgrun(
-            "-n", "1", "--nnodes", "2", "--node-rank", "1", "--master", master, JOB, "--pids", tmp_path / "n1", "hang"
-        )
-    )
+    both = ["-n", "1", "--nnodes", "2", "--master", master]
+    node0 = Job(pgrun(*both, "--node-rank", "0", "--node-timeout", "4", JOB, "--pids", tmp_path / "n0", "print"))
+    node1 = Job(pgrun(*both, "--node-rank", "1", JOB, "--pids", tmp_path / "n1", "hang"))
     node1.wait_for_lines(1, "ready 1")
     node0.wait_for_lines(1, "out 0")  # node 0's rank is done; its pgrun waits for node 1's
     node1.proc.send_signal(signal.SIGKILL)
