@@ -62,7 +62,7 @@ def test_a_hang_ends_at_the_timeout_with_stacks_and_the_pool_recovers(rank_pools
 def test_deaths_are_reported_unless_expected(rank_pools):
     pool = rank_pools(3)
     assert pool.run(exit_on_rank_1, may_exit=[1]) == [None, None, None]
-    with pytest.raises(RanksFailed, match="rank 1: died"):
+    with pytest.raises(RanksFailed, match=r"rank 1: died \(exit code 3\)"):
         pool.run(exit_on_rank_1)
     assert pool.run(exchange, 3) == [3, 6, 0]
 

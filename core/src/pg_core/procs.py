@@ -23,7 +23,10 @@ its parent dies.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -35,6 +38,7 @@ from pathlib import Path
 
 __all__ = [
     "EXIT_UNKNOWN",
+    "ForkedRanks",
     "LaunchedRanks",
     "RankProcesses",
     "adopt_launched_rank",
@@ -312,6 +316,125 @@ class LaunchedRanks(RankProcesses):
             time.sleep(0.05)
 
 
+class ForkedRanks(LaunchedRanks):
+    """One process per command, as :class:`RankProcesses` starts them, but forked from one
+    process that imported what they run first: each command is ``[python, "-m", module,
+    *args]``; that process (the launcher here) imports each ``module``'s package once, then
+    forks a child per rank that runs ``module`` as ``__main__`` with ``args``, its output in
+    ``log_dir/rank{r}.log``. Importing torch costs a rank process seconds of CPU (about 2.5 s
+    on a 2-core test machine, the larger part of what a short test's ranks do); forked ranks
+    pay it once per start instead of once per rank.
+
+    Every rank is still a process of its own, with its own pid, memory and sockets; torch
+    supports forking after it is imported (its ``DataLoader`` workers are forked so), as long
+    as the parent has not run anything (no thread pool, no accelerator context: the launcher
+    only imports). The launcher writes each child's pid next to its log before the child runs,
+    reaps the children and writes each exit status beside them (``rank{r}.exit``), so
+    :meth:`poll` reports what :class:`RankProcesses` does (negative: killed by that signal).
+    ``SIGTERM`` to the launcher is passed on to every rank; stopping ends the launcher's
+    session, ranks included, as for :class:`LaunchedRanks`."""
+
+    def __init__(
+        self,
+        commands: Sequence[Sequence[str]],
+        *,
+        env: Mapping[str, str] | None = None,
+        log_dir: str | os.PathLike[str],
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not commands:
+            raise ValueError("ForkedRanks needs at least one command")
+        for argv in commands:
+            if len(argv) < 3 or argv[1] != "-m" or argv[0] != commands[0][0]:
+                raise ValueError(f"ForkedRanks runs commands of the form [python, '-m', module, *args]; got {argv!r}")
+        for rank in range(len(commands)):
+            Path(log_dir, f"rank{rank}.exit").unlink(missing_ok=True)  # an earlier start's statuses
+        ranks = json.dumps([list(argv[2:]) for argv in commands])
+        launcher = [commands[0][0], "-m", "pg_core.procs", "fork", os.fspath(log_dir), ranks]
+        super().__init__(launcher, len(commands), env=env, log_dir=log_dir, cwd=cwd)
+
+    def poll(self) -> list[int | None]:
+        launcher = self.launcher.poll()
+        codes: list[int | None] = []
+        for rank in range(len(self)):
+            try:
+                codes.append(int(self.logs[rank].with_suffix(".exit").read_text()))
+            except (OSError, ValueError):
+                # not reaped yet (running, or a moment after its exit); or never forked, or its
+                # launcher killed before it could say
+                codes.append(None if launcher is None else launcher)
+        return codes
+
+
+def _fork_ranks(log_dir: str, ranks: list[list[str]]) -> int:
+    """The launcher of :class:`ForkedRanks`: import, fork a child per rank, reap them."""
+    for module in dict.fromkeys(argv[0] for argv in ranks):
+        package = module.rpartition(".")[0]  # not the module itself: the child runs it as __main__
+        if package:
+            importlib.import_module(package)
+    import torch  # noqa: F401 - what every pg-core rank imports, whatever its module
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children: dict[int, int] = {}
+    for rank, (module, *args) in enumerate(ranks):
+        pid = os.fork()
+        if pid == 0:
+            _run_forked(log_dir, rank, module, args)  # never returns
+        children[pid] = rank
+        _write_atomically(Path(log_dir, f"rank{rank}.pid"), str(pid))
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            with contextlib.suppress(OSError):
+                os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid in children:
+            rank = children.pop(pid)
+            _write_atomically(Path(log_dir, f"rank{rank}.exit"), str(os.waitstatus_to_exitcode(status)))
+    return 0
+
+
+def _run_forked(log_dir: str, rank: int, module: str, args: list[str]) -> None:
+    """A forked rank: output to its log, then ``module`` as ``__main__``; exits, never returns."""
+    code = 1
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(text)
+    partial.replace(path)  # the parent never reads half of it
+
+
 def adopt_launched_rank(log_dir: str | os.PathLike[str]) -> int:
     """For a rank process a launcher started (:class:`LaunchedRanks`): its rank, read from the
     launcher's environment; its stdout and stderr moved to ``log_dir/rank{r}.log``; its pid
@@ -330,10 +453,7 @@ def adopt_launched_rank(log_dir: str | os.PathLike[str]) -> int:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    pid_file = Path(log_dir, f"rank{rank}.pid")
-    partial = pid_file.with_suffix(".pid.partial")
-    partial.write_text(str(os.getpid()))
-    partial.replace(pid_file)  # atomic: the parent never reads half a pid
+    _write_atomically(Path(log_dir, f"rank{rank}.pid"), str(os.getpid()))
     return rank
 
 
@@ -445,3 +565,10 @@ def die_with_parent(parent: int) -> None:
                 os._exit(3)
 
     threading.Thread(target=loop, name="pg-core-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    # the launcher of ForkedRanks: python -m pg_core.procs fork LOG_DIR RANKS_JSON
+    if len(sys.argv) != 4 or sys.argv[1] != "fork":
+        sys.exit("usage: python -m pg_core.procs fork LOG_DIR RANKS_JSON (started by pg_core.procs.ForkedRanks)")
+    sys.exit(_fork_ranks(sys.argv[2], json.loads(sys.argv[3])))

@@ -2,8 +2,10 @@
 
 Tests of a process-group library must run in real processes talking over real
 sockets, and starting a Python process that imports torch costs seconds. A
-``RankPool`` starts ``world_size`` worker processes once, hosts a ``TCPStore``
-for them, and then runs one function on every rank per call::
+``RankPool`` starts ``world_size`` worker processes once (forked from one process
+that imported torch, :class:`~pg_core.procs.ForkedRanks`, unless the backend needs
+a launcher), hosts a ``TCPStore`` for them, and then runs one function on every
+rank per call::
 
     pool = RankPool(4)
     results = pool.run(body, 8, timeout=60)   # body(ctx, 8) on ranks 0..3
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..launchers import launch_command
-from ..procs import EXIT_UNKNOWN, LaunchedRanks, RankProcesses, adopt_launched_rank, prepare_rank, tail
+from ..procs import EXIT_UNKNOWN, ForkedRanks, LaunchedRanks, adopt_launched_rank, prepare_rank, tail
 
 __all__ = ["RankContext", "RankPool", "RanksFailed", "leaks", "resources"]
 
@@ -130,7 +132,7 @@ class RankPool:
         accelerators = sorted(set(devices) - {"cpu"})
         if accelerators:
             self._env["PG_CORE_POOL_DEVICES"] = ",".join(accelerators)
-        self._ranks: RankProcesses | LaunchedRanks | None = None
+        self._ranks: LaunchedRanks | None = None
         self._conns: list[Connection] = []
         self._logs: list[Path] = []
         self._store: Any = None
@@ -154,14 +156,14 @@ class RankPool:
             host, port = listener.address
             worker = [sys.executable, "-m", "pg_core.testing.pool", host, str(port)]
             size, store_port = str(self.world_size), str(self._store.port)
-            ranks: RankProcesses | LaunchedRanks
+            ranks: LaunchedRanks
             if self.launcher is not None:  # one command starts them all; each reads its rank from the launcher
                 command = launch_command(
                     self.launcher, self.world_size, [*worker, "-", size, store_port, self._tmp], keep_going=True
                 )
                 ranks = LaunchedRanks(command, self.world_size, env=env, log_dir=self._tmp)
             else:
-                ranks = RankProcesses(
+                ranks = ForkedRanks(  # one process imports torch, then forks the ranks
                     [[*worker, str(rank), size, store_port] for rank in range(self.world_size)],
                     env=env,
                     log_dir=self._tmp,
@@ -221,10 +223,10 @@ class RankPool:
             text = tail(self._logs[rank], chars=limit)
             if text.strip():
                 out.append(f"--- rank {rank} output (tail) ---\n{text}")
-        if isinstance(self._ranks, LaunchedRanks):
+        if self._ranks is not None:
             text = tail(self._ranks.launcher_log, chars=limit)
             if text.strip():
-                out.append(f"--- {self.launcher} output (tail) ---\n{text}")
+                out.append(f"--- {self.launcher or 'launcher (forking the ranks)'} output (tail) ---\n{text}")
         return "\n".join(out)
 
     # -- running -----------------------------------------------------------------
@@ -284,7 +286,7 @@ class RankPool:
                         said: object = code
                         if code is None:
                             said = "unknown: it closed its connection but is still running"
-                        elif code == EXIT_UNKNOWN and isinstance(ranks, LaunchedRanks):
+                        elif code == EXIT_UNKNOWN and self.launcher is not None:
                             said = f"unknown: its launcher, {self.launcher}, reaped it"
                         outcomes[rank] = f"died (exit code {said})"
                     continue

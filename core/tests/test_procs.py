@@ -1,0 +1,84 @@
+"""Forked rank processes (``pg_core.procs.ForkedRanks``, what the test pool starts its ranks
+with): each rank a process of its own, run as its command says, its exit status reported as a
+child's would be, a ``SIGTERM`` to the launcher passed on, nothing left running after a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+from pg_core.procs import ForkedRanks, wait_exited
+
+pytestmark = pytest.mark.timeout(120)
+
+PROBE = """
+import faulthandler, os, signal, sys
+faulthandler.register(signal.SIGUSR1)  # as pg_core.procs.prepare_rank does, for dump_stacks
+what = sys.argv[1]
+if what == "term":
+    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), os._exit(7)))
+print(f"{what} as {__name__} in {os.getpid()} of {os.getppid()} torch {'torch' in sys.modules}", flush=True)
+if what == "exit3":
+    sys.exit(3)
+if what == "raise":
+    raise ValueError("planted")
+while what in ("wait", "term"):
+    signal.pause()  # until a signal ends it (a stack dump's returns here)
+"""
+
+
+def _ranks(tmp_path, *whats: str) -> ForkedRanks:
+    (tmp_path / "forked_probe.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    return ForkedRanks([[sys.executable, "-m", "forked_probe", w] for w in whats], env=env, log_dir=tmp_path)
+
+
+def _said(ranks: ForkedRanks, rank: int, text: str) -> str:
+    """Rank ``rank``'s log once it holds ``text`` (bounded: a rank that never says it fails the test)."""
+    deadline = time.monotonic() + 60
+    while text not in (log := ranks.tail(rank)):
+        assert time.monotonic() < deadline, f"rank {rank} never said {text!r}; its log: {log!r}"
+        assert ranks.poll()[rank] is None or text in ranks.tail(rank), f"rank {rank} exited: {ranks.tail(rank)!r}"
+        time.sleep(0.05)  # a file being written: no event to wait on
+    return log
+
+
+def test_each_rank_is_a_process_of_its_own_running_its_command_with_its_exit_status(tmp_path):
+    ranks = _ranks(tmp_path, "ok", "exit3", "raise", "wait")
+    try:
+        assert [ranks.wait(r, 60) for r in range(3)] == [0, 3, 1]
+        said = [_said(ranks, r, f"{w} as __main__") for r, w in enumerate(("ok", "exit3", "raise", "wait"))]
+        assert "ValueError: planted" in said[2]  # the traceback, in the rank's own log
+        pids = [int(s.split(" in ")[1].split()[0]) for s in said]
+        assert len(set(pids)) == 4 and os.getpid() not in pids and ranks.launcher.pid not in pids
+        assert all(f"of {ranks.launcher.pid} torch True" in s for s in said)  # forked after torch was imported
+        assert ranks.poll() == [0, 3, 1, None] and ranks.running() == [3]
+        assert "forked_probe.py" in ranks.dump_stacks([3])[3]  # its stacks: signals reach the rank itself
+    finally:
+        ranks.kill()
+    assert ranks.poll()[3] == -signal.SIGKILL
+    assert wait_exited([*pids, ranks.launcher.pid], 10) == []
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank_and_a_kill_leaves_nothing_running(tmp_path):
+    ranks = _ranks(tmp_path, "term", "term", "wait")
+    try:
+        said = [_said(ranks, r, "as __main__") for r in range(3)]
+        ranks.launcher.terminate()
+        assert [ranks.wait(r, 60) for r in range(3)] == [7, 7, -signal.SIGTERM]
+        assert "got SIGTERM" in ranks.tail(0) and "got SIGTERM" in ranks.tail(1)
+        assert ranks.launcher.wait(30) == 0  # every rank reaped, then it exits
+    finally:
+        ranks.kill()
+    pids = [int(s.split(" in ")[1].split()[0]) for s in said]
+    assert wait_exited(pids, 10) == []
+
+
+def test_a_command_not_of_the_form_python_m_module_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"\[python, '-m', module, \*args\]"):
+        ForkedRanks([[sys.executable, "script.py"]], log_dir=tmp_path)
+    with pytest.raises(ValueError, match="at least one"):
+        ForkedRanks([], log_dir=tmp_path)
