@@ -62,7 +62,11 @@ unit: $(STAMP)
 package: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider $(PACKAGING)
 
-test: lint typecheck package unit
+# lint and typecheck first (a minute: a style error fails fast), then the packaging check and the
+# tests side by side (the tests keep both cores busy only most of the time), each one's output
+# printed whole when it ends.
+test: lint typecheck
+	$(MAKE) --no-print-directory -j2 --output-sync=target package unit
 
 bench: $(STAMP)
 	$(VENV)/bin/pg-core bench
