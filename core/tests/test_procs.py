@@ -15,12 +15,14 @@ from pg_core.procs import ForkedRanks, wait_exited
 pytestmark = pytest.mark.timeout(120)
 
 PROBE = """
-import faulthandler, os, signal, sys
+import atexit, faulthandler, os, signal, sys
 faulthandler.register(signal.SIGUSR1)  # as pg_core.procs.prepare_rank does, for dump_stacks
 what = sys.argv[1]
+atexit.register(print, "exited normally")  # buffered: printed and flushed only by a normal exit
 if what == "term":
     signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), os._exit(7)))
 print(f"{what} as {__name__} in {os.getpid()} of {os.getppid()} torch {'torch' in sys.modules}", flush=True)
+print(f"hash {hash('pg-core forked ranks')}", flush=True)
 if what == "exit3":
     sys.exit(3)
 if what == "raise":
@@ -54,7 +56,12 @@ def test_each_rank_is_a_process_of_its_own_running_its_command_with_its_exit_sta
         assert "ValueError: planted" in said[2]  # the traceback, in the rank's own log
         pids = [int(s.split(" in ")[1].split()[0]) for s in said]
         assert len(set(pids)) == 4 and os.getpid() not in pids and ranks.launcher.pid not in pids
-        assert all(f"of {ranks.launcher.pid} torch True" in s for s in said)  # forked after torch was imported
+        assert all(s.count(" torch True") == 1 for s in said)  # forked after torch was imported
+        assert f"of {ranks.launcher.pid} " in said[0] and f"of {ranks.launcher.pid} " not in said[1]  # two launchers
+        hashes = [s.split("hash ")[1].split()[0] for s in said]
+        if not os.environ.get("PYTHONHASHSEED"):  # neighbours differ in their string-hash seed, as fresh processes do
+            assert hashes[0] != hashes[1] and hashes[2] != hashes[3], hashes
+        assert all("exited normally" in ranks.tail(r) for r in (0, 1))  # atexit ran: the interpreter exited as usual
         assert ranks.poll() == [0, 3, 1, None] and ranks.running() == [3]
         assert "forked_probe.py" in ranks.dump_stacks([3])[3]  # its stacks: signals reach the rank itself
     finally:

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
 __all__ = [
     "EXIT_UNKNOWN",
@@ -317,22 +318,27 @@ class LaunchedRanks(RankProcesses):
 
 
 class ForkedRanks(LaunchedRanks):
-    """One process per command, as :class:`RankProcesses` starts them, but forked from one
-    process that imported what they run first: each command is ``[python, "-m", module,
-    *args]``; that process (the launcher here) imports each ``module``'s package once, then
-    forks a child per rank that runs ``module`` as ``__main__`` with ``args``, its output in
-    ``log_dir/rank{r}.log``. Importing torch costs a rank process seconds of CPU (about 2.5 s
-    on a 2-core test machine, the larger part of what a short test's ranks do); forked ranks
-    pay it once per start instead of once per rank.
+    """One process per command, as :class:`RankProcesses` starts them, but forked from
+    processes that imported what they run first: each command is ``[python, "-m", module,
+    *args]``; a launcher imports each ``module``'s package and torch once, then forks a child
+    per rank that runs ``module`` as ``__main__`` with ``args``, as ``python -m`` would, its
+    output in ``log_dir/rank{r}.log``. Importing torch costs a process about 2.5 s of CPU on a
+    2-core test machine, the larger part of what a short test's ranks do; forked ranks pay it
+    twice per start instead of once per rank.
 
-    Every rank is still a process of its own, with its own pid, memory and sockets; torch
-    supports forking after it is imported (its ``DataLoader`` workers are forked so), as long
-    as the parent has not run anything (no thread pool, no accelerator context: the launcher
-    only imports). The launcher writes each child's pid next to its log before the child runs,
-    reaps the children and writes each exit status beside them (``rank{r}.exit``), so
-    :meth:`poll` reports what :class:`RankProcesses` does (negative: killed by that signal).
-    ``SIGTERM`` to the launcher is passed on to every rank; stopping ends the launcher's
-    session, ranks included, as for :class:`LaunchedRanks`."""
+    Twice, because there are two launchers: the one started here forks the even ranks and
+    starts a second, a fresh interpreter, for the odd ones. A forked child keeps its parent's
+    string-hash seed, so a set of strings iterates in the same order in every child of one
+    launcher; neighbouring ranks come from different launchers, so a backend whose ranks
+    must agree on an order they take from such a set fails here as between fresh processes.
+
+    Every rank is a process of its own, with its own pid, memory and sockets; torch supports
+    forking after it is imported (its ``DataLoader`` workers are forked so). A launcher only
+    imports: no accelerator context, no work in torch's thread pools. It writes each child's
+    pid beside its log once forked, reaps the children and writes each exit status beside
+    them (``rank{r}.exit``), so :meth:`poll` reports what :class:`RankProcesses` does
+    (negative: killed by that signal). ``SIGTERM`` to the launcher is passed on to every rank;
+    stopping ends the launchers' session, ranks included."""
 
     def __init__(
         self,
@@ -365,9 +371,36 @@ class ForkedRanks(LaunchedRanks):
                 codes.append(None if launcher is None else launcher)
         return codes
 
+    def kill(self) -> None:
+        """``SIGKILL`` the launchers and the ranks, one process group, now, unless the launcher
+        exited after reaping every rank (their pids may be reused by now); reap the launcher
+        and wait (bounded) until any rank it did not reap is gone."""
+        unreaped = [
+            pid
+            for rank, pid in enumerate(self._bound())
+            if pid is not None and not self.logs[rank].with_suffix(".exit").exists()
+        ]
+        if self.launcher.poll() is None or unreaped:
+            with contextlib.suppress(OSError):
+                os.killpg(self.launcher.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.launcher.wait(10.0)
+        wait_exited(unreaped, 10.0)
 
-def _fork_ranks(log_dir: str, ranks: list[list[str]]) -> int:
-    """The launcher of :class:`ForkedRanks`: import, fork a child per rank, reap them."""
+
+#: Which ranks each of :class:`ForkedRanks`' two launchers forks.
+_PARITIES: Final = {"even": 0, "odd": 1}
+
+
+def _fork_ranks(log_dir: str, ranks: list[list[str]], parity: str = "even") -> int:
+    """A launcher of :class:`ForkedRanks`: import, fork a child per rank of its ``parity``,
+    reap them; the even launcher first starts the odd one (a fresh interpreter: another
+    string-hash seed), reaps it too, and exits last. In a child, returns the rank's exit
+    status instead, for the interpreter to exit with."""
+    helper = None
+    if parity == "even" and len(ranks) > 1:
+        argv = [sys.executable, "-m", "pg_core.procs", "fork", log_dir, json.dumps(ranks), "odd"]
+        helper = os.posix_spawn(sys.executable, argv, os.environ)
     for module in dict.fromkeys(argv[0] for argv in ranks):
         package = module.rpartition(".")[0]  # not the module itself: the child runs it as __main__
         if package:
@@ -377,56 +410,49 @@ def _fork_ranks(log_dir: str, ranks: list[list[str]]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
-    for rank, (module, *args) in enumerate(ranks):
-        pid = os.fork()
-        if pid == 0:
-            _run_forked(log_dir, rank, module, args)  # never returns
-        children[pid] = rank
-        _write_atomically(Path(log_dir, f"rank{rank}.pid"), str(pid))
+    forwarded: list[int] = [] if helper is None else [helper]
 
     def forward(signum: int, _frame: object) -> None:
-        for child in children:
+        for child in [*forwarded, *children]:
             with contextlib.suppress(OSError):
                 os.kill(child, signum)
 
     signal.signal(signal.SIGTERM, forward)
-    while children:
+    for rank in range(_PARITIES[parity], len(ranks), 2):
+        module, *args = ranks[rank]
+        pid = os.fork()
+        if pid == 0:
+            return _run_forked(log_dir, rank, module, args)
+        children[pid] = rank
+        _write_atomically(Path(log_dir, f"rank{rank}.pid"), str(pid))
+    while children or helper is not None:
         try:
             pid, status = os.wait()
         except ChildProcessError:
             break
+        code = os.waitstatus_to_exitcode(status)
         if pid in children:
-            rank = children.pop(pid)
-            _write_atomically(Path(log_dir, f"rank{rank}.exit"), str(os.waitstatus_to_exitcode(status)))
+            _write_atomically(Path(log_dir, f"rank{children.pop(pid)}.exit"), str(code))
+        elif pid == helper:  # the odd launcher: its ranks that it never forked end with it
+            helper = None
+            for rank in range(1, len(ranks), 2):
+                if not Path(log_dir, f"rank{rank}.pid").exists():
+                    _write_atomically(Path(log_dir, f"rank{rank}.exit"), str(code))
     return 0
 
 
-def _run_forked(log_dir: str, rank: int, module: str, args: list[str]) -> None:
-    """A forked rank: output to its log, then ``module`` as ``__main__``; exits, never returns."""
-    code = 1
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        sys.argv = [module, *args]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+def _run_forked(log_dir: str, rank: int, module: str, args: list[str]) -> int:
+    """A forked rank: output to its log, then ``module`` as ``__main__``, as ``python -m``
+    runs it; returns 0 when it returns (an exception or ``SystemExit`` propagates), and the
+    interpreter exits as after ``python -m``: atexit handlers, non-daemon threads, buffers."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -568,7 +594,9 @@ def die_with_parent(parent: int) -> None:
 
 
 if __name__ == "__main__":
-    # the launcher of ForkedRanks: python -m pg_core.procs fork LOG_DIR RANKS_JSON
-    if len(sys.argv) != 4 or sys.argv[1] != "fork":
-        sys.exit("usage: python -m pg_core.procs fork LOG_DIR RANKS_JSON (started by pg_core.procs.ForkedRanks)")
-    sys.exit(_fork_ranks(sys.argv[2], json.loads(sys.argv[3])))
+    # the launchers of ForkedRanks: python -m pg_core.procs fork LOG_DIR RANKS_JSON [even|odd]
+    if len(sys.argv) not in (4, 5) or sys.argv[1] != "fork" or sys.argv[4:] not in ([], ["even"], ["odd"]):
+        sys.exit(
+            "usage: python -m pg_core.procs fork LOG_DIR RANKS_JSON [even|odd] (started by pg_core.procs.ForkedRanks)"
+        )
+    sys.exit(_fork_ranks(sys.argv[2], json.loads(sys.argv[3]), *sys.argv[4:]))
