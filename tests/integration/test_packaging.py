@@ -70,17 +70,20 @@ def _norm(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[str, dict[str, Path]]:
-    """``{distribution: {"sdist": path, "wheel": path, "log": text}}``, built afresh."""
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """``{distribution: {"sdist": path, "wheel": path, "log": text}}``, built afresh, each from
+    a copy of its folder: setuptools rewrites the ``*.egg-info`` of the tree it builds, which
+    the dev venv's editable installs read while the other tests run beside this one."""
     shutil.rmtree(DIST_DIR, ignore_errors=True)
+    sources = tmp_path_factory.mktemp("sources")
+    skip = shutil.ignore_patterns("*.egg-info", "__pycache__", "build", "dist", ".*_cache", ".hypothesis")
     # the build backend (setuptools) is installed into each isolated build environment with the
     # repository's pins, so a release build is reproducible
     env = {**os.environ, "PIP_CONSTRAINT": str(CONSTRAINTS)}
     out: dict[str, dict[str, Path]] = {}
     for dist, (folder, _module) in DISTS.items():
-        proc = _run(
-            [sys.executable, "-m", "build", "--outdir", DIST_DIR, ROOT / folder], cwd=ROOT, env=env, timeout=600
-        )
+        copy = shutil.copytree(ROOT / folder, sources / Path(folder).name, ignore=skip)
+        proc = _run([sys.executable, "-m", "build", "--outdir", DIST_DIR, copy], cwd=ROOT, env=env, timeout=600)
         log = proc.stdout + proc.stderr
         assert "Building wheel from sdist" in log, log  # the wheel is built from the sdist, not the folder
         sdists = sorted(DIST_DIR.glob(f"{_norm(dist)}-*.tar.gz"))
