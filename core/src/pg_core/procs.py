@@ -399,8 +399,8 @@ def _fork_ranks(log_dir: str, ranks: list[list[str]], parity: str = "even") -> i
     status instead, for the interpreter to exit with."""
     helper = None
     if parity == "even" and len(ranks) > 1:
-        argv = [sys.executable, "-m", "pg_core.procs", "fork", log_dir, json.dumps(ranks), "odd"]
-        helper = os.posix_spawn(sys.executable, argv, os.environ)
+        odd = [sys.executable, "-m", "pg_core.procs", "fork", log_dir, json.dumps(ranks), "odd"]
+        helper = os.posix_spawn(sys.executable, odd, os.environ)
     for module in dict.fromkeys(argv[0] for argv in ranks):
         package = module.rpartition(".")[0]  # not the module itself: the child runs it as __main__
         if package:
@@ -410,10 +410,9 @@ def _fork_ranks(log_dir: str, ranks: list[list[str]], parity: str = "even") -> i
     sys.stdout.flush()
     sys.stderr.flush()
     children: dict[int, int] = {}
-    forwarded: list[int] = [] if helper is None else [helper]
 
     def forward(signum: int, _frame: object) -> None:
-        for child in [*forwarded, *children]:
+        for child in [*children, *([] if helper is None else [helper])]:
             with contextlib.suppress(OSError):
                 os.kill(child, signum)
 

@@ -2,7 +2,7 @@
 
 Tests of a process-group library must run in real processes talking over real
 sockets, and starting a Python process that imports torch costs seconds. A
-``RankPool`` starts ``world_size`` worker processes once (forked from one process
+``RankPool`` starts ``world_size`` worker processes once (forked from two processes
 that imported torch, :class:`~pg_core.procs.ForkedRanks`, unless the backend needs
 a launcher), hosts a ``TCPStore`` for them, and then runs one function on every
 rank per call::
@@ -163,7 +163,7 @@ class RankPool:
                 )
                 ranks = LaunchedRanks(command, self.world_size, env=env, log_dir=self._tmp)
             else:
-                ranks = ForkedRanks(  # one process imports torch, then forks the ranks
+                ranks = ForkedRanks(  # two processes import torch, then fork the ranks
                     [[*worker, str(rank), size, store_port] for rank in range(self.world_size)],
                     env=env,
                     log_dir=self._tmp,
