@@ -23,6 +23,7 @@ its parent dies.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -409,6 +410,9 @@ def _fork_ranks(log_dir: str, ranks: list[list[str]], parity: str = "even") -> i
 
     sys.stdout.flush()
     sys.stderr.flush()
+    # what was imported stays for the ranks' lifetime: out of the collector's sight, so a
+    # rank's collections neither walk it nor copy its pages (copy-on-write) by touching them
+    gc.freeze()
     children: dict[int, int] = {}
 
     def forward(signum: int, _frame: object) -> None:
