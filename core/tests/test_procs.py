@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
-import time
 
 import pytest
 from pg_core.procs import ForkedRanks, wait_exited
@@ -15,14 +15,16 @@ from pg_core.procs import ForkedRanks, wait_exited
 pytestmark = pytest.mark.timeout(120)
 
 PROBE = """
-import atexit, faulthandler, os, signal, sys
+import atexit, faulthandler, os, signal, socket, sys
 faulthandler.register(signal.SIGUSR1)  # as pg_core.procs.prepare_rank does, for dump_stacks
-what = sys.argv[1]
+what, port = sys.argv[1], int(sys.argv[2])
 atexit.register(print, "exited normally")  # buffered: printed and flushed only by a normal exit
 if what == "term":
     signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM", flush=True), os._exit(7)))
-print(f"{what} as {__name__} in {os.getpid()} of {os.getppid()} torch {'torch' in sys.modules}", flush=True)
-print(f"hash {hash('pg-core forked ranks')}", flush=True)
+said = f"{sys.argv[3]} {what} as {__name__} in {os.getpid()} of {os.getppid()} torch {'torch' in sys.modules}"
+said += f" hash {hash('pg-core forked ranks')}"
+with socket.create_connection(("127.0.0.1", port)) as hello:  # to the test: running
+    hello.sendall(said.encode() + b"\\n")
 if what == "exit3":
     sys.exit(3)
 if what == "raise":
@@ -32,28 +34,34 @@ while what in ("wait", "term"):
 """
 
 
-def _ranks(tmp_path, *whats: str) -> ForkedRanks:
+def _ranks(tmp_path, *whats: str) -> tuple[ForkedRanks, list[str]]:
+    """The ranks running the probe as ``whats`` say, and what each said when it started."""
     (tmp_path / "forked_probe.py").write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
-    return ForkedRanks([[sys.executable, "-m", "forked_probe", w] for w in whats], env=env, log_dir=tmp_path)
-
-
-def _said(ranks: ForkedRanks, rank: int, text: str) -> str:
-    """Rank ``rank``'s log once it holds ``text`` (bounded: a rank that never says it fails the test)."""
-    deadline = time.monotonic() + 60
-    while text not in (log := ranks.tail(rank)):
-        assert time.monotonic() < deadline, f"rank {rank} never said {text!r}; its log: {log!r}"
-        assert ranks.poll()[rank] is None or text in ranks.tail(rank), f"rank {rank} exited: {ranks.tail(rank)!r}"
-        time.sleep(0.05)  # a file being written: no event to wait on
-    return log
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = str(listener.getsockname()[1])
+        commands = [[sys.executable, "-m", "forked_probe", w, port, str(r)] for r, w in enumerate(whats)]
+        ranks = ForkedRanks(commands, env=env, log_dir=tmp_path)
+        said: dict[int, str] = {}
+        listener.settimeout(60)  # bounded: a rank that never starts fails the test
+        try:
+            while len(said) < len(whats):
+                conn, _ = listener.accept()
+                with conn, conn.makefile() as lines:
+                    line = lines.readline()
+                said[int(line.split()[0])] = line
+        except BaseException:
+            ranks.kill()
+            raise
+    return ranks, [said[r] for r in range(len(whats))]
 
 
 def test_each_rank_is_a_process_of_its_own_running_its_command_with_its_exit_status(tmp_path):
-    ranks = _ranks(tmp_path, "ok", "exit3", "raise", "wait")
+    ranks, said = _ranks(tmp_path, "ok", "exit3", "raise", "wait")
     try:
         assert [ranks.wait(r, 60) for r in range(3)] == [0, 3, 1]
-        said = [_said(ranks, r, f"{w} as __main__") for r, w in enumerate(("ok", "exit3", "raise", "wait"))]
-        assert "ValueError: planted" in said[2]  # the traceback, in the rank's own log
+        assert all(f"{w} as __main__" in s for s, w in zip(said, ("ok", "exit3", "raise", "wait"), strict=True))
+        assert "ValueError: planted" in ranks.tail(2)  # the traceback, in the rank's own log
         pids = [int(s.split(" in ")[1].split()[0]) for s in said]
         assert len(set(pids)) == 4 and os.getpid() not in pids and ranks.launcher.pid not in pids
         assert all(s.count(" torch True") == 1 for s in said)  # forked after torch was imported
@@ -71,9 +79,8 @@ def test_each_rank_is_a_process_of_its_own_running_its_command_with_its_exit_sta
 
 
 def test_sigterm_to_the_launcher_reaches_every_rank_and_a_kill_leaves_nothing_running(tmp_path):
-    ranks = _ranks(tmp_path, "term", "term", "wait")
+    ranks, said = _ranks(tmp_path, "term", "term", "wait")
     try:
-        said = [_said(ranks, r, "as __main__") for r in range(3)]
         ranks.launcher.terminate()
         assert [ranks.wait(r, 60) for r in range(3)] == [7, 7, -signal.SIGTERM]
         assert "got SIGTERM" in ranks.tail(0) and "got SIGTERM" in ranks.tail(1)
