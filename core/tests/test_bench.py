@@ -360,6 +360,16 @@ def test_plan_iterations_respects_the_budget_and_the_bounds() -> None:
     assert bench.plan_iterations(3_000_000_000, 5, 2, 3, 1.0) == (0, 3)
 
 
+def test_each_round_starts_one_row_further_along() -> None:
+    rows = ["raw", "raw.again", "gloo"]
+    orders = [bench.rotated(rows, turn) for turn in range(6)]
+    assert orders[:3] == [["raw", "raw.again", "gloo"], ["raw.again", "gloo", "raw"], ["gloo", "raw", "raw.again"]]
+    assert orders[3:] == orders[:3]
+    for name in rows:  # each row first, and after each other row, once in three rounds
+        assert [order.index(name) for order in orders[:3]] in ([0, 2, 1], [1, 0, 2], [2, 1, 0])
+    assert bench.rotated([], 4) == [] and bench.rotated(["x"], 7) == ["x"]
+
+
 def _row(backend: str, median: float, *, baseline: bool = False, op: str = "all_reduce") -> bench.Row:
     return bench.Row(
         op=op,
@@ -452,6 +462,8 @@ def test_each_backend_is_compared_with_its_own_librarys_baseline() -> None:
         _row("gloo", 120.0),
         _row("mpi", 15.0),
         _row("gloo.to_torch", 110.0),
+        _row(bench.MPI4PY + bench.CONTROL, 11.0),  # --control: a baseline again, compared with itself
+        _row(bench.BASELINE + bench.CONTROL, 97.0),
     ]
     bench._add_ratios(rows)
     got = {r.backend: (r.ratio_to, r.ratio) for r in rows}
@@ -462,6 +474,8 @@ def test_each_backend_is_compared_with_its_own_librarys_baseline() -> None:
         "gloo": (bench.BASELINE, pytest.approx(1.2)),
         "mpi": (bench.MPI4PY, pytest.approx(1.5)),
         "gloo.to_torch": (bench.BASELINE, pytest.approx(1.1)),
+        "mpi4py.again": (bench.MPI4PY, pytest.approx(1.1)),
+        "torch-gloo.again": (bench.BASELINE, pytest.approx(0.97)),
     }
     table = bench.format_table(rows)
     assert "1.50x mpi4py" in table and "1.20x torch-gloo" in table
@@ -606,6 +620,7 @@ def _args(*argv: str) -> Any:
         (["--backends", "no-such-backend"], "no-such-backend"),
         (["--backends", "pg_core.bench:Nope"], "cannot load 'pg_core.bench:Nope': module pg_core.bench defines no"),
         (["--backends", "", "--no-baseline"], "nothing to measure"),
+        (["--backends", "tcp", "--no-baseline", "--control"], "--control times a baseline twice"),
         (["--sizes", "4,1T"], "cannot read '1T'"),
         (["--sizes", "4", "--max-bytes", "1M"], "either --sizes or -b/-e/-f"),
         (["--sizes", "4", "-f", "4"], "either --sizes or -b/-e/-f"),
@@ -663,7 +678,8 @@ _MARKER = f"pg-core-bench-test-{uuid.uuid4().hex}"
 
 def _commands(tmp: Path) -> dict[str, list[str]]:
     commands = {
-        "baseline": ["--backends", "", "--csv", *TINY],
+        # the baseline alone, and again as its own control row (compared with the first)
+        "baseline": ["--backends", "", "--control", "--csv", *TINY],
         # one good and one bad pg-core backend beside the baseline; the bad one declares no barrier
         "mixed": [
             "--backends",
@@ -799,7 +815,7 @@ def _well_formed(
 
 
 @pytest.mark.slow
-def test_baseline_alone(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+def test_baseline_alone_and_again_as_its_control(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     run = runs["baseline"]
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
@@ -810,14 +826,19 @@ def test_baseline_alone(runs: dict[str, subprocess.CompletedProcess[str]]) -> No
         r.update({k: int(r[k]) for k in ("size", "requested_size", "count", "world_size", "warmup", "iters")})
         r.update({k: float(r[k]) for k in ("min_us", "median_us", "max_us", "algbw_gbps", "busbw_gbps")})
         r.update(
-            baseline=r["baseline"] == "True", ratio=None, ratio_to=r["ratio_to"] or None, detail=r["detail"] or None
+            baseline=r["baseline"] == "True",
+            ratio=float(r["ratio"]) if r["ratio"] else None,
+            ratio_to=r["ratio_to"] or None,
+            detail=r["detail"] or None,
         )
         r.update(ref_ratio=float(r["ref_ratio"]) if r["ref_ratio"] else None, ref_op=r["ref_op"] or None)
         rows.append(r)
-    _well_formed(rows, bench.OPS, [bench.BASELINE])
+    again = bench.BASELINE + bench.CONTROL
+    _well_formed(rows, bench.OPS, [bench.BASELINE, again])
+    assert {r["ratio_to"] for r in rows if r["backend"] == again} == {bench.BASELINE}
     assert "\r" not in run.stderr and "\x1b" not in run.stderr  # stderr is a pipe here: no progress bar
-    total = len(bench.OPS) * len(SIZES)
-    assert f"bench: [{total}/{total}] {bench.OPS[-1]} {bench.object_size(SIZES[-1])} B torch-gloo" in run.stderr
+    total = 2 * len(bench.OPS) * len(SIZES)
+    assert f"bench: [{total}/{total}] {bench.OPS[-1]} {bench.object_size(SIZES[-1])} B {again}" in run.stderr
 
 
 @pytest.mark.slow
@@ -979,14 +1000,17 @@ def test_rounds_interleave_the_backends_timed_iterations(
     rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("4 ")]
     assert [r[2] for r in rows] == ["LoggedA", "LoggedB"] and all(r[-1] == "ok" for r in rows)
     iters = {r[2]: int(r[3]) for r in rows}
-    assert all(5 <= n <= 6 for n in iters.values()), rows
+    assert len(set(iters.values())) == 1 and 5 <= iters["LoggedA"] <= 6, rows  # one plan for the rows compared
     logs = {log.resolve() for log in tmp_path_factory.getbasetemp().glob("bench*/calls-0.log")}  # benchcurrent: a link
     assert len(logs) == 1
     calls = logs.pop().read_text().split()
     # rank 0's all_reduce calls, run by run: each backend's warmup, then three rounds of
-    # (one untimed iteration and a third of the timed ones) for one backend, then the other
+    # (one untimed iteration and a third of the timed ones) for each backend in turn, each
+    # round starting one further along: A B, then B A, then A B
     turns = [name for name, _ in itertools.groupby(calls)]
-    assert turns == ["LoggedA", "LoggedB"] * 4, turns
+    order = ["LoggedA", "LoggedB"] + [name for turn in range(3) for name in bench.rotated(["LoggedA", "LoggedB"], turn)]
+    assert order == ["LoggedA", "LoggedB", "LoggedA", "LoggedB", "LoggedB", "LoggedA", "LoggedA", "LoggedB"]
+    assert turns == [name for name, _ in itertools.groupby(order)], turns
     for name, n in iters.items():
         assert calls.count(name) == 1 + 3 + n  # --warmup 1, one per round, the timed ones
 

@@ -55,9 +55,10 @@ the bytes asked for. For the object ops the requested size is the payload's
 bytes (``count``), and ``size`` the whole object pickled with protocol 5.
 
 **What is timed.** For each (op, size, backend) every rank runs one or two
-untimed iterations, then rank 0 plans how many more untimed warmup iterations
+untimed iterations (up to three, fewer if ``--warmup`` says so), then rank 0 plans,
+at the median pace of those after the first, how many more untimed warmup iterations
 (up to ``--warmup``) and how many timed ones to run: at least 5 and at most
-``--iters``, as many as fit in ``--time-budget`` seconds at the measured pace.
+``--iters``, as many as fit in ``--time-budget`` seconds.
 After a barrier, timed iterations run back to back; each is timed on its own
 with ``time.perf_counter_ns`` around the blocking call. An iteration's time is
 the *maximum over ranks* (the collective is done when the slowest rank is);
@@ -67,9 +68,12 @@ divided by 2 (one-way latency); serializing and deserializing are inside it. Buf
 that an op reduces into (``all_reduce``, ``reduce``, the input of
 ``reduce_scatter_tensor``) are refilled before every iteration, outside the
 timed region. With ``--rounds R`` (R > 1) the rows of one (op, size) are timed
-together: every runner warms up and is planned as above, then each runs its share of
-its timed iterations (after a barrier and one untimed iteration) in turn, R times
-over, and each row's statistics are over all its iterations. A drift of the machine's
+together: every runner warms up and is planned as above, all of them then get the
+smallest of their plans (so the blocks a ratio pairs are alike), and each runs its
+share of its timed iterations (after a barrier and one untimed iteration) in turn, R
+times over, each round starting one row further along (no row is always the one right
+after another, or right after the barrier); each row's statistics are over all its
+iterations. A drift of the machine's
 speed during the run (another tenant, frequency, the host's scheduler) then weighs on
 each row alike rather than on whichever ran during it, which is what a ratio of two
 rows measured seconds apart is most sensitive to.
@@ -88,7 +92,10 @@ With ``--rounds R``, each row also keeps the median of each round's iterations
 to its baseline's, round by round (``round_ratios``): each pairs blocks timed
 moments apart, so a slow spell of the machine weighs on both sides of one ratio.
 The table shows their middle half after the ratio (``1.03x torch-gloo
-[1.01-1.05]``): how far the ratio can be trusted in this run.
+[1.01-1.05]``): how far the ratio can be trusted in this run. ``--control`` times each
+baseline a second time as a row of its own (``torch-gloo.again``, a Gloo object of its
+own; ``mpi4py.again``, the same calls), compared with the first like a backend: two rows
+doing the very same work, so its ratio is what this run's noise alone makes of 1.00x.
 ``--json`` and ``--csv`` give every row; ``--plot PNG`` draws median time and
 bus bandwidth against size (:func:`plot_figure`). On stderr, a line per row
 (not with ``--quiet``) and, when stderr is a terminal, a progress bar below them
@@ -143,7 +150,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Final, Protocol, TextIO, TypeVar
 
 import torch
 
@@ -156,10 +163,13 @@ if TYPE_CHECKING:
     from .backend import BackendSpec
     from .registry import PluginEntry
 
+T = TypeVar("T")
+
 __all__ = [
     "BASELINE",
     "BASELINES",
     "BASELINE_OF",
+    "CONTROL",
     "DTYPES",
     "MAX_SIZES",
     "MPI4PY",
@@ -191,6 +201,7 @@ __all__ = [
     "plot_figure",
     "request_object",
     "requested_sizes",
+    "rotated",
     "sweep_order",
     "sweep_sizes",
     "tensor_shape",
@@ -229,6 +240,9 @@ BASELINES: Final[tuple[str, ...]] = (BASELINE, MPI4PY)
 #: rows are compared with this baseline (every other backend's with the first one measured),
 #: and ``--plot`` draws the baseline dashed in that backend's colour.
 BASELINE_OF: Final[dict[str, str]] = {BASELINE: "gloo", MPI4PY: "mpi"}
+
+#: What ``--control`` appends to a baseline's label for its second row (``torch-gloo.again``).
+CONTROL: Final[str] = ".again"
 
 #: ``--dtype`` choices: the dtypes of :data:`pg_core.dtypes.NAMES` whose inputs and
 #: expected outputs (:func:`input_values`, :func:`expected_output`) are exact or within
@@ -392,6 +406,16 @@ def plan_iterations(probe_ns: int, warmup: int, warmup_done: int, max_iters: int
     fit = math.floor((budget_s - more * per_iter) / per_iter)
     iters = min(max_iters, max(min(MIN_ITERS, max_iters), fit))
     return more, iters
+
+
+def rotated(items: Sequence[T], turn: int) -> list[T]:
+    """``items`` in the order round ``turn`` of ``--rounds`` takes them: each round starts one
+    further along, so no row is always the one timed right after a barrier or right after a
+    given other row (what comes before a block, warm caches or a busy core, is shared out)."""
+    if not items:
+        return []
+    k = turn % len(items)
+    return [*items[k:], *items[:k]]
 
 
 # -- inputs and expected outputs ---------------------------------------------------------------
@@ -611,6 +635,8 @@ def compared_with(label: str, baselines: Sequence[str]) -> str | None:
     """The baseline that backend ``label``'s rows are compared with, of ``baselines`` (those
     measured, in order): the one whose library it wraps (:data:`BASELINE_OF`; ``gloo`` with
     ``torch-gloo``, ``mpi`` with ``mpi4py``), else the first; ``None`` if none was measured."""
+    if label in baselines:  # a --control row: the same baseline, timed again
+        return label
     own = [b for b in baselines if BASELINE_OF.get(b) == label]
     return own[0] if own else next(iter(baselines), None)
 
@@ -833,6 +859,7 @@ class _Config:
     timeout: float
     pin_ranks: bool = False
     to_torch: bool = False
+    control: bool = False  # --control: each baseline timed a second time, as a row of its own
     rounds: int = 1
     port: int = 0
     results: str = ""
@@ -841,7 +868,7 @@ class _Config:
     launcher: str | None = None
 
     def runners(self) -> int:
-        return len(self.backends) * (2 if self.to_torch else 1) + len(self.baselines)
+        return len(self.backends) * (2 if self.to_torch else 1) + len(self.baselines) * (2 if self.control else 1)
 
 
 # -- the ranks -------------------------------------------------------------------------------------
@@ -977,12 +1004,15 @@ class _TorchGlooRunner:
     is_baseline = True
     label = BASELINE
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: float, *, objects: bool = False) -> None:
+    def __init__(
+        self, store: Any, rank: int, size: int, timeout: float, *, objects: bool = False, control: bool = False
+    ) -> None:
         import torch.distributed as dist
 
-        self._options(
-            dist.ProcessGroupGloo(dist.PrefixStore("bench-torch-gloo", store), rank, size, timedelta(seconds=timeout))
-        )
+        prefix = "bench-torch-gloo" + ("-control" if control else "")  # a control row: a Gloo object of its own
+        self._options(dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout)))
+        if control:
+            self.label, self.is_baseline = BASELINE + CONTROL, False
         self._default_group = objects and not dist.is_initialized()
         if self._default_group:
             dist.init_process_group(
@@ -1092,11 +1122,13 @@ class _Mpi4pyRunner:
     is_baseline = True
     label = MPI4PY
 
-    def __init__(self) -> None:
+    def __init__(self, *, control: bool = False) -> None:
         from mpi4py import MPI  # initialises MPI (mpi4py's defaults: MPI_THREAD_MULTIPLE), unless it is already
 
         self._mpi = MPI
-        self.comm: Any = MPI.COMM_WORLD
+        self.comm: Any = MPI.COMM_WORLD  # a control row too: the very calls of the baseline's row
+        if control:
+            self.label, self.is_baseline = MPI4PY + CONTROL, False
 
     def why_not(self, op: str, dtype: torch.dtype) -> str | None:
         if op in ("send_tensor", *OBJECT_OPS):
@@ -1319,12 +1351,15 @@ class _Rank:
         self.store = store
         self.ctl = PrefixStore("pg-core-bench", store)
         self.runners: list[_Runner] = []
-        for baseline in cfg.baselines:
-            if baseline == MPI4PY:
-                self.runners.append(_Mpi4pyRunner())
-            else:
-                objects = any(op in OBJECT_OPS for op in cfg.ops)
-                self.runners.append(_TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects))
+        objects = any(op in OBJECT_OPS for op in cfg.ops)
+        for control in (False, True) if cfg.control else (False,):
+            for baseline in cfg.baselines:
+                if baseline == MPI4PY:
+                    self.runners.append(_Mpi4pyRunner(control=control))
+                else:
+                    self.runners.append(
+                        _TorchGlooRunner(store, rank, cfg.world_size, cfg.timeout, objects=objects, control=control)
+                    )
         for spec, label in zip(cfg.backends, cfg.labels, strict=True):
             runner = _PgCoreRunner(store, rank, cfg.world_size, spec=spec, label=label, timeout=cfg.timeout)
             self.runners.append(runner)
@@ -1353,8 +1388,14 @@ class _Rank:
                         slots.append(ready)
                     elif ready is not None:
                         self.emit("row", **dataclasses.asdict(ready))
-                for block in range(cfg.rounds):
+                if cfg.rounds > 1 and slots:
+                    # every row of the comparison the same number of timed iterations (each rank
+                    # knows every plan), so round b's blocks are alike on every side of a ratio
+                    common = min(slot.row.iters for slot in slots)
                     for slot in slots:
+                        slot.row.iters = common
+                for block in range(cfg.rounds):
+                    for slot in rotated(slots, block):
                         self._block(slot, block)
                 for slot in slots:
                     row = self._finish(slot)
@@ -1407,12 +1448,15 @@ class _Rank:
             return row if rank == 0 else None
         case = _make_case(op, runner, rank=rank, n=n, count=count, dtype=self.dtype)
         self._sync(runner, f"{index}/start")
-        first = max(1, min(cfg.warmup, 2))
-        probe = 0
+        first = max(1, min(cfg.warmup, 3))
+        probes = []
         for _ in range(first):
             if case is not None:
                 case.refill()
-                probe = _timed(case.run)
+                probes.append(_timed(case.run))
+        # the median of the probes after the first (which pays for first use): one iteration
+        # caught by a scheduler tick would plan a tenth of the iterations the budget allows
+        probe = int(statistics.median(probes[1:] or probes)) if probes else 0
         if rank == 0:
             more, iters = plan_iterations(probe, cfg.warmup, first, cfg.iters, cfg.time_budget)
             self.ctl.set(f"plan/{index}", f"{more} {iters}")
@@ -1810,6 +1854,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "row alike (default 1: one row after the other)",
     )
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help=f"time each baseline a second time, as a row of its own (BASELINE{CONTROL}) compared with the first: "
+        "the ratio of two rows doing the very same work, which is how far from 1.00x this run's noise alone puts "
+        "a ratio (best with --rounds)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=60.0, metavar="S", help="seconds any one operation may take (default 60)"
     )
     parser.add_argument(
@@ -1899,6 +1950,8 @@ def _config(args: argparse.Namespace) -> _Config:
         raise BenchError(f"--backends: their ranks must be started by different launchers ({sorted(launchers)})")
     if not backends and not baselines:
         raise BenchError("nothing to measure: no pg-core backend named and no baseline")
+    if args.control and not baselines:
+        raise BenchError("--control times a baseline twice, and no baseline is measured (--no-baseline)")
     if len(set(labels)) != len(labels) or set(BASELINES) & set(labels) or any("/" in label for label in labels):
         raise BenchError(f"--backends: labels {labels} must be distinct, without '/', and none of {BASELINES}")
     return _Config(
@@ -1915,6 +1968,7 @@ def _config(args: argparse.Namespace) -> _Config:
         timeout=args.timeout,
         pin_ranks=args.pin_ranks,
         to_torch=args.to_torch,
+        control=args.control,
         rounds=args.rounds,
         launcher=next(iter(launchers), None),
     )
