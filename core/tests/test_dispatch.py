@@ -869,3 +869,72 @@ def test_blocking_send_and_recv_skip_the_checks_that_passed_once_and_still_refus
     group.shutdown()
     with pytest.raises(GroupClosedError):
         group.send(t, 1, tag=5)
+
+
+# -- the executor's lane (a blocking all_reduce's hot path) ----------------------------------------
+
+
+def test_an_executor_lane_numbers_in_order_queues_behind_async_and_refuses_as_call_does():
+    from pg_core.errors import CollectiveTimeout, GroupClosedError, PGError
+    from pg_core.executor import Executor
+
+    ex = Executor("lane-test")
+    seen: list[tuple[str, int]] = []
+    lane = ex.lane("all_reduce", lambda arg: seen.append((arg, ex.seq)) or arg)
+    assert lane("a") == "a" and lane("b") == "b"
+    assert seen == [("a", 1), ("b", 2)]  # in the caller's thread, numbered like any collective
+
+    # an asynchronous collective queued and still running: the lane's call queues behind it (the
+    # async one waits until the executor's queue has that second item), not beside it
+    queued = threading.Event()
+
+    class Signalling(queue.SimpleQueue):  # the executor's queue, telling the test what was queued
+        def put(self, item, block=True, timeout=None):
+            super().put(item, block, timeout)
+            if item is not None and item[1] == "all_reduce":
+                queued.set()
+
+    ex._queue = Signalling()  # before the progress thread starts (it takes the queue when it does)
+
+    def slow(seq: int) -> str:
+        assert queued.wait(10), "the lane's call was not queued behind the running collective"
+        seen.append(("async", seq))
+        return "async"
+
+    work = ex.run("broadcast", slow, async_op=True)
+    done: list[str] = []
+    caller = threading.Thread(target=lambda: done.append(lane("c")))
+    caller.start()
+    caller.join(10)
+    assert work.result() == "async" and done == ["c"]
+    assert seen[2:] == [("async", 3), ("c", 4)]  # run on the progress thread, in order
+
+    # on the progress thread, a blocking lane call is refused as call() refuses it
+    errors: list[str] = []
+
+    def from_callback(seq: int) -> None:
+        try:
+            lane("d")
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    ex.run("barrier", from_callback, async_op=True).result()
+    assert errors and "async_op=True" in errors[0]
+
+    # a failure the executor latches stops later collectives, the lane's included
+    def times_out(arg: object) -> None:
+        raise CollectiveTimeout("planted")
+
+    failing = Executor("lane-failure")
+    with pytest.raises(CollectiveTimeout):
+        failing.lane("all_reduce", times_out)("x")
+    ran: list[object] = []
+    with pytest.raises(PGError, match="stopped after all_reduce .collective #1. failed"):
+        failing.lane("all_reduce", ran.append)("y")
+    assert ran == []
+
+    # closed: refused before anything runs
+    assert ex.drain(10)
+    with pytest.raises(GroupClosedError, match="shut down"):
+        lane("e")
+    assert [s for s, _ in seen] == ["a", "b", "async", "c"]

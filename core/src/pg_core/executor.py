@@ -30,6 +30,9 @@ _Item = tuple[Work, str, Callable[[int], Any]]
 #: ``arg`` of :meth:`Executor.call` meaning "the sequence number" (what :meth:`Executor.run` passes)
 _SEQ: Any = object()
 
+#: The failures after which ranks may be out of step: the executor refuses later collectives.
+_LATCHED = (CollectiveTimeout, PeerFailureError, CollectiveMismatchError)
+
 
 class Executor:
     """Runs one group's collectives in order; ``name`` is the group's, for messages."""
@@ -106,6 +109,34 @@ class Executor:
                 running.release()
         return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False)
 
+    def lane(self, op: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` as a blocking collective ``op`` that runs as :meth:`call` would run it, made for
+        a group's hottest call (a blocking all_reduce on a backend's prepared call): one frame, its
+        state read from the closure. Whenever anything is other than open, idle and in order (an
+        operation queued, a progress thread started, the group closing or closed, a collective
+        failed), it hands the call to :meth:`call`, which queues, refuses or raises as usual."""
+        lock = self._exec_lock
+        acquire, release, call, latch = lock.acquire, lock.release, self.call, self.latch
+
+        def run(arg: Any) -> Any:
+            if self._pending or self._worker_ident is not None or self._state is not None or self._broken is not None:
+                return call(op, fn, arg)
+            acquire()
+            try:
+                if not self._pending:  # still nothing queued, now that no other collective can start
+                    seq = self.seq = self._next_seq
+                    self._next_seq = seq + 1
+                    try:
+                        return fn(arg)
+                    except _LATCHED as exc:
+                        latch(op, seq, exc)
+                        raise
+            finally:
+                release()
+            return call(op, fn, arg)  # an asynchronous one was queued meanwhile: behind it
+
+        return run
+
     def _queued(self, op: str, fn: Callable[[int], Any], *, async_op: bool) -> Any:
         work = Work(op)
         with self._lock:
@@ -127,7 +158,7 @@ class Executor:
             raise self._stopped(op)
         try:
             return fn(seq if arg is _SEQ else arg)
-        except (CollectiveTimeout, PeerFailureError, CollectiveMismatchError) as exc:
+        except _LATCHED as exc:
             self.latch(op, seq, exc)
             raise
 
@@ -153,7 +184,7 @@ class Executor:
         """Refuse later collectives if collective ``op`` number ``seq`` failed with ``exc`` in a way
         that can leave ranks out of step (inline, or a launched collective's work later); the
         first such failure is the one named."""
-        if isinstance(exc, (CollectiveTimeout, PeerFailureError, CollectiveMismatchError)):
+        if isinstance(exc, _LATCHED):
             if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
                 exc.op, exc.seq = op, seq
             if self._broken is None:

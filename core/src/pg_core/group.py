@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_TIMEOUT", "P2POp", "ProcessGroup", "rendezvous"]
 
+_Tensor = torch.Tensor  # a module global: the hot path's type check reads one name, not two
+
 
 @dataclass(frozen=True)
 class P2POp:
@@ -187,7 +189,8 @@ class ProcessGroup:
         self._barrier_device = message_device(self._specs)
         #: the open coalescing blocks on this group, by thread (empty but while one is open)
         self._coalescing: dict[int, Batch] = {}
-        #: blocking all_reduce's fast path: the backend's prepared call (or None) per (device, dtype, reduce op type)
+        #: blocking all_reduce's fast path: the backend's prepared call as an executor lane (or None) per
+        #: (device, dtype, reduce op type)
         self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
         #: blocking send/recv's fast path: the instance per (op, device, dtype) whose checks passed once
         #: (the ones that hold for every later call of that kind; see _p2p_fast). Not per tag: a program
@@ -370,20 +373,22 @@ class ProcessGroup:
         # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
         # that went through the full path once): the backend's prepared all_reduce, in order.
         # (No lane is made for PREMUL_SUM, whose factor changes per call: it never finds one.)
-        fast = not async_op and timeout is None and not self._coalescing and type(tensor) is torch.Tensor
-        if fast and type(op) is ReduceOp:
-            lane = self._lanes.get((tensor.device, tensor.dtype, op.type))
-            if lane is not None and not tensor.requires_grad and dense(tensor):
-                return self._executor.call("all_reduce", lane, tensor)  # type: ignore[no-any-return]
-        plain = fast and type(op) is ReduceOp and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
+        plain = type(tensor) is _Tensor and type(op) is ReduceOp and not async_op and timeout is None
+        if plain and not self._coalescing:
+            dtype = tensor.dtype
+            lane = self._lanes.get((tensor.device, dtype, op.type))  # type: ignore[union-attr]
+            if lane is not None and not tensor.requires_grad and dense(tensor, dtype):
+                return lane(tensor)  # type: ignore[no-any-return]
+        plain = plain and not self._coalescing and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
         rop = as_reduce_op(op)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
         if plain:  # it ran: the backend exists, and declares this kind (`fast`: not inside a batch)
             key = (tensor.device, tensor.dtype, rop.type)
-            if key not in self._lanes:
-                self._lanes[key] = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
+            if key not in self._lanes:  # the backend's prepared call, run in order by the executor
+                prepared = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
+                self._lanes[key] = None if prepared is None else self._executor.lane("all_reduce", prepared)
         return result
 
     def broadcast(
