@@ -113,13 +113,14 @@ class Executor:
         """``fn`` as a blocking collective ``op`` that runs as :meth:`call` would run it, made for
         a group's hottest call (a blocking all_reduce on a backend's prepared call): one frame, its
         state read from the closure. Whenever anything is other than open, idle and in order (an
-        operation queued, a progress thread started, the group closing or closed, a collective
-        failed), it hands the call to :meth:`call`, which queues, refuses or raises as usual."""
+        operation queued, the group closing or closed, a collective failed, a call from the
+        progress thread), it hands the call to :meth:`call`, which queues, refuses or raises as usual."""
         lock = self._exec_lock
-        acquire, release, call, latch = lock.acquire, lock.release, self.call, self.latch
+        acquire, release, call, latch, ident = lock.acquire, lock.release, self.call, self.latch, threading.get_ident
 
         def run(arg: Any) -> Any:
-            if self._pending or self._worker_ident is not None or self._state is not None or self._broken is not None:
+            worker = self._worker_ident
+            if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
                 return call(op, fn, arg)
             acquire()
             try:

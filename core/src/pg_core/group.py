@@ -384,7 +384,7 @@ class ProcessGroup:
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
-        if plain:  # it ran: the backend exists, and declares this kind (`fast`: not inside a batch)
+        if plain:  # it ran: the backend exists, and declares this kind (and it was not inside a batch)
             key = (tensor.device, tensor.dtype, rop.type)
             if key not in self._lanes:  # the backend's prepared call, run in order by the executor
                 prepared = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
