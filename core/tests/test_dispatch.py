@@ -908,6 +908,8 @@ def test_an_executor_lane_numbers_in_order_queues_behind_async_and_refuses_as_ca
     caller.join(10)
     assert work.result() == "async" and done == ["c"]
     assert seen[2:] == [("async", 3), ("c", 4)]  # run on the progress thread, in order
+    where = ex.lane("all_reduce", lambda arg: threading.current_thread())
+    assert where(None) is threading.current_thread()  # idle again: inline, though a progress thread exists
 
     # on the progress thread, a blocking lane call is refused as call() refuses it
     errors: list[str] = []
@@ -937,4 +939,4 @@ def test_an_executor_lane_numbers_in_order_queues_behind_async_and_refuses_as_ca
     assert ex.drain(10)
     with pytest.raises(GroupClosedError, match="shut down"):
         lane("e")
-    assert [s for s, _ in seen] == ["a", "b", "async", "c"]
+    assert [s for s, _ in seen] == ["a", "b", "async", "c"] and ex.seq == 6  # and `where`, the barrier
