@@ -373,13 +373,18 @@ class ProcessGroup:
         # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
         # that went through the full path once): the backend's prepared all_reduce, in order.
         # (No lane is made for PREMUL_SUM, whose factor changes per call: it never finds one.)
-        plain = type(tensor) is _Tensor and type(op) is ReduceOp and not async_op and timeout is None
-        if plain and not self._coalescing:
-            dtype = tensor.dtype
-            lane = self._lanes.get((tensor.device, dtype, op.type))  # type: ignore[union-attr]
-            if lane is not None and not tensor.requires_grad and dense(tensor, dtype):
+        plain = (
+            type(tensor) is _Tensor
+            and type(op) is ReduceOp
+            and not async_op
+            and timeout is None
+            and not self._coalescing
+        )
+        if plain:
+            lane = self._lanes.get((tensor.device, tensor.dtype, op.type))  # type: ignore[union-attr]
+            if lane is not None and not tensor.requires_grad and dense(tensor):
                 return lane(tensor)  # type: ignore[no-any-return]
-        plain = plain and not self._coalescing and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
+        plain = plain and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
         rop = as_reduce_op(op)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)

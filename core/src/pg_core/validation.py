@@ -119,11 +119,10 @@ class Supported:
         self._allowed.add(key)
 
 
-def dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+def dense(t: torch.Tensor) -> bool:
     """Whether a backend may be handed ``t`` as it is (see :meth:`Staging.stage`): laid out
-    exactly as ``torch.empty(t.shape)`` would be, with no lazy negation or conjugation.
-    ``dtype``: ``t.dtype``, where the caller has read it already (each read costs a hot path)."""
-    if t.is_neg() or ((dtype or t.dtype).is_complex and t.is_conj()):
+    exactly as ``torch.empty(t.shape)`` would be, with no lazy negation or conjugation."""
+    if t.is_neg() or (t.dtype.is_complex and t.is_conj()):
         return False
     strides = t.stride()
     if strides == (1,) or not strides:  # the common case first: 1-D with unit stride, or 0-D
