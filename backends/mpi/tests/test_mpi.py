@@ -31,6 +31,7 @@ from pg_core.procs import wait_exited
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool, RanksFailed
 from pg_core.testing.rank import run_warm_up
+from pg_mpi._mpi import _cpu_limit, more_ranks_than_cpus, ranks_share_cpus
 from pg_mpi.plugin import MAX_TAG, is_available
 
 pytestmark = pytest.mark.requires_backend("mpi")
@@ -140,6 +141,53 @@ def test_integer_sums_and_products_wrap_around_as_torchs_do(pools: Pools) -> Non
     torch, and every other backend, wraps around (``-2``). pg-mpi asks the library and lets
     torch reduce the ones it gets wrong."""
     assert pools(2).run(overflowing_integer_reductions, timeout=180) == [[], []]
+
+
+# -- waits: giving the CPU away only where ranks share CPUs -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("local", "affinity", "machine", "limit", "shares"),
+    [
+        (2, 2, 2, None, False),  # 2 ranks free to run on 2 CPUs
+        (3, 2, 2, None, True),  # 3 ranks on 2 CPUs
+        (2, 1, 2, None, False),  # each rank bound to a CPU of its own (mpiexec --bind-to core)
+        (3, 1, 2, None, True),  # bound, but more ranks than the machine's CPUs
+        (2, 2, 64, None, False),  # a job confined to 2 of 64 CPUs (taskset)
+        (3, 2, 64, None, True),
+        (2, 64, 64, 1, True),  # a container limited to one CPU of a 64-CPU host
+        (4, 0, 8, None, False),  # affinity unknown (no sched_getaffinity): the machine's CPUs
+    ],
+)
+def test_ranks_share_cpus_where_the_node_has_more_ranks_than_cpus(
+    local: int, affinity: int, machine: int, limit: int | None, shares: bool
+) -> None:
+    assert more_ranks_than_cpus(local, affinity=affinity, machine=machine, limit=limit) is shares
+
+
+def test_without_the_launchers_count_of_ranks_a_wait_yields_as_if_shared() -> None:
+    assert ranks_share_cpus({}) is True
+    assert ranks_share_cpus({"MPI_LOCALNRANKS": "a few"}) is True
+    assert ranks_share_cpus({"OMPI_COMM_WORLD_LOCAL_SIZE": str(1 << 20)}) is True
+    assert ranks_share_cpus({"MPI_LOCALNRANKS": "1"}) is False
+
+
+def how_waits_yield(ctx: RankContext) -> dict[str, Any]:
+    with _group(ctx) as group:
+        t = torch.ones(1)
+        group.all_reduce(t)
+        backend = group._dispatch.instance(t.device).backend
+        return {"local": os.environ.get("MPI_LOCALNRANKS"), "yield_each": backend._yield_each, "sum": t.item()}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_under_mpiexec_a_wait_yields_before_each_test_only_where_ranks_outnumber_cpus(pools: Pools, n: int) -> None:
+    """Hydra names the ranks on the node, so the backend knows whether they share CPUs: on this
+    project's 2-CPU machine 2 ranks test back to back and 3 yield before each test."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = min(cpus, _cpu_limit() or cpus)
+    for got in pools(n).run(how_waits_yield, timeout=120):
+        assert got == {"local": str(n), "yield_each": n > cpus, "sum": float(n)}
 
 
 # -- groups are communicators of exactly their members ------------------------------------------------

@@ -13,18 +13,34 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 import torch
 from pg_core.errors import BackendUnavailableError
 from pg_core.ops import RedOpType
 
-__all__ = ["TYPE_NAMES", "initialized_mpi", "load_mpi", "thread_level_problem", "user_op", "wrong_integer_ops"]
+__all__ = [
+    "TYPE_NAMES",
+    "initialized_mpi",
+    "load_mpi",
+    "ranks_share_cpus",
+    "thread_level_problem",
+    "user_op",
+    "wrong_integer_ops",
+]
+
+#: Where launchers give the number of the job's ranks on this node: MPICH's Hydra, Open MPI.
+_LOCAL_RANKS_ENV: Final = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+#: cgroup v2's CPU limit of this process's container ("max" or "<quota> <period>" in microseconds).
+_CPU_MAX: Final = Path("/sys/fs/cgroup/cpu.max")
 
 #: MPI is one per process: initialising it is the one thing done once per process.
 _INIT_LOCK: Final = threading.Lock()
@@ -93,6 +109,42 @@ def thread_level_problem(mpi: Any) -> str | None:
             "MPI_THREAD_MULTIPLE, or leave initialising it to pg-mpi"
         )
     return None
+
+
+def ranks_share_cpus(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this node runs more of the MPI job's ranks than it has CPUs for (see
+    :func:`more_ranks_than_cpus`), from the launcher's count of ranks on the node, this
+    process's CPU affinity, the machine's CPUs and a cgroup's CPU limit. ``True`` where the
+    launcher gives no count: a wait then gives its CPU away between tests, as if shared."""
+    for name in _LOCAL_RANKS_ENV:
+        value = environ.get(name, "")
+        if value.isdigit():
+            local = int(value)
+            break
+    else:
+        return True
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    return more_ranks_than_cpus(local, affinity=affinity, machine=os.cpu_count() or 1, limit=_cpu_limit())
+
+
+def more_ranks_than_cpus(local: int, *, affinity: int, machine: int, limit: int | None) -> bool:
+    """Whether ``local`` ranks on a node have fewer CPUs than ranks. The CPUs are the ones this
+    process may run on (``affinity``, 0 where unknown), or the ``machine``'s where it is bound
+    to a single one (as ``mpiexec --bind-to core`` or ``pg-core bench --pin-ranks`` leave
+    each rank: on a CPU of its own while there are enough), at most a cgroup's ``limit``."""
+    cpus = affinity if affinity > 1 else machine
+    if limit is not None:
+        cpus = min(cpus, limit)
+    return local > cpus
+
+
+def _cpu_limit() -> int | None:
+    """The CPUs a cgroup v2 limit allows this process (rounded up), or None where unlimited."""
+    try:
+        quota, period = _CPU_MAX.read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
 
 
 def _level_name(mpi: Any, level: int) -> str:

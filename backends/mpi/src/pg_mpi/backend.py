@@ -23,8 +23,9 @@ and ``abort`` free the communicator, however it was made; mpi4py finalises MPI a
 one tensor each: ``Iallreduce``, ``Ibcast``, ``Ireduce``, ``Iallgather``,
 ``Ireduce_scatter_block``, ``Ialltoallv``, ``Igather``, ``Iscatter``, ``Ibarrier``,
 ``Isend``/``Improbe``+``Imrecv``. Lists of tensors are joined into (or split out of) one
-buffer. A blocking call polls its request (``MPI_Test``, yielding the CPU between tests,
-then backing off to 1 ms naps) until it completes or its timeout passes (:class:`~pg_core.errors.CollectiveTimeout`);
+buffer. A blocking call polls its request (``MPI_Test`` back to back, yielding the CPU
+between tests where the node has more of the job's ranks than CPUs, then backing off to 1 ms
+naps) until it completes or its timeout passes (:class:`~pg_core.errors.CollectiveTimeout`);
 an asynchronous one returns a :class:`~pg_core.work.Work` that tests the request when it is
 waited for or polled (API 1.2: no thread per operation). A blocking ``all_reduce`` of a
 dtype and op MPI reduces itself also has a prepared form (API 1.5: the datatype and op looked
@@ -77,27 +78,29 @@ from pg_core.ops import RedOpType, ReduceOp
 from pg_core.store import wait_for
 from pg_core.work import Work
 
-from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, user_op, wrong_integer_ops
+from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, ranks_share_cpus, user_op, wrong_integer_ops
 from .plugin import HOW_TO_LAUNCH
 
 __all__ = ["MPIBackend"]
 
-#: How long a wait yields the CPU between tests of its request (``sched_yield``: other ranks
-#: on a shared core run), before it naps between tests, the nap doubling from 10 us to
-#: :data:`_MAX_NAP`. MPI progresses an operation only inside MPI calls, on every rank, so a
-#: rank that naps while its peers wait for its part delays them all: no naps at first. And
-#: no spinning without yielding either: where ranks share cores (3 ranks on 2 cores) a
-#: spinning rank keeps the one whose part it waits for off the CPU. Yielding from the first
-#: retry took a 4-byte all_reduce at 3 ranks on 2 cores from about 440 to 36 us (median),
-#: and costs nothing measurable at 2 ranks (``sched_yield`` returns at once when nothing
-#: else waits).
+#: How long a wait tests its request back to back, before it naps between tests, the nap
+#: doubling from 10 us to :data:`_MAX_NAP`. MPI progresses an operation only inside MPI calls,
+#: on every rank, so a rank that naps while its peers wait for its part delays them all: no
+#: naps at first. Where the node has more of the job's ranks than CPUs (3 ranks on 2 cores:
+#: :func:`~pg_mpi._mpi.ranks_share_cpus`), the wait gives the CPU away (``sched_yield``)
+#: before each test, since a spinning rank keeps the one whose part it waits for off the CPU:
+#: that took a 4-byte all_reduce at 3 ranks on 2 cores from about 440 to 36 us (median).
+#: Where each rank has a CPU, it yields only every :data:`_CHECK_EVERY` tests: a
+#: ``sched_yield`` is a system call of 1.1-1.6 us on this project's 2-vCPU machine, a quarter
+#: of a 4-byte all_reduce at 2 ranks (docs/benchmarks.md, "pg-mpi's waits").
 _YIELD_S: Final = 2e-2
 _MAX_NAP: Final = 1e-3
 
-#: While yielding, a wait reads the clock and the closed state every this many polls, not
-#: every poll: where ranks share a core, what a wait does between tests comes back many times
-#: over (docs/decisions.md: "pg-mpi's waits poll without a lock"). A poll and a yield take
-#: about a microsecond, so a deadline or an abort is seen within a few tens of them.
+#: While testing back to back, a wait reads the clock and the closed state (and, where each
+#: rank has a CPU, yields) every this many polls, not every poll: where ranks share a core,
+#: what a wait does between tests comes back many times over (docs/decisions.md: "pg-mpi's
+#: waits poll without a lock"). A poll and a yield take about a microsecond, so a deadline
+#: or an abort is seen within a few tens of them.
 _CHECK_EVERY: Final = 16
 
 #: Give the CPU to another runnable process (a rank sharing this core), keeping the GIL free.
@@ -124,6 +127,8 @@ class MPIBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx, self.rank, self.size = ctx, ctx.rank, ctx.size
         self._mpi = initialized_mpi()
+        #: whether a wait yields the CPU before each test of its request (see :data:`_YIELD_S`)
+        self._yield_each = ranks_share_cpus()
         #: (integer dtype, MPI op name) that this MPI does not wrap around as torch does: torch reduces them
         self._wrong_ops = wrong_integer_ops(self._mpi)
         #: why operations are refused (shutdown or abort), or None
@@ -186,20 +191,25 @@ class MPIBackend(Backend):
 
     def _poll(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Poll ``ready()``, which was just false, until it is true (``True``) or ``deadline``
-        passes (``False``): for :data:`_YIELD_S` a ``sched_yield`` before each poll, reading
-        the clock and the closed state only every :data:`_CHECK_EVERY` polls; after that, naps
-        between polls, doubling to 1 ms. Raises ``GroupClosedError`` once aborted."""
+        passes (``False``): for :data:`_YIELD_S` back to back, with a ``sched_yield`` before
+        each poll where ranks share CPUs, reading the clock and the closed state (and yielding,
+        where they do not) only every :data:`_CHECK_EVERY` polls; after that, naps between
+        polls, doubling to 1 ms. Raises ``GroupClosedError`` once aborted."""
         self._polling.append(None)
         try:
             naps_from = time.monotonic() + _YIELD_S
             polls = 0
+            each = self._yield_each
             while True:
-                _yield()
+                if each:
+                    _yield()
                 if ready():
                     return True
                 polls += 1
                 if polls % _CHECK_EVERY:
                     continue
+                if not each:
+                    _yield()
                 if self._closed is not None:
                     raise self._closed_error()
                 now = time.monotonic()
