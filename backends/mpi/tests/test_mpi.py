@@ -4,9 +4,10 @@ pg-core's launcher support guarantees for it.
 The conformance suite (``tests/conformance/test_backends.py``) certifies the backend; these
 tests pin down what the contract leaves to it: MPI is not initialised by listing, groups are
 communicators of exactly their members (several, overlapping, concurrent), members that are
-not one MPI job are refused with the way to launch, a receive of the wrong size is an error
-and not MPI's truncation, timeouts and abort, and the launched pool's guarantees (a dead rank
-reported, a hang dumped and killed, nothing left behind).
+not one MPI job are refused with the way to launch, waits give the CPU away only where ranks
+share CPUs, a receive of the wrong size is an error and not MPI's truncation, timeouts and
+abort, and the launched pool's guarantees (a dead rank reported, a hang dumped and killed,
+nothing left behind).
 """
 
 from __future__ import annotations
