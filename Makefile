@@ -17,7 +17,7 @@ STAMP  := $(VENV)/.installed
 # The release check (tests/integration/test_packaging.py): `make package` runs it, `make unit` leaves it out.
 PACKAGING := tests/integration/test_packaging.py
 
-.PHONY: demo test lint typecheck unit package install clean bench
+.PHONY: demo test lint typecheck unit package install clean bench bytecode
 
 install: $(STAMP)
 
@@ -53,8 +53,17 @@ typecheck: $(STAMP)
 # UNIT_WORKERS=0 runs them in this process, one after another.
 UNIT_WORKERS ?= auto
 
-unit: $(STAMP)
+unit: bytecode
 	$(PY) -m pytest -n $(UNIT_WORKERS) --maxprocesses=4 --ignore=$(PACKAGING)
+
+# Bytecode of the repository's own modules, written before the tests run. The tests start
+# hundreds of Python processes (ranks, launchers, CLIs), each importing pg-core, a backend and
+# the test module that holds its rank function; where PYTHONDONTWRITEBYTECODE is set (as on this
+# project's machines) none of them writes what it compiled, so each compiled them again: 0.27 s
+# of CPU per process for pg-core and pg-tcp alone, against 0.05 s with their bytecode there.
+# Python checks each .pyc against its source's size and time, so an edited file is compiled again.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 $(addsuffix /src,$(DISTS)) $(addsuffix /tests,$(DISTS)) tests examples conftest.py
 
 # sdist, then a wheel built from the sdist, per distribution (build/dist); a fresh build/pkg-venv
 # with the wheels and torch from constraints-dev.txt; then, from outside the repository:
