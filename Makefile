@@ -56,9 +56,9 @@ UNIT_WORKERS ?= auto
 unit: bytecode
 	$(PY) -m pytest -n $(UNIT_WORKERS) --maxprocesses=4 --ignore=$(PACKAGING)
 
-# Bytecode of the repository's own modules, written before the tests run. The tests start
-# hundreds of Python processes (ranks, launchers, CLIs), each importing pg-core, a backend and
-# the test module that holds its rank function; where PYTHONDONTWRITEBYTECODE is set (as on this
+# Bytecode of the repository's own modules, written before the tests run. The tests start many
+# Python processes (ranks, launchers, CLIs), each importing pg-core, a backend and the test
+# module that holds its rank function; where PYTHONDONTWRITEBYTECODE is set (as on this
 # project's machines) none of them writes what it compiled, so each compiled them again: 0.27 s
 # of CPU per process for pg-core and pg-tcp alone, against 0.05 s with their bytecode there.
 # Python checks each .pyc against its source's size and time, so an edited file is compiled again.
