@@ -50,8 +50,8 @@ typecheck: $(STAMP)
 # The tests run in parallel worker processes (pytest-xdist), one per core up to 4: most of
 # them wait on rank processes, sockets and timeouts, so two workers on 2 cores took the suite
 # from 1377 to 1003 s (2026-11-26) with every multi-rank test's timeouts unchanged. No more
-# than one per core: with two, the run keeps both cores 98.6% busy (/proc/stat, 2026-11-27),
-# and three took 1155 s against two's 1092 s.
+# than one per core: three workers kept both cores 98.6% busy over the run (/proc/stat,
+# 2026-11-27) and took 1155 s, against 1092 s for two the same morning.
 # UNIT_WORKERS=0 runs them in this process, one after another.
 UNIT_WORKERS ?= auto
 
