@@ -98,19 +98,21 @@ def rank_main(rank: int, size: int, port: int, rounds: int, calls: int) -> None:
 
 
 def main() -> None:
-    size, rounds, calls = (int(a) for a in (sys.argv[1:] + ["2", "20", "500"][len(sys.argv) - 1 :])[:3])
+    given = [int(a) for a in sys.argv[1:4]]
+    size, rounds, calls = given + [2, 20, 500][len(given) :]
     from pg_core.store import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     code = "import sys; sys.path.insert(0, sys.argv[1]); import gloo_layers as m; m.rank_main(*map(int, sys.argv[2:]))"
     here = os.path.dirname(os.path.abspath(__file__))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, here, str(r), str(size), str(store.port), str(rounds), str(calls)]
-        )
-        for r in range(size)
-    ]
-    codes = [p.wait(timeout=1200) for p in procs]
+    args = [str(size), str(store.port), str(rounds), str(calls)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, here, str(r), *args]) for r in range(size)]
+    try:
+        codes = [p.wait(timeout=1200) for p in procs]
+    finally:
+        for p in procs:  # a rank that failed leaves the others waiting in a collective
+            p.kill()
+            p.wait()
     if any(codes):
         raise SystemExit(f"rank exit codes: {codes}")
 
