@@ -13,6 +13,9 @@ import torch
 from pg_core import (
     Backend,
     BackendContext,
+    BackendNotFoundError,
+    BackendSpec,
+    BackendUnavailableError,
     Capabilities,
     CollectiveTimeout,
     GroupClosedError,
@@ -24,6 +27,7 @@ from pg_core import (
 )
 from pg_core.dispatch import parse_backends
 from pg_core.group import P2POp
+from pg_core.registry import Registry
 
 
 class Recorder(Backend):
@@ -940,3 +944,74 @@ def test_an_executor_lane_numbers_in_order_queues_behind_async_and_refuses_as_ca
     with pytest.raises(GroupClosedError, match="shut down"):
         lane("e")
     assert [s for s, _ in seen] == ["a", "b", "async", "c"] and ex.seq == 6  # and `where`, the barrier
+
+
+# -- a backend that is installed but cannot run here --------------------------------------------
+
+NO_META = "no meta accelerator on this machine: install one"
+
+
+def unavailable_meta(log) -> ProcessGroup:
+    spec = BackendSpec("meta-rec", MetaRecorder, ("meta",), MetaRecorder.capabilities, is_available=lambda: NO_META)
+    return ProcessGroup(
+        HashStore(), 0, 2, backends={"cpu": CpuRecorder, "meta": spec}, options={"cpu-rec": {"log": log}}
+    )
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda g: g.all_reduce(torch.ones(2, device="meta")),
+        lambda g: g.all_reduce(torch.ones(2, device="meta"), async_op=True),
+        lambda g: g.send(torch.ones(2, device="meta"), dst=1),
+        lambda g: g.irecv(torch.ones(2, device="meta"), src=1),
+        lambda g: g.broadcast(torch.ones(2, device="meta"), src=0),  # not declared either: unavailable comes first
+    ],
+    ids=["all_reduce", "async", "send", "irecv", "undeclared"],
+)
+def test_an_unavailable_backend_forms_the_group_and_raises_on_its_device_types_first_use(log, call):
+    Recorder.created = []
+    group = unavailable_meta(log)
+    try:
+        assert group.backends == {"cpu": "cpu-rec", "meta": "meta-rec"}
+        assert not group.supports("all_reduce", "meta") and group.supports("all_reduce", "cpu")
+        assert "meta: meta-rec (unavailable here)" in repr(group)
+        for _ in range(2):  # every use, not only the first
+            with pytest.raises(BackendUnavailableError) as err:
+                call(group)
+            message = str(err.value)
+            assert NO_META in message and "group 'world' cannot run meta tensors here" in message
+            assert "its other backends work: cpu: cpu-rec" in message
+        assert Recorder.created == [] and log == []  # refused before anything was created or sent
+        group.all_reduce(t := torch.zeros(3))  # the cpu backend works as ever
+        assert t.tolist() == [1.0, 1.0, 1.0] and Recorder.created == ["cpu"]
+    finally:
+        group.abort()
+
+
+def test_the_backend_of_the_groups_messages_must_run_here_at_construction(log):
+    def spec(device: str) -> BackendSpec:
+        return BackendSpec(
+            "cpu-rec", CpuRecorder, (device,), CpuRecorder.capabilities, is_available=lambda: "no, not here"
+        )
+
+    for backends in ({"cpu": spec("cpu"), "meta": MetaRecorder}, spec("cpu"), {"meta": spec("meta")}):
+        with pytest.raises(BackendUnavailableError, match="'cpu-rec' is installed but unavailable: no, not here"):
+            ProcessGroup(HashStore(), 0, 1, backends=backends)
+
+
+def test_names_are_checked_at_construction_and_availability_at_first_use():
+    reg = Registry(load_entry_points=False)
+    reg.register(BackendSpec("cpu-rec", CpuRecorder, ("cpu",), CpuRecorder.capabilities))
+    reg.register(BackendSpec("far", MetaRecorder, ("meta",), MetaRecorder.capabilities, is_available=lambda: NO_META))
+    for backends in ({"cpu": "cpu-rec", "meta": "far"}, " cpu:cpu-rec , meta : far "):
+        group = ProcessGroup(HashStore(), 0, 1, backends=backends, registry=reg, options={"cpu-rec": {"log": []}})
+        with pytest.raises(BackendUnavailableError, match=NO_META):
+            group.all_reduce(torch.ones(1, device="meta"))
+        group.shutdown()
+    with pytest.raises(BackendNotFoundError, match=r"Unknown backend 'fra'.*Installed: cpu-rec .*, far "):
+        ProcessGroup(HashStore(), 0, 1, backends={"cpu": "cpu-rec", "meta": "fra"}, registry=reg)
+    with pytest.raises(NotSupportedError, match="'far' does not support device 'cpu'"):
+        ProcessGroup(HashStore(), 0, 1, backends="cpu:far", registry=reg)
+    with pytest.raises(BackendUnavailableError, match=NO_META):  # the only backend: the group's messages need it
+        ProcessGroup(HashStore(), 0, 1, backends="far", registry=reg)

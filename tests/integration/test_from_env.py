@@ -67,6 +67,24 @@ def test_pgruns_variables_form_a_group_on_its_store_with_its_backends() -> None:
     assert store.check(["pg-core/world/generation"])
 
 
+@pytest.mark.requires_backend("gloo")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["argument", "PG_BACKENDS"])
+def test_the_cards_backends_from_a_launcher_form_a_group_on_a_machine_without_a_gpu(where: str) -> None:
+    from pg_nccl.plugin import is_available
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"PG_RANK": "0", "PG_WORLD_SIZE": "1", "PG_STORE": f"127.0.0.1:{store.port}"}
+    backends = {"cuda": "nccl", "cpu": "gloo"}
+    if where == "PG_BACKENDS":
+        env["PG_BACKENDS"] = "cpu:gloo,cuda:nccl"
+    with ProcessGroup.from_env(backends if where == "argument" else None, env=env, timeout=60) as group:
+        assert group.backends == backends
+        assert group.supports("all_reduce", "cuda") == (is_available() is None)
+        group.all_reduce(t := torch.ones(3))
+        assert t.tolist() == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.requires_backend("tcp")
 @pytest.mark.timeout(120)
 def test_under_torchruns_agent_the_group_keeps_to_the_attempts_prefix_of_the_agents_store() -> None:

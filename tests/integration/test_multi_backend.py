@@ -140,3 +140,45 @@ def test_the_readme_capability_table_is_the_generated_one() -> None:
         timeout=120,
     ).stdout.strip()
     assert shown == generated, f"README's table is stale; paste this in:\n{generated}"
+
+
+def the_cards_line(ctx: RankContext, backends: Any) -> dict[str, Any]:
+    """The README's headline line as a GPU cluster's script has it, run as it is."""
+    from pg_core.errors import BackendUnavailableError
+    from pg_nccl.plugin import is_available
+
+    group = ProcessGroup(ctx.store, rank=ctx.rank, size=ctx.size, backends=backends, timeout=ctx.timeout)
+    try:
+        out: dict[str, Any] = {"backends": group.backends, "nccl_reason": is_available()}
+        group.all_reduce(t := torch.full((4,), float(ctx.rank + 1)))
+        out["cpu_sum"] = t.tolist()
+        out["gathered"] = group.all_gather_object(ctx.rank)
+        out["cuda_supported"] = group.supports("all_reduce", "cuda")
+        if out["nccl_reason"] is not None:
+            # a CPU-only torch cannot even make a cuda tensor: the group's own refusal is what a
+            # device-moving helper meets, e.g. a cuda tensor's backend created for to_torch()
+            try:
+                group.send_tensor(torch.ones(1), dst=(ctx.rank + 1) % ctx.size)  # cpu still fine
+                group.recv_tensor(src=(ctx.rank - 1) % ctx.size, device="cuda")
+            except BackendUnavailableError as exc:
+                out["cuda_error"] = str(exc)
+            group.barrier()
+        return out
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.requires_backend("gloo")
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("backends", [{"cuda": "nccl", "cpu": "gloo"}, "cpu:gloo,cuda:nccl"], ids=["dict", "string"])
+def test_the_cards_line_runs_its_cpu_part_wherever_it_runs(rank_pools: Pools, n: int, backends: Any) -> None:
+    results = rank_pools(n).run(the_cards_line, backends, timeout=120)
+    for out in results:
+        assert out["backends"] == {"cuda": "nccl", "cpu": "gloo"}
+        assert out["cpu_sum"] == [n * (n + 1) / 2] * 4
+        assert out["gathered"] == list(range(n))
+        assert out["cuda_supported"] == (out["nccl_reason"] is None)
+        if out["nccl_reason"] is not None:  # this machine: the reason and the fix, on the first cuda use
+            assert "group 'world' cannot run cuda tensors here" in out["cuda_error"]
+            assert out["nccl_reason"] in out["cuda_error"]
+            assert "its other backends work: cpu: gloo" in out["cuda_error"]

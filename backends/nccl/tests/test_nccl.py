@@ -40,14 +40,27 @@ def test_pg_core_backends_prints_why_it_cannot_run_here() -> None:
         assert REASON in json.dumps(entry)
 
 
-def test_a_group_on_nccl_forms_where_it_can_run_and_is_refused_with_the_reason_elsewhere() -> None:
-    backends = {"cpu": "gloo", "cuda": "nccl"}
-    if REASON is None:  # a GPU machine: the group forms (NCCL itself starts on first use)
+def test_a_group_with_nccl_for_cuda_forms_everywhere_and_says_why_cuda_cannot_run_here() -> None:
+    # the card's line: on a machine without a usable GPU its cpu part runs unchanged
+    for backends in ({"cpu": "gloo", "cuda": "nccl"}, "cpu:gloo,cuda:nccl"):
         with ProcessGroup(HashStore(), 0, 1, backends=backends) as group:
             assert group.backends == {"cpu": "gloo", "cuda": "nccl"}
+            assert group.supports("all_reduce", "cuda") == (REASON is None)
+            group.all_reduce(t := torch.ones(2))
+            assert t.tolist() == [1.0, 1.0]
+            if REASON is not None:
+                with pytest.raises(BackendUnavailableError) as err:
+                    group.recv_tensor(src=0, device="cuda")  # a cuda use that needs no cuda tensor
+                assert REASON in str(err.value) and "group 'world' cannot run cuda tensors here" in str(err.value)
+
+
+def test_a_group_of_nccl_alone_is_refused_with_the_reason_where_it_cannot_run() -> None:
+    if REASON is None:  # a GPU machine: the group forms (NCCL itself starts on first use)
+        with ProcessGroup(HashStore(), 0, 1, backends="nccl") as group:
+            assert group.backends == {"cuda": "nccl"}
         return
-    with pytest.raises(BackendUnavailableError) as err:
-        ProcessGroup(HashStore(), 0, 1, backends=backends)
+    with pytest.raises(BackendUnavailableError) as err:  # its messages and barrier would need it
+        ProcessGroup(HashStore(), 0, 1, backends="nccl")
     assert REASON in str(err.value)
 
 

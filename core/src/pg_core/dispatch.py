@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
-from .errors import BackendNotFoundError, CollectiveTimeout, GroupClosedError
+from .errors import BackendNotFoundError, BackendUnavailableError, CollectiveTimeout, GroupClosedError
 from .instance import Instance
 from .ops import ReduceOp
 from .store import PrefixStore, Store
@@ -30,6 +30,7 @@ __all__ = [
     "message_device",
     "parse_backends",
     "resolve_backends",
+    "unavailable",
 ]
 
 BackendValue = str | BackendSpec | type[Backend] | Callable[[BackendContext], Backend]
@@ -76,8 +77,13 @@ def _adhoc_spec(value: Any, devices: Sequence[str]) -> BackendSpec:
 
 
 def resolve_backends(backends: BackendsArg, registry: Registry | None = None) -> dict[str, BackendSpec]:
-    """The user's ``backends=`` as device type -> spec. Talks to nobody: a wrong name, an
-    unavailable backend or a device the backend does not declare raises here.
+    """The user's ``backends=`` as device type -> spec. Talks to nobody: a name that is not
+    installed or a device the backend does not declare raises here, and so does an installed
+    backend that cannot run here if it serves the group's messages (:func:`message_device`).
+    Any other backend that cannot run here is kept: the group raises its
+    :class:`~pg_core.errors.BackendUnavailableError` on the first use of its device type
+    (:func:`unavailable`), so a script written for ``{"cuda": "nccl", "cpu": "gloo"}`` runs
+    its cpu part on a machine without a GPU.
 
     ``None`` picks, per device type, the highest-priority available backend of
     ``registry`` (default: the installed plugins); a name, every device it declares; a
@@ -85,13 +91,12 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
     subclass or a factory, every device it declares (``cpu`` for a bare class).
     """
     parsed = parse_backends(backends)
-    if registry is None and (parsed is None or isinstance(parsed, (str, dict))):
+    if registry is None:
         from .registry import default_registry
 
         registry = default_registry()
     specs: dict[str, BackendSpec] = {}
     if parsed is None:
-        assert registry is not None
         devices: list[str] = []
         for entry in registry.entries():
             for device in entry.devices:
@@ -111,21 +116,39 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
         for device, value in parsed.items():
             specs[device] = _resolve(registry, value, device)
     elif isinstance(parsed, str):
-        assert registry is not None
-        for device in registry.require(parsed).devices:
-            specs[device] = registry.require(parsed, device)
+        for device in registry.declared(parsed).devices:
+            specs[device] = registry.declared(parsed, device)
     else:
         devices_of = getattr(parsed, "devices", None) or ("cpu",)
         spec = parsed if isinstance(parsed, BackendSpec) else _adhoc_spec(parsed, devices_of)
         for device in spec.devices:
             specs[device] = spec
+    messages = message_device(specs).type
+    error = registry.unavailable_error(specs[messages], messages)
+    if error is not None:  # the group's own traffic (objects, barrier, subgroups) needs it
+        raise error
     return specs
 
 
-def _resolve(registry: Registry | None, value: BackendValue, device: str) -> BackendSpec:
+def unavailable(specs: Mapping[str, BackendSpec], registry: Registry | None, group: str) -> dict[str, str]:
+    """Device type -> the message of the :class:`~pg_core.errors.BackendUnavailableError`
+    that its first use raises, for each backend of ``specs`` that cannot run here."""
+    if registry is None:
+        from .registry import default_registry
+
+        registry = default_registry()
+    errors = {d: e for d, spec in specs.items() if (e := registry.unavailable_error(spec, d)) is not None}
+    working = ", ".join(f"{d}: {s.name}" for d, s in specs.items() if d not in errors)
+    return {
+        device: f"group {group!r} cannot run {device} tensors here. {error} The group formed without it"
+        f"{f' (its other backends work: {working})' if working else ''}; `pg-core backends` lists what runs here"
+        for device, error in errors.items()
+    }
+
+
+def _resolve(registry: Registry, value: BackendValue, device: str) -> BackendSpec:
     if isinstance(value, str):
-        assert registry is not None
-        return registry.require(value, device)
+        return registry.declared(value, device)
     if isinstance(value, BackendSpec):
         value.capabilities_for(device)  # raises if the spec does not declare it
         return value
@@ -148,13 +171,21 @@ class Dispatcher:
     """The live backend instances of one group, by device type, each created on first use.
 
     ``ctx`` builds the :class:`BackendContext` of a device (its store already prefixed for
-    this group). Closing refuses further creation; an instance created while the group
-    closed is aborted by its creator, so none escapes being closed.
+    this group). ``unavailable`` (see :func:`unavailable`) names the device types whose
+    backend cannot run here: creating one raises its error. Closing refuses further
+    creation; an instance created while the group closed is aborted by its creator, so none
+    escapes being closed.
     """
 
-    def __init__(self, specs: Mapping[str, BackendSpec], ctx: Callable[[BackendSpec, torch.device], BackendContext]):
+    def __init__(
+        self,
+        specs: Mapping[str, BackendSpec],
+        ctx: Callable[[BackendSpec, torch.device], BackendContext],
+        unavailable: Mapping[str, str] | None = None,
+    ):
         self._specs = dict(specs)
         self._ctx = ctx
+        self._unavailable = dict(unavailable or {})
         self._instances: dict[str, Instance] = {}  # by device type
         self._by_device: dict[torch.device, Instance] = {}  # the same, by every device seen (no .type on the hot path)
         self._locks = {device: threading.Lock() for device in self._specs}
@@ -163,6 +194,10 @@ class Dispatcher:
     @property
     def specs(self) -> dict[str, BackendSpec]:
         return dict(self._specs)
+
+    def available(self, device_type: str) -> bool:
+        """Whether ``device_type`` has a backend in this group that can run here."""
+        return device_type in self._specs and device_type not in self._unavailable
 
     def device(self, device_type: str) -> torch.device:
         """Where tensors of ``device_type`` live for this group: its instance's device once
@@ -202,6 +237,8 @@ class Dispatcher:
                 raise GroupClosedError("the group is closed")
             inst = self._instances.get(device.type)
             if inst is None:
+                if device.type in self._unavailable:
+                    raise BackendUnavailableError(self._unavailable[device.type])
                 spec = self._specs[device.type]
                 try:
                     inst = Instance(spec, self._ctx(spec, device))

@@ -25,7 +25,7 @@ import torch
 
 from . import environment, messages
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
-from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends
+from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends, unavailable
 from .errors import CollectiveTimeout, NotSupportedError, PluginError
 from .executor import Executor
 from .interop import to_torch
@@ -170,7 +170,8 @@ class ProcessGroup:
         self._rank, self._size, self._name, self._timeout = m.rank, m.size, f.name, f.timeout
         self._store = PrefixStore(m.prefix, f.store)
         self._specs = dict(f.specs)
-        self._supported = Supported(self._specs, f.name)
+        missing = unavailable(self._specs, f.registry, f.name)
+        self._supported = Supported(self._specs, f.name, missing)
         self._executor = Executor(f.name)
         self._dispatch = Dispatcher(
             self._specs,
@@ -184,6 +185,7 @@ class ProcessGroup:
                 options=f.options,
                 split_from=f.split_from,
             ),
+            missing,
         )
         # where barrier (an op without tensors) and messages go: the cpu backend, else the first configured one
         self._barrier_device = message_device(self._specs)
@@ -253,17 +255,20 @@ class ProcessGroup:
         reduce_op: ReduceOp | RedOpType | None = None,
     ) -> bool:
         """Whether ``op`` (e.g. ``"all_reduce"``, ``"isend"``, ``"recv_anysource"``: ``recv`` with
-        ``src=None``) is declared for that device/dtype/reduce op."""
+        ``src=None``) is declared for that device/dtype/reduce op by a backend that can run here
+        (False for a device type whose backend is installed but unavailable on this machine)."""
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         op = {"isend": "send", "irecv": "recv"}.get(op, op)
         spec = self._specs.get(device_type)
-        if spec is None:
+        if spec is None or not self._dispatch.available(device_type):
             return False
         caps = spec.capabilities_for(device_type)
         return caps.supports(op, dtype, as_reduce_op(reduce_op) if reduce_op is not None else None)
 
     def __repr__(self) -> str:
-        backends = ", ".join(f"{d}: {n}" for d, n in self.backends.items())
+        backends = ", ".join(
+            f"{d}: {n}{'' if self._dispatch.available(d) else ' (unavailable here)'}" for d, n in self.backends.items()
+        )
         state = self._executor.state
         shown = f" {state}" if state else ""
         return f"<ProcessGroup {self._name!r} rank {self._rank}/{self._size} backends={{{backends}}}{shown}>"
@@ -1040,7 +1045,7 @@ class ProcessGroup:
             tensor_dict,
             messages.TENSOR_DICT,
             src=src,
-            device=device_arg(device),
+            device=self._supported.target(device_arg(device)),
             timeout=self._seconds(timeout),
             async_op=async_op,
         )
@@ -1079,7 +1084,13 @@ class ProcessGroup:
         timeout: float | timedelta | None,
     ) -> Any:
         return self._objects.recv(
-            op, kind, src=src, tag=tag, device=device_arg(device), async_op=async_op, timeout=self._seconds(timeout)
+            op,
+            kind,
+            src=src,
+            tag=tag,
+            device=self._supported.target(device_arg(device)),
+            async_op=async_op,
+            timeout=self._seconds(timeout),
         )
 
     def _seconds(self, timeout: float | timedelta | None) -> float:

@@ -362,11 +362,24 @@ class Registry:
             raise BackendNotFoundError(self._unknown_message(views, name))
 
     def require(self, name: str, device: str | None = None) -> BackendSpec:
-        """:meth:`get`, then insist that the backend can run here (on ``device``).
+        """:meth:`declared`, then insist that the backend can run here (on ``device``).
 
-        Raises :class:`~pg_core.errors.NotSupportedError` if the backend does not
-        declare ``device`` and :class:`~pg_core.errors.BackendUnavailableError`
+        Raises what :meth:`declared` raises, and :class:`~pg_core.errors.BackendUnavailableError`
         with the backend's reason and the backends that are available instead.
+        """
+        with self._lock:
+            spec = self.declared(name, device)
+            error = self.unavailable_error(spec, device)
+            if error is not None:
+                raise error
+            return spec
+
+    def declared(self, name: str, device: str | None = None) -> BackendSpec:
+        """:meth:`get`, then insist that the backend declares ``device``; whether it can run
+        here is not asked (a group defers that to the first use of the device type).
+
+        Raises what :meth:`get` raises, and :class:`~pg_core.errors.NotSupportedError` if the
+        backend does not declare ``device``, naming the ones that serve it.
         """
         with self._lock:
             spec = self.get(name)
@@ -375,13 +388,24 @@ class Registry:
                     f"Backend {spec.name!r} does not support device {device!r}: it declares "
                     f"{', '.join(spec.devices)}. {self._alternatives(device, exclude=spec.name)}"
                 )
-            reason = self._why_unavailable(spec)
-            if reason is not None:
-                raise BackendUnavailableError(
-                    f"Backend {spec.name!r} is installed but unavailable: {_clause(reason)}. "
-                    f"{self._alternatives(device, exclude=spec.name)}"
-                )
             return spec
+
+    def why_unavailable(self, spec: BackendSpec) -> str | None:
+        """``spec.why_unavailable()``, probed once per spec and remembered until :meth:`refresh`."""
+        with self._lock:
+            return self._why_unavailable(spec)
+
+    def unavailable_error(self, spec: BackendSpec, device: str | None = None) -> BackendUnavailableError | None:
+        """``None`` if ``spec`` can run here, else the error that says why, with the backends
+        available instead (for ``device``, where given)."""
+        with self._lock:
+            reason = self._why_unavailable(spec)
+            if reason is None:
+                return None
+            return BackendUnavailableError(
+                f"Backend {spec.name!r} is installed but unavailable: {_clause(reason)}. "
+                f"{self._alternatives(device, exclude=spec.name)}"
+            )
 
     def available_for(self, device: str) -> list[BackendSpec]:
         """Available backends declaring ``device``, highest priority first, then by name.

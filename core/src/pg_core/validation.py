@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .backend import BackendSpec
-from .errors import NotSupportedError
+from .errors import BackendUnavailableError, NotSupportedError
 from .ops import ReduceOp
 
 __all__ = [
@@ -84,14 +84,18 @@ class Staging:
 
 class Supported:
     """The capability check of one group: every (op, device type, dtype, reduce op) against the
-    spec configured for that device type. Capabilities are immutable, so what passed once is
-    remembered."""
+    spec configured for that device type, and whether that backend can run here at all
+    (``unavailable``: device type -> the reason it cannot, see :func:`pg_core.dispatch.unavailable`).
+    Both are fixed for the group's life, so what passed once is remembered."""
 
-    __slots__ = ("_allowed", "_group", "_specs")
+    __slots__ = ("_allowed", "_group", "_specs", "_unavailable")
 
-    def __init__(self, specs: Mapping[str, BackendSpec], group: str) -> None:
+    def __init__(
+        self, specs: Mapping[str, BackendSpec], group: str, unavailable: Mapping[str, str] | None = None
+    ) -> None:
         self._specs = specs
         self._group = group
+        self._unavailable = dict(unavailable or {})
         self._allowed: set[tuple[object, ...]] = set()
 
     def spec(self, device_type: str) -> BackendSpec:
@@ -104,6 +108,14 @@ class Supported:
                 f"(configured: {configured}); pass backends={{'{device_type}': NAME}} when creating the group"
             ) from None
 
+    def target(self, device: torch.device | None) -> torch.device | None:
+        """``device``, where received values are to go, unless the group's backend for its type
+        cannot run here: then that backend's :class:`BackendUnavailableError`, before anything
+        is received. A device type the group has no backend for is a plain destination."""
+        if device is not None and device.type in self._unavailable:
+            raise BackendUnavailableError(self._unavailable[device.type])
+        return device
+
     def check(
         self, op: str, device: torch.device, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None
     ) -> None:
@@ -113,6 +125,8 @@ class Supported:
             return
         device_type = device.type
         spec = self.spec(device_type)
+        if device_type in self._unavailable:
+            raise BackendUnavailableError(self._unavailable[device_type])
         reason = spec.capabilities_for(device_type).why_not(op, dtype, reduce_op)
         if reason is not None:
             raise NotSupportedError(f"backend {spec.name!r} on {device_type}: {reason}")
