@@ -1,7 +1,8 @@
 # Two commands set everything up from nothing:
 #   make demo   installs, then runs a 4-rank example on the default backend and a short side-by-side
 #               benchmark of the installed backends
-#   make test   installs every in-repo distribution, runs ruff, mypy, `make package` and every test
+#   make test   installs every in-repo distribution, runs ruff, mypy, `make docs`, `make package` and every test
+#   make docs   builds the documentation site (mkdocs.yml, docs/) strictly into build/site
 #   make package builds every distribution's sdist and wheel into build/dist and tests them
 #                installed (not editable) in a fresh venv, build/pkg-venv
 
@@ -17,7 +18,7 @@ STAMP  := $(VENV)/.installed
 # The release check (tests/integration/test_packaging.py): `make package` runs it, `make unit` leaves it out.
 PACKAGING := tests/integration/test_packaging.py
 
-.PHONY: demo test lint typecheck unit package install clean bench bytecode
+.PHONY: demo test lint typecheck docs unit package install clean bench bytecode
 
 install: $(STAMP)
 
@@ -26,7 +27,8 @@ $(STAMP): constraints-dev.txt pyproject.toml $(addsuffix /pyproject.toml,$(DISTS
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt setuptools
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt \
 		-e 'core[testing]' $(addprefix -e ,$(filter-out core,$(DISTS))) \
-		numpy matplotlib pytest-timeout pytest-xdist ruff mypy build
+		numpy matplotlib pytest-timeout pytest-xdist ruff mypy build \
+		mkdocs mkdocs-material 'mkdocstrings[python]'
 	touch $@
 
 # The demo ends with the installed backends side by side: a short `pg-core bench` (a few sizes of
@@ -46,6 +48,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+
+# The documentation site (mkdocs.yml) into build/site. --strict: a broken link, a missing page or
+# an API reference that does not resolve fails the build. Offline: no theme fonts are fetched.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # The tests run in parallel worker processes (pytest-xdist), one per core up to 4: most of
 # them wait on rank processes, sockets and timeouts, so two workers on 2 cores took the suite
@@ -73,10 +80,10 @@ bytecode: $(STAMP)
 package: $(STAMP)
 	$(PY) -m pytest -p no:cacheprovider $(PACKAGING)
 
-# lint and typecheck first (a minute: a style error fails fast), then the packaging check and the
+# lint, typecheck and the docs first (a minute: a style error or a broken link fails fast), then the packaging check and the
 # tests side by side (the tests keep both cores busy only most of the time), each one's output
 # printed whole when it ends.
-test: lint typecheck
+test: lint typecheck docs
 	$(MAKE) --no-print-directory -j2 --output-sync=target package unit
 
 bench: $(STAMP)
