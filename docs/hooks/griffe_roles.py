@@ -4,7 +4,8 @@ The docstrings are prose with reStructuredText's inline roles (``:class:`~pg_cor
 and ``::`` before a literal block. mkdocstrings renders docstrings as Markdown, where a role
 would show as ``:class:`` beside a code span. This extension rewrites each role into an
 optional cross-reference (a link where the target is on the site, plain code where it is not)
-and each ``::`` into ``:``; the source files are left as they are.
+each ``::`` into ``:``, and a list nested two spaces deep into one nested four deep, as
+Markdown nests; the source files are left as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import griffe
 
 _ROLE = re.compile(r":(?:py:)?(?:class|meth|func|mod|data|attr|exc|obj|const):`(?P<tilde>~?)(?P<target>[^`<>]+)`")
 _LITERAL_BLOCK = re.compile(r"(?<=\S)::$", flags=re.MULTILINE)
+# A list nested two spaces deep, as the docstrings write it; Markdown nests at four.
+_NESTED_ITEM = re.compile(r"^  (?=[-*] )", flags=re.MULTILINE)
 
 
 def _identifier(obj: griffe.Object, target: str) -> str:
@@ -39,7 +42,7 @@ def markdown(obj: griffe.Object, text: str) -> str:
         title = target.rsplit(".", 1)[-1] if match["tilde"] else target
         return f'<autoref identifier="{_identifier(obj, target)}" optional><code>{title}</code></autoref>'
 
-    return _LITERAL_BLOCK.sub(":", _ROLE.sub(reference, text))
+    return _NESTED_ITEM.sub("    ", _LITERAL_BLOCK.sub(":", _ROLE.sub(reference, text)))
 
 
 class RolesAsReferences(griffe.Extension):
