@@ -229,6 +229,62 @@ def test_the_job_is_stopped_at_its_timeout(tmp_path: Path) -> None:
     assert_gone(job_pids(tmp_path, 2))
 
 
+#: pgrun (or ``pg-core run``) in a process that then says which torch modules it imported
+TORCH_IN_LAUNCHER = (
+    "import sys\n"
+    "from pg_core.{module} import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('the launcher imported torch:', 'torch' in sys.modules, file=sys.stderr)\n"
+    "sys.exit(code)\n"
+)
+
+
+@pytest.mark.requires_backend("tcp")
+@pytest.mark.parametrize(("module", "command"), [("launch", []), ("cli", ["run"])])
+@pytest.mark.timeout(240)
+def test_pgrun_starts_the_ranks_without_importing_torch(tmp_path: Path, module: str, command: list[str]) -> None:
+    argv = [sys.executable, "-c", TORCH_IN_LAUNCHER.format(module=module), *command, "-n", "2", "--backends", "tcp"]
+    job = Job([*argv, str(JOB), "--pids", str(tmp_path), "example"])
+    assert job.finish() == 0, job.output
+    assert demo_lines(job.stdout, prefixed=True) == expected_demo(2), job.output  # the store served the group
+    assert "the launcher imported torch: False" in job.stderr.splitlines(), job.output
+    assert_gone(job_pids(tmp_path, 2))
+
+
+def _store_process(pgrun_pid: int) -> int:
+    """The pid of the process that hosts pgrun ``pgrun_pid``'s store."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if parent == pgrun_pid and b"--_store-host" in cmdline:
+                return int(entry.name)
+    raise AssertionError(f"pgrun {pgrun_pid} has no store process")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the store's process through /proc (Linux)")
+@pytest.mark.timeout(240)
+def test_a_store_process_that_dies_fails_the_job_and_one_of_a_killed_pgrun_dies_with_it(tmp_path: Path) -> None:
+    job = Job(pgrun("-n", "2", JOB, "--pids", tmp_path, "hang"))
+    job.wait_for_lines(2, "ready")
+    os.kill(_store_process(job.proc.pid), signal.SIGKILL)
+    assert job.finish(timeout=60) == 137, job.output
+    assert "pgrun: the store's process was killed by signal 9 (SIGKILL) while ranks were running" in job.stderr
+    assert_gone(job_pids(tmp_path, 2))
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    job = Job(pgrun("-n", "2", JOB, "--pids", killed, "hang"))
+    job.wait_for_lines(2, "ready")
+    store = _store_process(job.proc.pid)
+    job.proc.send_signal(signal.SIGKILL)
+    job.finish()
+    assert_gone([store, *job_pids(killed, 2)])
+
+
 def test_a_command_line_pgrun_cannot_run_is_refused_before_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

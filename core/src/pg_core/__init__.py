@@ -1,30 +1,68 @@
-"""pg-core: object-oriented, global-state-free process groups for PyTorch."""
+"""pg-core: object-oriented, global-state-free process groups for PyTorch.
+
+The public names below are imported on first use (PEP 562), so importing ``pg_core`` or a
+torch-free module of it (``pg_core.launch``: the ``pgrun`` command) does not import torch:
+``pgrun`` starts its ranks without paying for torch first. ``from pg_core import
+ProcessGroup`` imports what it names, as any import would.
+"""
 
 from __future__ import annotations
 
-from .backend import API_VERSION, Backend, BackendContext, BackendSpec, Capabilities
-from .errors import (
-    BackendNotFoundError,
-    BackendUnavailableError,
-    CollectiveMismatchError,
-    CollectiveTimeout,
-    GroupClosedError,
-    NotSupportedError,
-    PeerFailureError,
-    PGError,
-    PluginConflictError,
-    PluginError,
-    PluginLoadError,
-    PluginVersionError,
-    StoreUnavailableError,
-)
-from .group import P2POp, ProcessGroup, rendezvous
-from .ops import RedOpType, ReduceOp
-from .registry import PluginEntry, Registry, default_registry, register_backend
-from .store import FileStore, HashStore, PrefixStore, Store, StoreServer, TCPStore
-from .work import Work
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backend import API_VERSION, Backend, BackendContext, BackendSpec, Capabilities
+    from .errors import (
+        BackendNotFoundError,
+        BackendUnavailableError,
+        CollectiveMismatchError,
+        CollectiveTimeout,
+        GroupClosedError,
+        NotSupportedError,
+        PeerFailureError,
+        PGError,
+        PluginConflictError,
+        PluginError,
+        PluginLoadError,
+        PluginVersionError,
+        StoreUnavailableError,
+    )
+    from .group import P2POp, ProcessGroup, rendezvous
+    from .ops import RedOpType, ReduceOp
+    from .registry import PluginEntry, Registry, default_registry, register_backend
+    from .store import FileStore, HashStore, PrefixStore, Store, StoreServer, TCPStore
+    from .work import Work
 
 __version__ = "0.1.0"
+
+#: Each public name -> the module that defines it.
+_HOME: dict[str, str] = {
+    **dict.fromkeys(("API_VERSION", "Backend", "BackendContext", "BackendSpec", "Capabilities"), "backend"),
+    **dict.fromkeys(
+        (
+            "BackendNotFoundError",
+            "BackendUnavailableError",
+            "CollectiveMismatchError",
+            "CollectiveTimeout",
+            "GroupClosedError",
+            "NotSupportedError",
+            "PeerFailureError",
+            "PGError",
+            "PluginConflictError",
+            "PluginError",
+            "PluginLoadError",
+            "PluginVersionError",
+            "StoreUnavailableError",
+        ),
+        "errors",
+    ),
+    **dict.fromkeys(("P2POp", "ProcessGroup", "rendezvous"), "group"),
+    **dict.fromkeys(("RedOpType", "ReduceOp"), "ops"),
+    **dict.fromkeys(("PluginEntry", "Registry", "default_registry", "register_backend"), "registry"),
+    **dict.fromkeys(("FileStore", "HashStore", "PrefixStore", "Store", "StoreServer", "TCPStore"), "store"),
+    "Work": "work",
+}
 
 __all__ = [
     "API_VERSION",
@@ -62,3 +100,16 @@ __all__ = [
     "register_backend",
     "rendezvous",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'pg_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})

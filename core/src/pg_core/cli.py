@@ -11,11 +11,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import bench, launch
-from .registry import PluginEntry, default_registry
-from .testing import command as conformance
+from . import launch
+
+if TYPE_CHECKING:
+    from .registry import PluginEntry
 
 __all__ = ["main"]
 
@@ -26,7 +27,13 @@ _Subparsers = Any  # argparse's _SubParsersAction is private
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``pg-core`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    """Run ``pg-core`` with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
+
+    ``pg-core run`` is ``pgrun``: it goes straight to the launcher, without importing what
+    the other subcommands need (torch), so its ranks start as soon as ``pgrun``'s do."""
+    args_given = sys.argv[1:] if argv is None else argv
+    if args_given[:1] == ["run"]:
+        return launch.main(args_given[1:], prog="pg-core run")
     parser = _parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
@@ -73,6 +80,8 @@ def _add_backends(subparsers: _Subparsers) -> None:
 
 
 def _backends(args: argparse.Namespace) -> int:
+    from .registry import default_registry
+
     out = sys.stdout
     entries = default_registry().entries()
     if args.capabilities:
@@ -171,9 +180,21 @@ def _table(entries: Sequence[PluginEntry]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _add_bench(subparsers: _Subparsers) -> None:
+    from . import bench
+
+    bench.add_parser(subparsers)
+
+
+def _add_conformance(subparsers: _Subparsers) -> None:
+    from .testing import command as conformance
+
+    conformance.add_parser(subparsers)
+
+
 _SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [
     _add_backends,
     launch.add_parser,
-    bench.add_parser,
-    conformance.add_parser,
+    _add_bench,
+    _add_conformance,
 ]

@@ -39,6 +39,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import IO, Any, Final, TextIO
 
 __all__ = ["add_arguments", "add_parser", "main", "run"]
@@ -168,9 +168,9 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``pgrun`` command."""
-    parser = argparse.ArgumentParser(prog="pgrun", description=_DESCRIPTION)
+def main(argv: Sequence[str] | None = None, *, prog: str = "pgrun") -> int:
+    """The ``pgrun`` command (``prog``: its name in usage messages)."""
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
@@ -291,7 +291,8 @@ class _Job:
         self.signals: list[int] = []
         self.write_lock = threading.Lock()
         self.status_dir: str | None = None
-        self.store: Any = None
+        self.store: Any = None  # a multi-node job's client of the store
+        self.store_proc: _Proc | None = None  # node 0: the process hosting the store
         self.exits = itertools.count(1)
 
     # -- the whole run -------------------------------------------------------------------------
@@ -315,7 +316,7 @@ class _Job:
                 signal.signal(sig, handler)
             if self.status_dir is not None:
                 shutil.rmtree(self.status_dir, ignore_errors=True)
-            self.store = None  # the server (node 0) goes once every rank is gone
+            self._close_store()  # node 0: the server goes once every rank is gone
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)
@@ -323,22 +324,86 @@ class _Job:
 
     # -- the store -----------------------------------------------------------------------------
     def _open_store(self) -> tuple[str, int]:
-        from .store import StoreServer, TCPStore
-
+        """Node 0: bind the store's port here and host torch's ``TCPStore`` server on it in a
+        process of its own (:func:`_host_store`), which imports torch while the ranks start, so
+        pgrun itself never does; the ranks' connections wait in the socket's backlog until it
+        serves. A multi-node job's pgrun is also a client of the store (its own calls, to follow
+        the other nodes): that one imports torch."""
         c = self.config
         timeout = min(_CONNECT_S, c.timeout or _CONNECT_S)
+        port = c.port
         if c.node_rank == 0:
-            server = StoreServer(c.host, c.port, timeout=timeout)
-            self.store = server.store  # (it keeps the server; dropped once every rank is gone)
-            return c.host, server.port
+            port = self._host_store(timeout)
+            if c.nnodes == 1:
+                return c.host, port
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
         try:
-            self.store = TCPStore(c.host, c.port, is_master=False, timeout=timedelta(seconds=timeout))
+            self.store = TCPStore(c.host, port, is_master=False, timeout=timedelta(seconds=timeout))
         except Exception as exc:  # torch's DistNetworkError, a RuntimeError
             raise RuntimeError(
-                f"node {c.node_rank}: could not reach the store on node 0 at {c.host}:{c.port} within {timeout:g} s "
-                f"(is pgrun --node-rank 0 --master {c.host}:{c.port} running?): {exc}"
+                f"node {c.node_rank}: could not reach the store on node 0 at {c.host}:{port} within {timeout:g} s "
+                f"(is pgrun --node-rank 0 --master {c.host}:{port} running?): {exc}"
             ) from exc
-        return c.host, c.port
+        return c.host, port
+
+    def _host_store(self, timeout: float) -> int:
+        """Start the store's process on a socket bound here (every interface, as
+        :class:`~pg_core.StoreServer` listens); its port."""
+        c = self.config
+        backlog = max(128, 2 * c.world_size)  # every rank may connect before the server accepts
+        if socket.has_dualstack_ipv6():
+            listening = socket.create_server(
+                ("", c.port), family=socket.AF_INET6, backlog=backlog, reuse_port=False, dualstack_ipv6=True
+            )
+        else:
+            listening = socket.create_server(("", c.port), backlog=backlog)
+        with listening:
+            fd, port = listening.fileno(), int(listening.getsockname()[1])
+            command = [sys.executable, "-m", "pg_core.launch", _STORE_HOST_FLAG, str(fd), c.host, str(port)]
+            popen = subprocess.Popen(
+                [*command, f"{timeout:g}", str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=(fd,),
+                start_new_session=True,  # Ctrl-C to pgrun's terminal leaves it: it serves until the ranks are gone
+            )
+        # (pgrun's copy of the socket is closed: once the store's process is gone, connecting is refused)
+        self.store_proc = _Proc("the store's process", popen, b"")
+        assert popen.stderr is not None
+        pump = threading.Thread(target=self._pump_tail, args=(popen.stderr, self.store_proc.tail), daemon=True)
+        pump.start()
+        self.store_proc.pumps.append(pump)
+        threading.Thread(target=self._wait_store_proc, args=(self.store_proc,), daemon=True).start()
+        return port
+
+    def _pump_tail(self, pipe: IO[bytes], tail: collections.deque[bytes]) -> None:
+        with pipe:
+            for chunk in iter(lambda: pipe.readline(65536), b""):
+                tail.append(chunk)
+
+    def _wait_store_proc(self, proc: _Proc) -> None:
+        status = proc.popen.wait()
+        proc.exit_order = next(self.exits)
+        proc.status = status
+        self.changed.set()
+
+    def _close_store(self) -> None:
+        """Stop the store's process, the ranks gone: nothing in it outlives them, so it is
+        killed (it may still be importing torch, for a job whose ranks never used it)."""
+        self.store = None
+        proc, self.store_proc = self.store_proc, None
+        if proc is None:
+            return
+        _killpg(proc, signal.SIGKILL)
+        proc.popen.wait(10.0)
+        for pump in proc.pumps:
+            pump.join(5.0)
+        if proc.popen.stdin is not None:
+            proc.popen.stdin.close()
 
     # -- starting ------------------------------------------------------------------------------
     def _env(self, host: str, port: int) -> dict[str, str]:
@@ -489,6 +554,10 @@ class _Job:
 
     def _failed(self) -> _Failure | None:
         """The first failure of this node's processes, if any."""
+        store = self.store_proc
+        if store is not None and store.status is not None and any(p.status is None for p in self.procs):
+            what = f"{store.label} {_exit_text(store.status) if store.status else 'exited'} while ranks were running"
+            return _Failure(what, list(store.tail), _exit_code(store.status) or 1)
         if self.config.mpi:
             return self._mpi_failed()
         failed = [p for p in self.procs if p.status not in (None, 0)]
@@ -737,9 +806,44 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# -- the store's process ------------------------------------------------------------------------
+
+_STORE_HOST_FLAG: Final = "--_store-host"
+
+
+def _host_store_main(argv: Sequence[str]) -> int:
+    """Host the job's store (``python -m pg_core.launch --_store-host FD HOST PORT TIMEOUT PGRUN_PID``):
+    torch's ``TCPStore`` server on the listening socket ``FD`` that pgrun bound, until pgrun
+    kills it (the ranks gone), dies (``PR_SET_PDEATHSIG``) or closes this process's stdin."""
+    fd_text, host, port_text, timeout_text, pgrun_text = argv
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+    if os.getppid() != int(pgrun_text):  # pgrun died before the line above
+        return 137
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(  # noqa: F841 - the server lives as long as this object
+        host,
+        int(port_text),
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=float(timeout_text)),
+        master_listen_fd=int(fd_text),
+    )
+    while sys.stdin.buffer.read(65536):
+        pass
+    os._exit(0)  # without torch's teardown
+
+
 def _module_main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "--_mpi-rank":
         return _mpi_rank(argv[1:])
+    if argv and argv[0] == _STORE_HOST_FLAG:
+        return _host_store_main(argv[1:])
     return main(argv)
 
 
