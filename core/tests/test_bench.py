@@ -499,11 +499,18 @@ def _sized(row: bench.Row, size: int) -> bench.Row:
     return bench.dataclasses.replace(row, size=size, requested_size=size, count=size // 4)
 
 
-def test_plot_has_latency_and_bandwidth_with_baselines_dashed_in_their_backends_colour(tmp_path: Path) -> None:
+def test_plot_has_a_row_of_panels_per_op_with_units_and_its_legend_off_the_data(tmp_path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     rows = [
-        _sized(_row(backend, 100.0 * (k + 1), baseline=backend in bench.BASELINES, op=op), size)
+        _sized(
+            _row(
+                backend, 100.0 * (k + 1) * (100 if op == "send_recv" else 1), baseline=backend in bench.BASELINES, op=op
+            ),
+            size,
+        )
         for op in ("all_reduce", "send_recv")
-        for size in (8, 1024, 1 << 20)
+        for size in (4, 64 << 10, 1 << 20)
         for k, backend in enumerate([bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"])
     ]
     rows.append(dataclasses.replace(rows[0], size=16, median_us=None, status="skipped"))  # no time: not drawn
@@ -511,30 +518,37 @@ def test_plot_has_latency_and_bandwidth_with_baselines_dashed_in_their_backends_
     assert colours[bench.BASELINE] == colours["gloo"] and colours[bench.MPI4PY] == colours["mpi"]
     assert len({colours["tcp"], colours["gloo"], colours["mpi"]}) == 3
     fig = bench.plot_figure(rows)
-    latency, bandwidth = fig.axes
-    for ax in (latency, bandwidth):
-        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
-        lines = {line.get_label(): line for line in ax.get_lines()}
-        assert len(lines) == 10  # 5 backends x 2 ops
-        for label, line in lines.items():
-            op, backend = label.split(", ")
-            assert op in ("all_reduce", "send_recv")
-            assert line.get_color() == colours[backend]
-            assert line.get_linestyle() == ("--" if backend in bench.BASELINES else "-"), label
-            assert list(line.get_xdata()) == [8, 1024, 1 << 20]
-        assert lines["all_reduce, tcp"].get_marker() != lines["send_recv, tcp"].get_marker()
-    assert list(latency.get_lines()[2].get_ydata()) == [300.0] * 3  # median times, tcp's
-    assert "time" in latency.get_ylabel() and "bandwidth" in bandwidth.get_ylabel()
-    title = fig._suptitle.get_text()
-    assert "all_reduce, send_recv" in title and "world size 2" in title and "float32" in title
-    one_op = bench.plot_figure([r for r in rows if r.op == "all_reduce"])
-    assert {line.get_label() for line in one_op.axes[0].get_lines()} == {
-        bench.BASELINE,
-        bench.MPI4PY,
-        "tcp",
-        "gloo",
-        "mpi",
-    }
+    assert len(fig.axes) == 4  # per op: time, bus bandwidth
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (legend,) = fig.legends  # one for the figure, none in a panel
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    assert {t.get_text() for t in legend.get_texts()} == {bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"}
+    legend_box = legend.get_window_extent(renderer)
+    for op, (latency, bandwidth) in zip(("all_reduce", "send_recv"), [fig.axes[:2], fig.axes[2:]], strict=True):
+        assert latency.get_title().startswith(f"{op}: median time") and bandwidth.get_title().startswith(f"{op}: bus")
+        for ax in (latency, bandwidth):
+            assert not legend_box.overlaps(ax.get_window_extent(renderer)), f"the legend covers {ax.get_title()}"
+            assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+            assert ax.get_xlabel() == "message size per rank (bytes)"
+            assert [t.get_text() for t in ax.get_xticklabels()] == ["4 B", "64 KiB", "1 MiB"]
+            lines = {line.get_label(): line for line in ax.get_lines()}
+            assert set(lines) == {bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"}  # this op's only
+            for label, line in lines.items():
+                assert line.get_color() == colours[label]
+                assert line.get_linestyle() == ("--" if label in bench.BASELINES else "-"), label
+                assert list(line.get_xdata()) == [4, 64 << 10, 1 << 20]
+            assert len({line.get_marker() for line in lines.values()}) == 5
+        assert bandwidth.get_ylabel() == "bus bandwidth (GB/s)"
+    assert fig.axes[0].get_ylabel() == "median time per iteration (µs)"
+    assert list(fig.axes[0].get_lines()[2].get_ydata()) == [300.0] * 3  # tcp's median times, in µs
+    assert fig.axes[2].get_ylabel() == "median time per iteration (ms)"  # 10 to 50 ms: read in ms
+    assert list(fig.axes[2].get_lines()[2].get_ydata()) == [30.0] * 3
+    assert "world size 2" in fig._suptitle.get_text() and "float32" in fig._suptitle.get_text()
+    many = [_sized(_row("tcp", 10.0 * (k + 1)), 4 << k) for k in range(20)]  # 4 B .. 2 MiB: 20 sizes
+    labels = [t.get_text() for t in bench.plot_figure(many).axes[0].get_xticklabels()]
+    assert 2 <= len(labels) <= 9 and labels[0] == "4 B" and all(label.endswith(("B", "iB")) for label in labels)
     path = tmp_path / "plot.png"
     bench.write_plot(rows, str(path))
     assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 10_000
