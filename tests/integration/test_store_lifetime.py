@@ -211,6 +211,8 @@ def test_host_waits_at_most_its_timeout_and_names_who_did_not_leave(ranks: Calla
     assert LEAVE_TIMEOUT_S - 0.5 <= left["took"] <= LEAVE_TIMEOUT_S + 10.0, left
     (warning,) = left["warnings"]
     assert "rank(s) 2 did not" in warning, warning
+    ((filename, line),) = left["at"]  # the user's `with` line, not pg-core's own frames
+    assert Path(filename).resolve() == Path(__file__).resolve() and "with group:" in _line(line), (filename, line)
     assert "rank 0 hosts the store at 127.0.0.1:" in warning, warning
     assert r.exit_code(0) == 0 and r.exit_code(1) == 0
 
@@ -393,6 +395,10 @@ def host_first(store: TCPStore, rank: int, size: int, backend: str) -> None:
     _report("done", sub=s.tolist(), received=received.tolist() if rank == 3 else None)
 
 
+def _line(number: int) -> str:
+    return Path(__file__).read_text().splitlines()[number - 1]
+
+
 def never_leaves(store: TCPStore, rank: int, size: int, backend: str) -> None:
     group = _world(store, rank, size, backend, timeout=LEAVE_TIMEOUT_S)
     if rank == 2:
@@ -405,9 +411,12 @@ def never_leaves(store: TCPStore, rank: int, size: int, backend: str) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             start = time.monotonic()
-            group.shutdown()
+            with group:  # the block's end is the shutdown: the warning points here, at the user's line
+                pass
             took = time.monotonic() - start
-        _report("left", took=took, warnings=[str(w.message) for w in caught])
+        _report(
+            "left", took=took, warnings=[str(w.message) for w in caught], at=[(w.filename, w.lineno) for w in caught]
+        )
 
 
 def server(store: TCPStore, rank: int, size: int, backend: str) -> None:

@@ -7,6 +7,9 @@ byte is sent, because that is what a Python user catches for bad arguments.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Iterable, Sequence
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "PluginLoadError",
     "PluginVersionError",
     "StoreUnavailableError",
+    "warn_user",
 ]
 
 
@@ -120,3 +124,16 @@ class CollectiveTimeout(PGError, TimeoutError):
         self.op = op
         self.seq = seq
         self.peers = tuple(sorted(set(peers)))
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn`` pointing at the first frame outside pg-core: the user's line that led
+    here (``group.shutdown()``, or the end of a ``with`` block), however deep inside pg-core the
+    warning is raised."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -35,12 +35,16 @@ _LATCHED = (CollectiveTimeout, PeerFailureError, CollectiveMismatchError)
 
 
 class Executor:
-    """Runs one group's collectives in order; ``name`` is the group's, for messages."""
+    """Runs one group's collectives in order; ``name`` is the group's, for messages.
+    ``explain``, where given, is shown every :class:`CollectiveTimeout` of a collective once
+    its op and sequence number are set, to say more where the group knows more (members
+    that never joined, :func:`pg_core.membership.never_joined`)."""
 
     __slots__ = (
         "__weakref__",
         "_broken",
         "_exec_lock",
+        "_explain",
         "_lock",
         "_name",
         "_next_seq",
@@ -52,8 +56,9 @@ class Executor:
         "seq",
     )
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, explain: Callable[[CollectiveTimeout], None] | None = None) -> None:
         self._name = name
+        self._explain = explain
         self._lock = threading.Lock()  # guards _pending, _worker, _worker_ident, _state
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
@@ -188,6 +193,8 @@ class Executor:
         if isinstance(exc, _LATCHED):
             if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
                 exc.op, exc.seq = op, seq
+                if self._explain is not None:
+                    self._explain(exc)
             if self._broken is None:
                 self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
 

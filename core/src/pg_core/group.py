@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,10 +25,10 @@ import torch
 from . import environment, messages
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends, unavailable
-from .errors import CollectiveTimeout, NotSupportedError, PluginError
+from .errors import CollectiveTimeout, NotSupportedError, PluginError, warn_user
 from .executor import Executor
 from .interop import to_torch
-from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave
+from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave, never_joined
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
 from .store import PrefixStore, Store, hosts_store, store_address, wait_for
@@ -172,7 +171,7 @@ class ProcessGroup:
         self._specs = dict(f.specs)
         missing = unavailable(self._specs, f.registry, f.name)
         self._supported = Supported(self._specs, f.name, missing)
-        self._executor = Executor(f.name)
+        self._executor = Executor(f.name, never_joined(self._store, m.size, f.name))
         self._dispatch = Dispatcher(
             self._specs,
             context_factory(
@@ -1266,13 +1265,11 @@ class ProcessGroup:
         missing = await_leaving(self._store, self._size, self._timeout, what)
         if missing:
             address = store_address(self._formation.store)
-            warnings.warn(
+            warn_user(
                 f"group {self._name!r}: rank {self._rank} hosts the store{f' at {address}' if address else ''}, and "
                 f"its shutdown waited {self._timeout:g} s (the group's timeout) for every member to leave the group; "
                 f"rank(s) {', '.join(map(str, missing))} did not (no shutdown() or abort() yet, or the process died). "
-                "The store ends with this process: if they still use it, they fail with StoreUnavailableError",
-                RuntimeWarning,
-                stacklevel=3,
+                "The store ends with this process: if they still use it, they fail with StoreUnavailableError"
             )
 
     def _mark_generation_closed(self) -> None:

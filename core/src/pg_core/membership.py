@@ -29,14 +29,13 @@ import os
 import socket
 import threading
 import uuid
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from .backend import BackendSpec
 from .dispatch import describe, message_device
-from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
+from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError, warn_user
 from .store import Store, guarded, wait_any, wait_for
 
 if TYPE_CHECKING:
@@ -47,11 +46,13 @@ __all__ = [
     "Formation",
     "Membership",
     "Subgroups",
+    "absent",
     "await_leaving",
     "check_name",
     "form",
     "join",
     "leave",
+    "never_joined",
     "wait_until_full",
 ]
 
@@ -154,6 +155,39 @@ _PROCESS_NONCE: Final = uuid.uuid4().hex[:16]
 def _this_process() -> str:
     """The start of the rank tokens this process claims: ``host:pid:nonce:``."""
     return f"{socket.gethostname()}:{os.getpid()}:{_PROCESS_NONCE}:"
+
+
+def absent(group_store: Store, size: int) -> list[int]:
+    """The ranks that have not taken their place in the formation (``group_store``: its
+    prefixed store): the processes that never created the group, as the store knows them."""
+    if group_store.check([f"rank/{r}" for r in range(size)]):
+        return []
+    return [r for r in range(size) if not group_store.check([f"rank/{r}"])]
+
+
+def never_joined(group_store: Store, size: int, name: str) -> Callable[[CollectiveTimeout], None]:
+    """What a group does with a timeout of its own: where members never joined, that is the
+    cause, so the message says so first and names only them (not the members that are here,
+    waiting in the same operation)."""
+
+    def explain(exc: CollectiveTimeout) -> None:
+        try:
+            missing = absent(group_store, size)
+        except Exception:  # the store is gone or failing: the backend's account stands
+            return
+        if not missing:
+            return
+        ranks = ", ".join(map(str, missing))
+        which = f"rank {ranks}" if len(missing) == 1 else f"ranks {ranks}"
+        where = f"{exc.op} (collective #{exc.seq})" if exc.op and exc.seq is not None else (exc.op or "the operation")
+        exc.args = (
+            f"{which} of {size} never joined group {name!r}: {where} timed out waiting for "
+            f"{'it' if len(missing) == 1 else 'them'}. Every member must create the group on this store with this "
+            "name; check that the process started and did not fail before that",
+        )
+        exc.peers = tuple(missing)
+
+    return explain
 
 
 def leave(group_store: Store, rank: int) -> None:
@@ -320,10 +354,8 @@ class Subgroups:
                 try:
                     release(handles)
                 except Exception as failed:
-                    warnings.warn(
-                        f"split of group {parent.name!r}: releasing this member's handle after {exc!r} failed: {failed!r}",
-                        RuntimeWarning,
-                        stacklevel=3,
+                    warn_user(
+                        f"split of group {parent.name!r}: releasing this member's handle after {exc!r} failed: {failed!r}"
                     )
             raise
         return replace(formation, split_from=handles) if handles else formation

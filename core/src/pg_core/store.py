@@ -1,8 +1,10 @@
 """Stores: torch's c10d key-value stores, re-exported, and the helpers groups use on them.
 
-pg-core uses torch's stores unchanged (``TCPStore``, ``FileStore``, ``HashStore``,
-``PrefixStore``), so a store created for torch.distributed, torchrun's, or
-vLLM's, serves pg-core groups too. Groups never write outside their own prefix.
+pg-core uses torch's stores (``TCPStore``, ``FileStore``, ``HashStore``, ``PrefixStore``),
+so a store created for torch.distributed, torchrun's, or vLLM's, serves pg-core groups too.
+Groups never write outside their own prefix. ``pg_core.TCPStore`` *is* torch's, with one
+difference for a client: it waits for the server in Python first (:func:`wait_for_server`),
+so the wait is bounded by its ``timeout`` and Ctrl-C ends it.
 
 A ``TCPStore`` lives as long as the process that hosts its server. :class:`StoreServer`
 hosts one apart from the ranks; a group formed on a store sees it through
@@ -22,7 +24,8 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
-from torch.distributed import DistNetworkError, FileStore, HashStore, PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError, FileStore, HashStore, PrefixStore, Store
+from torch.distributed import TCPStore as _TorchTCPStore
 
 from .errors import CollectiveTimeout, StoreUnavailableError
 from .timeouts import DEFAULT_TIMEOUT, Deadline, seconds
@@ -62,7 +65,7 @@ def store_host(store: Store) -> str | None:
     """The host a ``TCPStore`` (possibly behind ``PrefixStore`` wrappers) connects to,
     or ``None`` for stores that live in one host's memory or file system."""
     inner = _innermost(store)
-    if isinstance(inner, TCPStore):
+    if isinstance(inner, _TorchTCPStore):
         return str(inner.host)
     return None
 
@@ -70,7 +73,7 @@ def store_host(store: Store) -> str | None:
 def store_address(store: Store) -> str | None:
     """``host:port`` of a ``TCPStore`` (possibly wrapped), or ``None`` for other stores."""
     inner = _innermost(store)
-    if isinstance(inner, TCPStore):
+    if isinstance(inner, _TorchTCPStore):
         host = str(inner.host)
         return f"[{host}]:{inner.port}" if ":" in host else f"{host}:{inner.port}"
     return None
@@ -86,7 +89,7 @@ def hosts_store(store: Store) -> bool:
     ``/proc/self/fd`` or ``/dev/fd``; where neither lists them, ``False``, so nothing waits.
     ``False`` for other stores (``FileStore``, ``HashStore``)."""
     inner = _innermost(store)
-    if not isinstance(inner, TCPStore):
+    if not isinstance(inner, _TorchTCPStore):
         return False
     bound = _listening_addresses(int(inner.port))
     if not bound:
@@ -245,6 +248,61 @@ class GuardedStore(Store):
 def guarded(store: Store) -> GuardedStore:
     """``store`` seen through :class:`GuardedStore` (itself, if it is one already)."""
     return store if isinstance(store, GuardedStore) else GuardedStore(store)
+
+
+_SERVER_POLL_FIRST_S = 0.01
+_SERVER_POLL_MAX_S = 0.25
+
+
+def wait_for_server(host: str, port: int, timeout: float | timedelta) -> None:
+    """Wait until something accepts TCP connections at ``host:port``, at most ``timeout``, in
+    Python: interruptible (Ctrl-C raises ``KeyboardInterrupt`` at once), and bounded by
+    ``timeout`` (torch's own client, waiting in C++, ignores Ctrl-C and gives up after about
+    twice its timeout). Raises :class:`~pg_core.errors.StoreUnavailableError` saying who
+    should have been there."""
+    budget = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    deadline = time.monotonic() + budget
+    pause = _SERVER_POLL_FIRST_S
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.001, min(left, 1.0))):
+                return
+        except OSError as exc:  # refused (nobody listens yet), unreachable, or the host does not resolve
+            last = exc
+        left = deadline - time.monotonic()
+        if left <= 0:
+            address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise StoreUnavailableError(
+                f"no store server at {address} after {budget:g} s ({last}): the process that hosts it (the one "
+                "that made its TCPStore with is_master=True, usually rank 0) has not started, failed before it "
+                "could, or listens elsewhere. A launcher (pgrun, torchrun) or a StoreServer hosts the store apart "
+                "from the ranks, so one rank failing early cannot leave the others waiting",
+                address=address,
+            )
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, _SERVER_POLL_MAX_S)
+
+
+class TCPStore(_TorchTCPStore):
+    """torch's ``TCPStore`` (an instance of it: everything torch takes, it takes), whose
+    client waits for the server with :func:`wait_for_server` before torch connects: at most
+    ``timeout``, and Ctrl-C ends the wait. The arguments are torch's."""
+
+    def __init__(
+        self,
+        host_name: str,
+        port: int,
+        world_size: int | None = None,
+        is_master: bool = False,
+        timeout: timedelta = timedelta(seconds=300),
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        if not is_master:
+            wait_for_server(host_name, int(port), timeout)
+        super().__init__(host_name, port, world_size, is_master, timeout, *args, **kwargs)
 
 
 class StoreServer:
