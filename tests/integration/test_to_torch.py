@@ -1,19 +1,27 @@
 """``ProcessGroup.to_torch()`` across real processes: DistributedDataParallel and the
 ``torch.distributed`` collectives over pg-gloo (its Gloo object registered natively) and
 pg-tcp (through the Python adapter), with ``torch.distributed.is_initialized()`` False
-throughout."""
+throughout; and the futures of asynchronous calls (what DDP waits on) on every in-repo CPU
+backend, pg-mpi's ranks started by ``mpiexec``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from pg_core import ProcessGroup
+from pg_core.errors import CollectiveTimeout
 from pg_core.interop import _Adapter
+from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
+from pg_core.testing.rank import run_warm_up
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 Pools = Callable[[int], RankPool]
 
@@ -175,3 +183,90 @@ def torch_irecv_from_any_source(ctx: RankContext) -> list[tuple[int, float]] | N
 def test_torch_irecv_without_src_receives_from_any_source(rank_pools: Pools) -> None:
     got = rank_pools(3).run(torch_irecv_from_any_source, timeout=120)[0]
     assert got is not None and sorted(got) == [(1, 1.0), (2, 2.0)]
+
+
+# -- futures: complete without anyone waiting on the work, on every backend ------------------------
+
+
+@pytest.fixture(scope="module")
+def mpi_pool() -> Iterator[RankPool]:
+    """Two ranks started by ``mpiexec`` (pg-mpi's ranks must be one MPI job), MPI initialised first."""
+    pool = RankPool(2, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
+    yield pool
+    pool.close()
+
+
+def future_path(ctx: RankContext, backend: str) -> dict[str, Any]:
+    """What torch does with an asynchronous call's work: waits on its future (never on the
+    work), chains ``then`` callbacks on it that must run by themselves, and (DDP's comm hook)
+    returns such a chained future to DDP; then a call rank 1 never joins, whose future must
+    fail with the call's timeout on rank 0. Every wait is bounded (by the pool's timeout)."""
+    n, r = ctx.size, ctx.rank
+    group = ProcessGroup(ctx.store, r, n, backends=backend, timeout=ctx.timeout)
+    try:
+        pg = group.to_torch()
+        got: dict[str, Any] = {"adapter": isinstance(pg, _Adapter)}
+        t = torch.full((3,), float(r + 1))
+        got["future"] = [x.tolist() for x in dist.all_reduce(t, group=pg, async_op=True).get_future().wait()]
+        ran = threading.Event()
+        t = torch.full((2,), float(r))
+
+        def callback(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            ran.set()
+            return fut.value()[0] / n
+
+        chained = dist.all_reduce(t, group=pg, async_op=True).get_future().then(callback)
+        got["callback_ran_unwaited"] = ran.wait(60)  # nobody waits on the work nor on either future
+        got["then"] = chained.wait().tolist()
+        model = _model(seed=r)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+        ddp.register_comm_hook(pg, allreduce_hook)  # all_reduce(async_op=True).get_future().then(...)
+        rows = BATCH // n
+        mine = _train(ddp, lambda x: x[r * rows : (r + 1) * rows])
+        reference = _train(_model(seed=0), lambda x: x)
+        got["hook_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(mine, reference, strict=True))
+        group.barrier()
+        if r == 0:  # rank 1 never joins this one: its future fails with the call's timeout
+            opts = dist.AllreduceOptions()
+            opts.timeout = timedelta(seconds=1)
+            start = time.monotonic()
+            future = pg.allreduce([torch.ones(2)], opts).get_future()
+            try:
+                future.wait()
+            except Exception as exc:  # what the future raised is what is checked
+                got["timeout"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            else:
+                got["timeout"] = ("completed", "", time.monotonic() - start)
+            finally:
+                ctx.store.set("future_path/timed_out", "1")
+        else:
+            wait_for(ctx.store, ["future_path/timed_out"], 60)
+        return got
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [*BACKENDS, pytest.param("mpi", marks=pytest.mark.requires_backend("mpi"))],
+)
+def test_futures_complete_without_a_wait_on_the_work_and_fail_at_the_timeout(
+    rank_pools: Pools, request: pytest.FixtureRequest, backend: str
+) -> None:
+    pool = request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(2)
+    results = pool.run(future_path, backend, timeout=120)
+    for r, got in enumerate(results):
+        assert got["adapter"] is (backend != "gloo")
+        assert got["future"] == [[3.0] * 3]
+        assert got["callback_ran_unwaited"] is True
+        assert got["then"] == [0.5, 0.5]
+        assert got["hook_max_diff"] < 1e-5, got
+        if r == 0:
+            kind, message, seconds = got["timeout"]
+            assert 0.9 < seconds < 30, got
+            if backend == "gloo":  # torch's own ProcessGroupGloo: its error
+                assert "timed out" in message.lower() or "timeout" in message.lower(), got
+            else:
+                assert kind == CollectiveTimeout.__name__ and "all_reduce" in message, got
+        else:
+            assert "timeout" not in got

@@ -1,5 +1,6 @@
 """What torch.distributed users reach for, as methods of the group: ``monitored_barrier``, and
-``recv(tensor, src=None)``, which receives from any source and returns the sender's rank."""
+``recv(tensor, src=None)``, which receives from any source and returns the sender's rank; and
+what torch says when a habit needs its global tables (``src=`` on a pg-core group)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from pg_core import P2POp, ProcessGroup
 from pg_core.errors import CollectiveTimeout, NotSupportedError
-from pg_core.store import wait_for
+from pg_core.store import HashStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
 
 Pools = Callable[[int], RankPool]
@@ -118,3 +120,26 @@ def test_recv_from_any_source_on_a_backend_without_it_is_refused_locally(rank_po
     message = rank_pools(3).run(any_source_on_gloo, timeout=120)[0]
     assert message is not None and "backend 'gloo' on cpu does not declare 'recv_anysource'" in message
     assert "src=RANK" in message and "tcp" in message  # what to do instead: name the sender, or use pg-tcp
+
+
+# -- torch's global ranks ------------------------------------------------------------------------
+
+
+def test_a_global_src_on_an_adapted_group_is_refused_saying_to_use_group_src() -> None:
+    """``dist.broadcast(t, src=0, group=g.to_torch())``: torch translates the global ``src``
+    through its default group's tables, which hold no pg-core group, and names the group in its
+    error; the adapter's name for itself says what to do instead."""
+    with ProcessGroup(HashStore(), rank=0, size=1, backends="tcp", timeout=10) as group:
+        torch_group = group.to_torch()
+        t = torch.ones(2)
+        for call in (
+            lambda: dist.broadcast(t, src=0, group=torch_group),
+            lambda: dist.send(t, dst=0, group=torch_group),
+        ):
+            with pytest.raises(ValueError, match="is not registered") as refused:
+                call()
+            message = str(refused.value)
+            assert "pg-core group 'world'" in message, message
+            assert "group_src=/group_dst=" in message and "group.broadcast(t, src)" in message, message
+        dist.broadcast(t, group=torch_group, group_src=0)  # what the message says works
+        assert not dist.is_initialized()

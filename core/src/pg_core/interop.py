@@ -13,7 +13,11 @@ Two shapes, chosen per group:
 * **Adapter.** Otherwise, a ``ProcessGroup`` subclass whose methods call the group's own
   (asynchronous where torch's ``opts.asyncOp`` asks, as DDP's calls do), so they keep the group's order, sequence numbers, validation and
   failure handling; a tensor on a device whose backend is native goes to that backend's torch
-  object directly.
+  object directly. Torch completes its futures without being asked (DDP waits on them, and
+  chains ``then`` callbacks on them, but never waits on the work); a pg-core work that
+  completes only while someone drives it (pg-mpi's: ``MPI_Test``) is driven by the adapter's
+  own thread, which runs while any is pending (:class:`_Driver`), so its future completes, or
+  fails with the operation's timeout, with nobody calling ``wait``.
 
 What needs torch's global registry does not work with either (and cannot, without the global
 state this library exists to avoid): ``torch.distributed.get_rank(group)`` (it reads the
@@ -21,6 +25,14 @@ default group; use ``group.rank`` or ``torch_group.rank()``), the ``src=``/``dst
 take *global* ranks (use ``group_src=``/``group_dst=``, torch >= 2.6), functional collectives
 (``torch.distributed._functional_collectives``, which resolve groups by registered name), and
 FSDP2 / DeviceMesh (built on both).
+
+Torch's own errors for those come before any call reaches the group, from its global tables:
+``dist.broadcast(t, src=0, group=g)`` raises ``ValueError: Group <g> is not registered, please
+create group with torch.distributed.new_group API``, and ``dist.get_rank(g)`` ``Default process
+group has not been initialized``. Of those, only the group's ``repr`` is pg-core's to write:
+the adapter's says what to do (``group_src=``/``group_dst=``, or the group's own methods). A
+native group is torch's ``ProcessGroup`` itself, whose ``repr`` torch writes; making it a
+Python subclass would put a Python lookup, under the GIL, in front of every call DDP makes.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 import torch._C._distributed_c10d as c10d
@@ -92,11 +104,66 @@ def _reduce_op(opts: Any) -> ReduceOp:
     return as_reduce_op(opts.reduceOp)
 
 
+#: How long the adapter's driving thread drives its oldest pending work before it polls the
+#: others once (a receive that waits on a later message must not hold up their futures).
+_DRIVE_SLICE_S: Final = 0.05
+#: How long the driving thread stays once nothing is pending, for the next step's works, before
+#: it ends (a training loop posts its next works well within it; an idle group keeps no thread).
+_DRIVER_IDLE_S: Final = 0.5
+
+
+class _Driver:
+    """Drives the pending works of one adapter that complete only while someone drives them
+    (a :class:`~pg_core.work.Work` with a driver: pg-mpi's, which progress in ``MPI_Test``),
+    from a thread of its own that runs while any is pending, so that their torch futures
+    complete without anyone waiting on the work. The oldest is driven first, as a wait would
+    (its backend's own polling and timeout), the others polled between its slices."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._pending: list[Work] = []
+        self._running = False
+
+    def add(self, work: Work) -> None:
+        """Drive ``work`` until it completes (its failures, timeouts included, complete it too)."""
+        with self._cond:
+            self._pending.append(work)
+            if self._running:
+                self._cond.notify()
+                return
+            self._running = True
+        threading.Thread(target=self._run, name=f"pg-core driver of torch group {self._name!r}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._pending:
+                    self._cond.wait(_DRIVER_IDLE_S)
+                if not self._pending:
+                    self._running = False
+                    return
+                pending = list(self._pending)
+            for i, work in enumerate(pending):
+                try:
+                    if i == 0:
+                        work._wait_done(_DRIVE_SLICE_S)
+                    else:
+                        work.is_completed()
+                except BaseException as exc:  # a driver must not raise; if one does, its work fails with it
+                    work.set_exception(exc)
+            with self._cond:
+                self._pending = [w for w in self._pending if not w._done]
+
+
 class _TorchWork(c10d.Work):
     """Our :class:`~pg_core.work.Work` as torch's: ``wait`` re-raises its error, and
-    ``get_future`` completes with ``value`` when it does (as torch's do for DDP's hooks)."""
+    ``get_future`` completes with ``value`` when it does (as torch's do for DDP's hooks), the
+    work driven by ``driver`` where it completes only while driven."""
 
-    def __init__(self, work: Work | None, value: Any, *, source: int | None = None) -> None:
+    def __init__(
+        self, work: Work | None, value: Any, *, driver: _Driver | None = None, source: int | None = None
+    ) -> None:
         super().__init__()
         self._work = work
         self._source = source  # a receive's sender, where it was named
@@ -114,6 +181,8 @@ class _TorchWork(c10d.Work):
             future.set_result(value)
         else:
             work.add_done_callback(done)
+            if driver is not None and work._driver is not None and not work._done:
+                driver.add(work)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._work is not None:
@@ -159,6 +228,22 @@ class _Adapter(dist.ProcessGroup):
         self._natives = natives
         self._native_groups: dict[int, dist.ProcessGroup] = {}
         self._name = f"pg_core:{group.uid}"
+        self._driver = _Driver(self._name)
+        self._repr = (
+            f"<pg-core group {group.name!r} (rank {group.rank} of {group.size}) as a torch ProcessGroup: not in "
+            "torch.distributed's global tables, so give its ranks as group_src=/group_dst= (torch >= 2.6), not the "
+            "global src=/dst=, or call the pg-core group's own method (group.broadcast(t, src), group.send(t, dst))>"
+        )
+
+    def __repr__(self) -> str:
+        """Says what to do, where torch names this group in its errors: torch translates the global
+        ranks of ``src=``/``dst=`` through its default group's tables, which hold no pg-core group,
+        and raises ``Group <this> is not registered, please create group with ... new_group``."""
+        return self._repr
+
+    def _work(self, work: Work | None, value: Any, *, source: int | None = None) -> _TorchWork:
+        """``work`` as torch's, its future completing with ``value``."""
+        return _TorchWork(work, value, driver=self._driver, source=source)
 
     @property
     def _g(self) -> ProcessGroup:
@@ -187,7 +272,7 @@ class _Adapter(dist.ProcessGroup):
             return native.allreduce(tensors, opts)
         op = _reduce_op(opts)
         works = [self._g.all_reduce(t, op, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
-        return _TorchWork(works[-1] if works else None, tensors)
+        return self._work(works[-1] if works else None, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
         opts = opts or c10d.BroadcastOptions()
@@ -195,7 +280,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.broadcast(tensors, opts)
         works = [self._g.broadcast(t, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
-        return _TorchWork(works[-1] if works else None, tensors)
+        return self._work(works[-1] if works else None, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
         opts = opts or c10d.ReduceOptions()
@@ -204,7 +289,7 @@ class _Adapter(dist.ProcessGroup):
             return native.reduce(tensors, opts)
         op = _reduce_op(opts)
         work = self._g.reduce(tensors[0], opts.rootRank, op, async_op=_async(opts), timeout=_timeout(opts))
-        return _TorchWork(work, tensors)
+        return self._work(work, tensors)
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -214,7 +299,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.allgather(output_tensors, input_tensors, opts)
         work = self._g.all_gather(output_tensors[0], input_tensors[0], async_op=_async(opts), timeout=_timeout(opts))
-        return _TorchWork(work, output_tensors)
+        return self._work(work, output_tensors)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> c10d.Work:
         opts = opts or c10d.AllgatherOptions()
@@ -222,7 +307,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native._allgather_base(output, input, opts)
         work = self._g.all_gather_into_tensor(output, input, async_op=_async(opts), timeout=_timeout(opts))
-        return _TorchWork(work, [output])
+        return self._work(work, [output])
 
     def reduce_scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
@@ -234,7 +319,7 @@ class _Adapter(dist.ProcessGroup):
         work = self._g.reduce_scatter(
             output_tensors[0], input_tensors[0], _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
         )
-        return _TorchWork(work, output_tensors)
+        return self._work(work, output_tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> c10d.Work:
         opts = opts or c10d.ReduceScatterOptions()
@@ -244,7 +329,7 @@ class _Adapter(dist.ProcessGroup):
         work = self._g.reduce_scatter_tensor(
             output, input, _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
         )
-        return _TorchWork(work, [output])
+        return self._work(work, [output])
 
     def alltoall_base(
         self,
@@ -266,7 +351,7 @@ class _Adapter(dist.ProcessGroup):
             async_op=_async(opts),
             timeout=_timeout(opts),
         )
-        return _TorchWork(work, [output])
+        return self._work(work, [output])
 
     def alltoall(
         self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None
@@ -276,7 +361,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.alltoall(output_tensors, input_tensors, opts)
         work = self._g.all_to_all(output_tensors, input_tensors, async_op=_async(opts), timeout=_timeout(opts))
-        return _TorchWork(work, output_tensors)
+        return self._work(work, output_tensors)
 
     def gather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -287,7 +372,7 @@ class _Adapter(dist.ProcessGroup):
             return native.gather(output_tensors, input_tensors, opts)
         outs = output_tensors[0] if output_tensors else None
         work = self._g.gather(input_tensors[0], outs, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
-        return _TorchWork(work, output_tensors)
+        return self._work(work, output_tensors)
 
     def scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
@@ -298,11 +383,11 @@ class _Adapter(dist.ProcessGroup):
             return native.scatter(output_tensors, input_tensors, opts)
         ins = input_tensors[0] if input_tensors else None
         work = self._g.scatter(output_tensors[0], ins, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
-        return _TorchWork(work, output_tensors)
+        return self._work(work, output_tensors)
 
     def barrier(self, opts: Any = None) -> c10d.Work:
         opts = opts or c10d.BarrierOptions()
-        return _TorchWork(self._g.barrier(async_op=_async(opts), timeout=_timeout(opts)), [])
+        return self._work(self._g.barrier(async_op=_async(opts), timeout=_timeout(opts)), [])
 
     # torch 2.13 renamed three of them; both names are kept for torch >= 2.6
     all_gather_single = _allgather_base
@@ -329,17 +414,17 @@ class _Adapter(dist.ProcessGroup):
         if batch is None:
             raise RuntimeError(f"_end_coalescing on torch group {self._name!r} without _start_coalescing")
         batch.__exit__(None, None, None)
-        return _TorchWork(batch.work, [])
+        return self._work(batch.work, [])
 
     def _batched(self, opts: Any, value: Any, calls: Callable[[ProcessGroup, bool], list[Work | None]]) -> c10d.Work:
         """``calls(group, async_op)`` as one batch: in this thread's open block (torch's
         ``_start_coalescing``), else in a block of their own, blocking as ``opts.asyncOp`` says."""
         group = self._g
         if threading.get_ident() in group._coalescing:
-            return _TorchWork(all_of("coalesced", [w for w in calls(group, True) if w is not None]), value)
+            return self._work(all_of("coalesced", [w for w in calls(group, True) if w is not None]), value)
         with group.coalescing(async_op=_async(opts)) as batch:
             calls(group, False)
-        return _TorchWork(batch.work, value)
+        return self._work(batch.work, value)
 
     def _native_group(self, native: Any) -> dist.ProcessGroup:
         """A torch ``ProcessGroup`` on just the native backend ``native``, for what torch's
@@ -409,16 +494,16 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(tensors)
         if native is not None:
             return native.send(tensors, dst, tag)
-        return _TorchWork(self._g.isend(tensors[0], dst, tag), tensors)
+        return self._work(self._g.isend(tensors[0], dst, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> c10d.Work:
         native = self._native(tensors)
         if native is not None:
             return native.recv(tensors, src, tag)
-        return _TorchWork(self._g.irecv(tensors[0], src, tag), tensors, source=src)
+        return self._work(self._g.irecv(tensors[0], src, tag), tensors, source=src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> c10d.Work:
         """The group's receive from any source (where its backend declares it; else
         ``NotSupportedError``), whatever the device: a native torch backend would bypass the
         plugin's own message framing."""
-        return _TorchWork(self._g.irecv(tensors[0], None, tag), tensors)
+        return self._work(self._g.irecv(tensors[0], None, tag), tensors)
