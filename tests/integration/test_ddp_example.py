@@ -1,5 +1,8 @@
-"""examples/ddp_train.py runs as its docstring says, on pg-gloo and on pg-tcp: exit status 0,
-every rank's parameters equal to single-process training."""
+"""examples/ddp_train.py runs as its docstring says, on every in-repo CPU backend under its
+launcher: pg-gloo under ``pgrun``, pg-tcp as started without a launcher (the example starts
+its ranks under ``pgrun`` itself), pg-mpi under ``mpiexec`` (one Python process per rank; the
+store hosted here, named by ``PG_STORE``). Exit status 0, every rank's parameters equal to
+single-process training, and the summary line rank 0 prints once every rank has checked."""
 
 from __future__ import annotations
 
@@ -9,8 +12,29 @@ import sys
 from pathlib import Path
 
 import pytest
+from pg_core import TCPStore
+from pg_core.launchers import launch_command
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
+RANKS, STEPS = 2, 5
+
+
+def _run(command: list[str], env: dict[str, str]) -> str:
+    try:
+        proc = subprocess.run(
+            command,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{command} did not finish within 150 s; its output:\n{exc.stdout!r}\n{exc.stderr!r}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    return proc.stdout
 
 
 @pytest.mark.timeout(180)
@@ -19,19 +43,18 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
     [
         pytest.param("gloo", marks=pytest.mark.requires_backend("gloo")),
         pytest.param("tcp", marks=pytest.mark.requires_backend("tcp")),
+        pytest.param("mpi", marks=pytest.mark.requires_backend("mpi")),
     ],
 )
-def test_ddp_example_runs(backend: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--world-size", "3", "--backend", backend],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
-    assert f"3 ranks trained with DDP over pg-core backend '{backend}'" in proc.stdout, output
-    for rank in range(3):
-        assert f"rank {rank}: loss on my shard" in proc.stdout, output
+def test_ddp_example_runs_under_its_launcher(backend: str) -> None:
+    example = [sys.executable, str(EXAMPLE), "--backend", backend, "--steps", str(STEPS)]
+    if backend == "gloo":
+        out = _run([sys.executable, "-m", "pg_core.launch", "-n", str(RANKS), "--timeout", "120", *example[1:]], {})
+    elif backend == "tcp":
+        out = _run([*example, "--world-size", str(RANKS)], {})
+    else:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: a free port
+        out = _run(launch_command("mpiexec", RANKS, example), {"PG_STORE": f"127.0.0.1:{store.port}"})
+    assert f"ddp_train: {RANKS} ranks trained with DDP over pg-core backend '{backend}'" in out, out
+    for rank in range(RANKS):
+        assert f"rank {rank}: loss on my shard" in out, out
