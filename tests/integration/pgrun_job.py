@@ -7,7 +7,10 @@ its pid into ``--pids DIR`` first thing, then does what MODE says.
 - ``hang``: print ``ready R`` and wait (at most 120 s) until pgrun stops it (no group, no torch);
 - ``raise R``: form the group, pass a barrier (so every rank has written its pid), print
   ``ready R``, then rank R raises while the others wait (at most 120 s) until pgrun stops them;
-- ``exit R CODE``: like ``raise``, but rank R exits with status CODE.
+- ``exit R CODE``: like ``raise``, but rank R exits with status CODE;
+- ``kill-parent R``: print ``ready R``; rank R, once every rank wrote its pid, kills its parent (under ``pgrun --mpi``,
+  pgrun's wrapper, which mpiexec started) with SIGKILL and waits to die with it; the others
+  wait (at most 120 s) until they are stopped (no group, no torch).
 
 The tests load it as a module for :func:`expected_demo` and :func:`demo_lines`, and for the
 checks that a job's processes are gone, :func:`job_pids` and :func:`assert_gone`.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -81,7 +85,7 @@ def env_rank() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pids", required=True)
-    parser.add_argument("mode", choices=("example", "print", "env", "hang", "raise", "exit"))
+    parser.add_argument("mode", choices=("example", "print", "env", "hang", "raise", "exit", "kill-parent"))
     parser.add_argument("values", nargs="*", type=int)
     args = parser.parse_args()
     Path(args.pids, str(os.getpid())).touch()
@@ -102,6 +106,18 @@ def main() -> None:
         print(f"ready {env_rank()}", flush=True)
         threading.Event().wait(120)
         raise SystemExit("pgrun_job.py hang: nobody stopped this rank within 120 s")
+    if args.mode == "kill-parent":
+        rank = env_rank()
+        print(f"ready {rank}", flush=True)
+        if rank == args.values[0]:
+            size, waited = int(os.environ.get("PMI_SIZE") or os.environ["PG_WORLD_SIZE"]), threading.Event()
+            for _ in range(1200):  # until every rank has written its pid (at most 60 s)
+                if len(os.listdir(args.pids)) >= size:
+                    break
+                waited.wait(0.05)
+            os.kill(os.getppid(), signal.SIGKILL)  # this rank dies with it (PR_SET_PDEATHSIG)
+        threading.Event().wait(120)
+        raise SystemExit("pgrun_job.py kill-parent: nobody stopped this rank within 120 s")
     from pg_core import ProcessGroup
 
     group = ProcessGroup.from_env(timeout=120)

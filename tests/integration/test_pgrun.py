@@ -383,7 +383,22 @@ def test_mpi_starts_the_ranks_through_mpiexec_for_pg_mpi(tmp_path: Path) -> None
     assert job.finish(timeout=240) == 1, job.output
     assert job.stderr.rstrip().splitlines()[-1] == "[rank 0] ValueError: rank 0 fails on purpose", job.output
     assert "pgrun: rank 0 failed with exit code 1; the end of its stderr:" in job.stderr, job.output
+    assert "BAD TERMINATION" not in job.output, job.output  # pgrun says it; not MPICH's banner in front of it
     assert_gone(job_pids(failing, 2))
+
+
+@pytest.mark.requires_backend("mpi")
+@pytest.mark.timeout(300)
+def test_mpiexecs_own_word_on_a_failure_no_rank_reported_comes_after_pgruns(tmp_path: Path) -> None:
+    # rank 1's wrapper is killed: no rank reports, mpiexec (MPICH's) prints its banner and stops the job
+    job = Job(pgrun("-n", "2", "--mpi", JOB, "--pids", tmp_path, "kill-parent", "1"))
+    assert job.finish(timeout=240) != 0, job.output
+    lines = job.stderr.splitlines()
+    said = next((i for i, line in enumerate(lines) if line.startswith("pgrun: mpiexec ")), None)
+    assert said is not None, job.output
+    if "BAD TERMINATION" in job.output:  # (Open MPI words it otherwise)
+        assert "BAD TERMINATION" not in job.stdout and "BAD TERMINATION" in "\n".join(lines[said + 1 :]), job.output
+    assert_gone(job_pids(tmp_path, 2))
 
 
 @pytest.mark.requires_backend("mpi")

@@ -3,9 +3,10 @@
 ``pgrun -n N [options] script.py ARGS`` or ``pgrun -n N [options] -m module ARGS`` runs
 ``N`` Python processes on this host, in the spirit of torchrun:
 
-- it hosts the job's store itself (a ``TCPStore`` server on ``--host``, 127.0.0.1 by
-  default, on a free port unless ``--master HOST:PORT``), outside the ranks and alive until
-  every rank is gone, and gives each rank ``PG_RANK``, ``PG_WORLD_SIZE``, ``PG_LOCAL_RANK``,
+- it hosts the job's store (a ``TCPStore`` server on ``--host``, 127.0.0.1 by default, on
+  a free port unless ``--master HOST:PORT``), outside the ranks and alive until every rank
+  is gone, in a process of its own that imports torch while the ranks start (pgrun itself
+  imports no torch, so a rank starts in a fraction of a second), and gives each rank ``PG_RANK``, ``PG_WORLD_SIZE``, ``PG_LOCAL_RANK``,
   ``PG_STORE`` (``host:port``), ``PG_BACKENDS`` (with ``--backends``) and torchrun's
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
   ``MASTER_ADDR``, ``MASTER_PORT``: what :meth:`ProcessGroup.from_env` reads;
@@ -26,7 +27,10 @@ node; node 0's pgrun hosts the store on ``HOST:PORT``, the global rank is
 
 ``--mpi`` starts the ranks through ``mpiexec -n N`` (for pg-mpi, whose ranks must be MPI
 processes); each rank runs under a small wrapper that gives it the same variables, prefixes
-its lines and reports its exit to pgrun.
+its lines and reports its exit to pgrun. What MPICH's mpiexec prints when a rank fails (its
+"BAD TERMINATION" banner) is held back: pgrun's own report says which rank failed, how, and
+its traceback; the banner is shown, after pgrun's word, only when no rank's report explains
+the failure.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TextIO
 
@@ -271,6 +275,8 @@ class _Proc:
     status: int | None = None  # set once it exited (not reaped): exit code, or -signal
     exit_order: int = 0  # among this job's processes, when it exited: 1 for the first
     pumps: list[threading.Thread] = field(default_factory=list)
+    #: with ``--mpi``, mpiexec's: what it says of a failure (MPICH's banner), held back per stream
+    banners: list[_MpiexecBanner] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -281,6 +287,7 @@ class _Failure:
     tail: list[bytes] | None  # None: not a process's failure (a signal, the timeout, another node)
     code: int
     prefix: bytes = b""  # the failed rank's, for its tail
+    tail_is: str = "the end of its stderr"
 
 
 class _Job:
@@ -441,7 +448,9 @@ class _Job:
                 command = launch_command("mpiexec", c.nproc, wrapper)
             except FileNotFoundError as exc:
                 raise _StartError(str(exc)) from exc
-            self._watch(self._spawn("mpiexec", command, env, b""))
+            mpiexec = self._spawn("mpiexec", command, env, b"")
+            mpiexec.banners = [_MpiexecBanner(), _MpiexecBanner()]  # stdout's, stderr's
+            self._watch(mpiexec)
         else:
             for local in range(c.nproc):
                 rank = c.node_rank * c.nproc + local
@@ -466,22 +475,30 @@ class _Job:
     def _watch(self, proc: _Proc) -> None:
         assert proc.popen.stdout is not None and proc.popen.stderr is not None
         outs = ((proc.popen.stdout, sys.stdout, None), (proc.popen.stderr, sys.stderr, proc.tail))
-        for pipe, out, tail in outs:
-            pump = threading.Thread(target=self._pump, args=(pipe, out, proc.prefix, tail), daemon=True)
+        for i, (pipe, out, tail) in enumerate(outs):
+            banner = proc.banners[i] if proc.banners else None
+            pump = threading.Thread(target=self._pump, args=(pipe, out, proc.prefix, tail, banner), daemon=True)
             pump.start()
             proc.pumps.append(pump)
         threading.Thread(target=self._wait_exit, args=(proc,), daemon=True).start()
 
-    def _pump(self, pipe: IO[bytes], out: TextIO, prefix: bytes, tail: collections.deque[bytes] | None) -> None:
-        """Copy ``pipe`` to ``out`` line by line, each line with ``prefix``."""
+    def _pump(
+        self,
+        pipe: IO[bytes],
+        out: TextIO,
+        prefix: bytes,
+        tail: collections.deque[bytes] | None,
+        banner: _MpiexecBanner | None = None,
+    ) -> None:
+        """Copy ``pipe`` to ``out`` line by line, each line with ``prefix``; through ``banner``
+        where given (what mpiexec says of a failure is held back: pgrun says it)."""
         at_start = True
         with pipe:
-            for chunk in iter(lambda: pipe.readline(65536), b""):
-                line = prefix + chunk if at_start else chunk
-                at_start = chunk.endswith(b"\n")
+            for line in _passed(iter(lambda: pipe.readline(65536), b""), banner):
                 if tail is not None:
-                    tail.append(chunk)
-                self._write(out, line)
+                    tail.append(line)
+                self._write(out, prefix + line if at_start else line)
+                at_start = line.endswith(b"\n")
 
     def _write(self, out: TextIO, data: bytes) -> None:
         with self.write_lock, contextlib.suppress(OSError, ValueError):  # a closed pgrun stdout: keep draining
@@ -585,7 +602,10 @@ class _Job:
         mpiexec = self.procs[0]
         if mpiexec.status not in (None, 0):
             assert mpiexec.status is not None
-            return _Failure(f"mpiexec {_exit_text(mpiexec.status)}", list(mpiexec.tail), _exit_code(mpiexec.status))
+            said = [line for banner in mpiexec.banners for line in banner.held]  # no rank said why: mpiexec's word
+            what = f"mpiexec {_exit_text(mpiexec.status)}"
+            tail_is = "what it said" if said else "the end of its stderr"
+            return _Failure(what, [*said, *mpiexec.tail], _exit_code(mpiexec.status), tail_is=tail_is)
         return None
 
     def _tell_nodes(self, failure: _Failure) -> None:
@@ -664,7 +684,7 @@ class _Job:
         if not lines:
             self._say(f"{failure.what}; it wrote nothing to stderr")
             return
-        self._say(f"{failure.what}; the end of its stderr:")
+        self._say(f"{failure.what}; {failure.tail_is}:")
         for line in lines:
             self._write(sys.stderr, failure.prefix + (line if line.endswith(b"\n") else line + b"\n"))
 
@@ -715,6 +735,76 @@ def _traceback(tail: Sequence[bytes]) -> list[bytes]:
             break
         first = start
     return lines[first:]
+
+
+def _passed(lines: Iterable[bytes], banner: _MpiexecBanner | None) -> Iterator[bytes]:
+    """``lines``, less what ``banner`` holds back."""
+    if banner is None:
+        yield from lines
+        return
+    for line in lines:
+        yield from banner.feed(line)
+    yield from banner.close()
+
+
+class _MpiexecBanner:
+    """Holds back, from a stream of mpiexec's lines, what MPICH's mpiexec says when a rank
+    fails: a blank line, a rule of ``=``, ``=   BAD TERMINATION OF ONE OF YOUR APPLICATION
+    PROCESSES`` and its other ``=   `` lines, a rule, then ``YOUR APPLICATION TERMINATED WITH
+    THE EXIT STRING: ...`` and the FAQ's two lines. pgrun says which rank failed and how, with
+    its traceback, so the banner in front of that is noise; it is kept in :attr:`held`, for
+    the one failure only mpiexec can tell (no rank reported). Every other line passes, in order;
+    a blank line or a rule waits for the next line to know whether the banner starts there."""
+
+    START: Final = b"=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
+    AFTER: Final = (
+        b"YOUR APPLICATION TERMINATED WITH THE EXIT STRING",
+        b"This typically refers to a problem with your application.",
+        b"Please see the FAQ page for debugging suggestions",
+    )
+
+    def __init__(self) -> None:
+        self.held: list[bytes] = []
+        self._pending: list[bytes] = []  # a blank line and/or a rule: the banner's start, maybe
+        self._state = "out"  # "out", "in" (between the rules), "after" (the lines after it)
+
+    @staticmethod
+    def _rule(line: bytes) -> bool:
+        text = line.strip()
+        return len(text) >= 20 and text == b"=" * len(text)
+
+    def feed(self, line: bytes) -> list[bytes]:
+        """What of ``line`` (and of the lines held for it) passes now."""
+        if self._state == "in":
+            self.held.append(line)
+            if self._rule(line):
+                self._state = "after"
+            return []
+        if self._state == "after":
+            if line.startswith(self.AFTER):
+                self.held.append(line)
+                return []
+            self._state = "out"
+        if line.startswith(self.START) and self._pending and self._rule(self._pending[-1]):
+            self.held += [*self._pending, line]
+            self._pending = []
+            self._state = "in"
+            return []
+        if self._rule(line):  # held, with a blank line right before it
+            keep = 1 if self._pending and not self._pending[-1].strip() else 0
+            passed = self._pending[: len(self._pending) - keep]
+            self._pending = [*self._pending[len(passed) :], line]
+            return passed
+        passed, self._pending = self._pending, []
+        if not line.strip():  # held
+            self._pending = [line]
+            return passed
+        return [*passed, line]
+
+    def close(self) -> list[bytes]:
+        """The lines still held for a banner that did not come (the stream ended)."""
+        passed, self._pending = self._pending, []
+        return passed
 
 
 # -- the rank side of --mpi ------------------------------------------------------------------------
