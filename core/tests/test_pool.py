@@ -5,11 +5,15 @@ deaths and leaks are reported."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from pg_core.testing.pool import RanksFailed
+from pg_core.testing.pool import RankPool, RanksFailed
 
 
 def exchange(ctx, x):
@@ -130,3 +134,73 @@ def test_a_prelude_starts_process_wide_services_before_the_leak_check_and_again_
         assert pool.run(start_a_process_wide_listener) == [None, None]  # the prelude ran again in the new ones
         with pytest.raises(RanksFailed, match="leaked threads"):
             pool.run(leak_a_thread)  # anything else a call leaves is still found
+
+
+def _folders(tmp: Path) -> list[str]:
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("pg-core-pool-"))
+
+
+@pytest.fixture
+def own_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary directory of the test's own, for this process (tempfile) and its children (TMPDIR)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    return tmp
+
+
+@pytest.mark.timeout(240)
+def test_a_pool_removes_its_folder_when_it_closes_and_a_dead_pools_when_it_respawns(own_tmp: Path) -> None:
+    pool = RankPool(2)
+    assert _folders(own_tmp) == []  # made when the workers start
+    assert pool.run(exchange, 1) == [1, 0]
+    (first,) = _folders(own_tmp)
+    assert first.startswith(f"pg-core-pool-{os.getpid()}-")
+    pool.run(exit_on_rank_1, may_exit=[1])  # the pool is dead: the next call starts fresh workers
+    assert pool.run(exchange, 2) == [2, 0]
+    (second,) = _folders(own_tmp)
+    assert second != first
+    pool.close()
+    assert _folders(own_tmp) == []
+
+
+CONTROLLER = """
+import sys
+from pg_core.testing.pool import RankPool
+sys.path.insert(0, sys.argv[1])
+from test_pool import exchange
+pool = RankPool(1)
+pool.run(exchange, 1)
+print("started", flush=True)
+if sys.argv[2] == "raise":
+    raise KeyboardInterrupt  # as Ctrl-C would, with the pool never closed
+sys.stdin.read()  # until the test kills this controller
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_controller_that_is_interrupted_leaves_no_folder_and_one_killed_has_its_removed_by_the_next_pool(
+    own_tmp: Path,
+) -> None:
+    here = str(Path(__file__).parent)
+    run = subprocess.run(
+        [sys.executable, "-c", CONTROLLER, here, "raise"], check=False, capture_output=True, text=True, timeout=180
+    )
+    assert "started" in run.stdout and "KeyboardInterrupt" in run.stderr, run.stdout + run.stderr
+    assert _folders(own_tmp) == []
+
+    killed = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, here, "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert killed.stdout is not None and killed.stdout.readline() == "started\n"
+        (left,) = _folders(own_tmp)
+        assert left.startswith(f"pg-core-pool-{killed.pid}-")
+    finally:
+        killed.kill()  # SIGKILL: no exit handler runs; its workers die with it
+        killed.wait(30)
+    with RankPool(1) as pool:
+        assert pool.run(exchange, 3) == [0]
+        assert left not in _folders(own_tmp)  # the gone controller's folder went when this pool started
+    assert _folders(own_tmp) == []

@@ -3,6 +3,7 @@ strict ``--xfail`` files, and the one-line replay a failure prints."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -37,6 +38,18 @@ def test_pyargs_with_a_backend_runs_the_suite(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 passed" in proc.stdout
     assert re.search(r"barrier\s+3\s", proc.stdout), proc.stdout  # the summary table counts the examples
+
+
+def test_a_run_leaves_no_pool_folder_in_the_temporary_directory(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "pg_core", "conformance", "tcp", "--world-sizes", "1,2", "-k", "supports or barrier"]
+    cmd += ["--max-examples", "3"]
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "barrier" in proc.stdout, proc.stdout  # the pools ran
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("pg-core-pool-")] == []
 
 
 def test_xfail_is_strict(tmp_path: Path) -> None:

@@ -20,7 +20,13 @@ other's keys. Guarantees:
   it too, unless it is listed in ``may_exit``;
 * a rank that leaves threads, file descriptors or child processes behind after the function returned
   fails the call (``check_leaks``), because ``shutdown()`` must release
-  everything.
+  everything;
+* its workers' logs live in a folder of the temporary directory
+  (``pg-core-pool-PID-*``, ``PID`` the controller's) that goes with them: when the pool
+  closes, when a dead pool's workers are started afresh, and when the controller exits
+  without closing it (an exception, Ctrl-C). A controller killed outright leaves its
+  folder; the next pool started on the machine removes the folders of controllers that are
+  gone.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ import importlib
 import importlib.util
 import os
 import pickle
+import re
 import secrets
+import shutil
 import sys
 import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener, wait
@@ -138,12 +147,18 @@ class RankPool:
         self._store: Any = None
         self._jobs = 0
         self._lock = threading.Lock()
-        self._tmp = tempfile.mkdtemp(prefix="pg-core-pool-")
+        self._tmp = ""  # the current workers' folder, made by _start
+        self._folders: list[str] = []  # those not removed yet: at most the current one
+        weakref.finalize(self, _remove_folders, self._folders)  # also at the controller's exit
 
     # -- lifecycle ---------------------------------------------------------------
     def _start(self) -> None:
         from torch.distributed import TCPStore
 
+        _remove_folders(self._folders)  # a dead pool's: its logs were reported with its failure
+        _remove_abandoned_folders()
+        self._tmp = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-")
+        self._folders.append(self._tmp)
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         authkey = secrets.token_bytes(16)
         # backlog: every rank connects at once; a full accept queue drops SYNs and retries back off for minutes
@@ -195,7 +210,7 @@ class RankPool:
         listener.close()
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force) and the store."""
+        """Stop the workers (politely, then by force) and the store; remove their folder."""
         with self._lock:
             for conn in self._conns:
                 with contextlib.suppress(OSError):
@@ -203,6 +218,8 @@ class RankPool:
             if self._ranks is not None:
                 self._ranks.stop(grace_s=10.0, terminate=False)  # told to exit: no SIGTERM
             self._kill()
+            _remove_folders(self._folders)
+            self._logs = []
 
     def _kill(self) -> None:
         if self._ranks is not None:
@@ -310,6 +327,35 @@ class RankPool:
             tails = self._tails(sorted(set(outcomes) - told)) if self._logs else ""
             raise RanksFailed("\n".join(lines) + ("\n" + tails if tails else ""), outcomes)
         return [results.get(r) for r in range(self.world_size)]
+
+
+#: The workers' folders in the temporary directory: this, the controller's pid, ``-``, a suffix.
+_FOLDER_PREFIX = "pg-core-pool-"
+_FOLDER = re.compile(re.escape(_FOLDER_PREFIX) + r"(\d+)-")
+
+
+def _remove_folders(folders: list[str]) -> None:
+    while folders:
+        shutil.rmtree(folders.pop(), ignore_errors=True)
+
+
+def _remove_abandoned_folders() -> None:
+    """Remove the workers' folders of controllers that are gone (killed before they could)."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            found = _FOLDER.match(entry.name)
+            if found is not None and entry.is_dir(follow_symlinks=False) and not _running(int(found[1])):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 # -- the worker side ---------------------------------------------------------------
