@@ -556,6 +556,37 @@ def test_plot_has_a_row_of_panels_per_op_with_units_and_its_legend_off_the_data(
         bench.plot_figure([rows[-1]])
 
 
+def test_the_report_says_what_every_backend_it_shows_is() -> None:
+    from pg_core.registry import default_registry
+
+    entries = default_registry().entries()
+    installed = [e for e in entries if e.distribution is not None]
+    if not installed:
+        pytest.skip("no backend plugin is installed (pip install pg-core[tcp])")
+    labels = [bench.BASELINE, bench.MPI4PY, *(e.name for e in installed), "gloo.to_torch", "test_bench:OK_SPEC"]
+    about = bench.describe_backends([*labels, bench.BASELINE + ".again"], entries)
+    said = dict(line.split(": ", 1) for line in about)
+    assert list(said) == [bench.BASELINE, bench.MPI4PY, *(e.name for e in installed), "test_bench:OK_SPEC"]
+    assert "torch's own ProcessGroupGloo" in said[bench.BASELINE] and "mpi4py" in said[bench.MPI4PY]
+    for entry in installed:  # its distribution, and the summary its metadata gives
+        assert entry.distribution is not None
+        summary = bench_metadata(entry.distribution)
+        assert said[entry.name] == f"{entry.distribution} {entry.version}: {summary}", said[entry.name]
+    assert said["test_bench:OK_SPEC"].startswith("not an installed plugin")
+    by_distribution = {e.distribution: e.name for e in installed}
+    if "pg-storecomm" in by_distribution:  # the repository's example plugin (examples/third_party_plugin)
+        assert "example" in said[by_distribution["pg-storecomm"]].lower()
+    rows = [_row(bench.BASELINE, 100.0, baseline=True), _row("tcp", 50.0)]
+    table = bench.format_table(rows, ["torch-gloo: what it is", "tcp: what that is"])
+    assert "# backends:\n#   torch-gloo: what it is\n#   tcp: what that is\n# size:" in table
+
+
+def bench_metadata(distribution: str) -> str:
+    from importlib import metadata
+
+    return str(metadata.metadata(distribution).json["summary"])
+
+
 def test_make_demo_ends_with_a_short_bench_whose_arguments_hold() -> None:
     """The Makefile's demo target runs `pg-core bench $(DEMO_BENCH)`: the arguments parse and
     validate (a renamed option would break `make demo`), and the run stays small."""

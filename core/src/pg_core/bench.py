@@ -131,6 +131,7 @@ failed, 2 for bad arguments or a backend that cannot run here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import importlib
@@ -184,6 +185,7 @@ __all__ = [
     "check_object",
     "check_output",
     "compared_with",
+    "describe_backends",
     "element_count",
     "expected_output",
     "format_csv",
@@ -675,8 +677,45 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    """One nccl-tests-style table per op, then a legend."""
+#: What each baseline is, for the report's list of what it shows.
+_BASELINE_IS: Final[dict[str, str]] = {
+    BASELINE: "baseline: torch's own ProcessGroupGloo, called through torch's API (not pg-core)",
+    MPI4PY: "baseline: raw mpi4py on MPI_COMM_WORLD (not pg-core)",
+}
+
+
+def describe_backends(labels: Sequence[str], entries: Sequence[PluginEntry]) -> list[str]:
+    """What each backend of ``labels`` (the rows' ``backend``, in order) is, one line each,
+    from the plugin registry's ``entries``: its distribution and version, and the summary
+    that distribution's metadata gives (``importlib.metadata``): a plugin published as an
+    example says so there. A baseline says what it calls; ``.again`` / ``.to_torch`` rows are
+    their backend's; a backend no installed plugin provides (a ``module:attr`` reference) says that."""
+    from importlib import metadata
+
+    by_name = {e.name: e for e in entries}
+    lines = []
+    for label in dict.fromkeys(labels):
+        name = label.split(".")[0]
+        if name != label:
+            continue  # a variant row (.again, .to_torch) of a backend described on its own line
+        entry = by_name.get(name)
+        if name in _BASELINE_IS:
+            what = _BASELINE_IS[name]
+        elif entry is None or entry.distribution is None:
+            what = "not an installed plugin (a spec given by reference, or registered in-process)"
+        else:
+            what = f"{entry.distribution} {entry.version or ''}".rstrip()
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                summary = metadata.metadata(entry.distribution).json.get("summary")
+                if summary:
+                    what += f": {summary}"
+        lines.append(f"{label}: {what}")
+    return lines
+
+
+def format_table(rows: Sequence[Row], about: Sequence[str] = ()) -> str:
+    """One nccl-tests-style table per op, then a legend; ``about``: a line per backend shown,
+    what it is (:func:`describe_backends`), listed first in the legend."""
     out: list[str] = []
     for op in dict.fromkeys(r.op for r in rows):
         mine = [r for r in rows if r.op == op]
@@ -711,6 +750,9 @@ def format_table(rows: Sequence[Row]) -> str:
             cells = [c.ljust(w) if i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=False))]
             out.append(("  ".join(cells) + "  " + line[-1]).rstrip())
         out.append("")
+    if about:
+        out.append("# backends:")
+        out.extend(f"#   {line}" for line in about)
     out.append(
         "# size: bytes of the largest buffer per rank; count: its elements. min/median/max: microseconds per\n"
         "# iteration (slowest rank). algbw = size / median, busbw = algbw * nccl-tests factor, in GB/s.\n"
@@ -862,7 +904,8 @@ def _time_unit(longest_us: float) -> tuple[str, float]:
 def _size_axis(ax: Any, sizes: Sequence[int]) -> None:
     """Log-log axes against the message size: at most 8 size ticks, at the measured sizes
     where they are that few, else at every k-th power of two between them; plain numbers on
-    the other axis (1, 2, 5, 10, 20, ...), not powers of ten."""
+    the other axis (1, 2, 5, 10, 20, ... over up to three decades of data, else 0.01, 0.1, 1,
+    ...), not powers of ten written as such. Call it once the data is drawn."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator
 
     ax.set_xscale("log", base=2)
@@ -876,7 +919,9 @@ def _size_axis(ax: Any, sizes: Sequence[int]) -> None:
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: _human(round(x))))
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
+    low_y, high_y = ax.dataLim.y0, ax.dataLim.y1
+    few_decades = low_y > 0 and high_y / low_y <= 1000  # 1, 2, 5 per decade; over more, powers of ten
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if few_decades else (1.0,), numticks=12))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _pos: f"{y:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("message size per rank (bytes)")
@@ -2124,7 +2169,9 @@ def main(args: argparse.Namespace) -> int:
     elif args.csv:
         print(format_csv(rows), end="")
     elif rows:
-        print(format_table(rows))
+        from .registry import default_registry
+
+        print(format_table(rows, describe_backends([r.backend for r in rows], default_registry().entries())))
     status = 0
     if args.plot and rows:
         try:
