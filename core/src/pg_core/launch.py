@@ -345,7 +345,7 @@ class _Job:
                 return c.host, port
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
+        from .store import TCPStore
 
         try:
             self.store = TCPStore(c.host, port, is_master=False, timeout=timedelta(seconds=timeout))
