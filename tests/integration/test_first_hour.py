@@ -5,12 +5,14 @@ interrupted, and torch's habits (``get_rank``, ``local_rank``, torch-style objec
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -53,7 +55,7 @@ def test_a_rank_that_never_joins_is_named_as_the_one_that_never_joined(rank_pool
 # -- a client waiting for a store that never comes ---------------------------------------------------
 
 WAITER = """
-import sys, time
+import sys, time, traceback
 from datetime import timedelta
 from pg_core import TCPStore
 from pg_core.errors import StoreUnavailableError
@@ -62,7 +64,9 @@ start = time.monotonic()
 try:
     TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=float(sys.argv[2])))
 except StoreUnavailableError as exc:
-    print(f"gave up after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+    took = time.monotonic() - start
+    traceback.TracebackException.from_exception(exc, capture_locals=True)  # reprs every frame's locals
+    print(f"gave up after {took:.1f} s: {exc}", flush=True)
 except KeyboardInterrupt:
     print(f"interrupted after {time.monotonic() - start:.1f} s", flush=True)
 """
@@ -128,3 +132,106 @@ def test_a_client_started_before_its_store_connects_once_the_store_is_up() -> No
         assert isinstance(host, torch.distributed.TCPStore)  # torch's store: everything torch takes, it takes
     finally:
         proc.kill()
+
+
+# -- a torch user's habits -----------------------------------------------------------------------------
+
+
+def torch_habits(ctx: RankContext, backend: str) -> dict[str, Any]:
+    from torch.utils.data import DistributedSampler
+
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends=backend, timeout=ctx.timeout)
+    try:
+        out: dict[str, Any] = {"rank": group.get_rank(), "size": group.get_world_size()}
+        gathered: list[Any] = [None] * ctx.size
+        out["returned"] = group.all_gather_object(gathered, {"r": ctx.rank})  # torch's order: list, then obj
+        out["gathered"] = gathered
+        keyword: list[Any] = [None] * ctx.size
+        group.all_gather_object(object_list=keyword, obj=ctx.rank * 10)
+        out["keyword"] = keyword
+        out["ours"] = group.all_gather_object(ctx.rank)  # pg-core's own form returns the list
+        async_list: list[Any] = [None] * ctx.size
+        work = group.all_gather_object(async_list, -ctx.rank, async_op=True)
+        work.wait()
+        out["async"] = async_list
+        objects = ["a", {"b": 1}, None] if ctx.rank == 1 else [None, None, None]
+        out["bcast_returned"] = group.broadcast_object_list(objects, src=1)
+        out["bcast"] = objects
+        try:
+            group.all_gather_object([None] * (ctx.size + 1), ctx.rank)
+        except ValueError as exc:
+            out["wrong_length"] = str(exc)
+        sampler = DistributedSampler(range(10), num_replicas=group.size, rank=group.rank, shuffle=False)
+        out["sampled"] = list(sampler)
+        out["default_group"] = torch.distributed.is_initialized()
+        return out
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.requires_backend("tcp")
+def test_torch_habits_work_on_a_group(rank_pools: Pools) -> None:
+    n = 3
+    results = rank_pools(n).run(torch_habits, "tcp", timeout=120)
+    for rank, out in enumerate(results):
+        assert (out["rank"], out["size"]) == (rank, n)
+        assert out["returned"] is None and out["gathered"] == [{"r": r} for r in range(n)]
+        assert out["keyword"] == [0, 10, 20]
+        assert out["ours"] == [0, 1, 2]
+        assert out["async"] == [0, -1, -2]
+        assert out["bcast_returned"] is None and out["bcast"] == ["a", {"b": 1}, None]
+        assert "object_list has 4 entries" in out["wrong_length"] and "size 3" in out["wrong_length"]
+        padded = [*range(10), 0, 1]  # torch's sampler pads 10 items to 12, a multiple of 3, from the start
+        assert out["sampled"] == padded[rank::n]
+        assert out["default_group"] is False
+
+
+@pytest.mark.requires_backend("tcp")
+def test_local_rank_comes_from_the_launchers_variables() -> None:
+    from pg_core import StoreServer
+
+    with StoreServer() as server:
+        for env, local in (
+            ({"PG_RANK": "0", "PG_WORLD_SIZE": "1", "PG_LOCAL_RANK": "0", "PG_STORE": server.address}, 0),
+            (
+                {
+                    "RANK": "0",
+                    "WORLD_SIZE": "1",
+                    "LOCAL_RANK": "0",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(server.port),
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",  # torchrun's agent hosts the store: a client here
+                },
+                0,
+            ),
+        ):
+            with ProcessGroup.from_env("tcp", env=env, timeout=30) as group:
+                assert group.local_rank == local
+    script = "from pg_core import HashStore, ProcessGroup\nwith ProcessGroup(HashStore(), 0, 1, backends='tcp') as g: print(g.local_rank)"
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PG_LOCAL_RANK",
+            "LOCAL_RANK",
+            "SLURM_LOCALID",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "MPI_LOCALRANKID",
+            "PG_RANK",
+            "RANK",
+            "SLURM_PROCID",
+            "PMI_RANK",
+            "OMPI_COMM_WORLD_RANK",
+        )
+    }
+    for extra, shown in (({}, "None"), ({"LOCAL_RANK": "3", "RANK": "5", "WORLD_SIZE": "8"}, "3")):
+        got = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**clean, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert got.stdout.strip() == shown, got.stderr

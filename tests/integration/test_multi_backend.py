@@ -154,6 +154,8 @@ def the_cards_line(ctx: RankContext, backends: Any) -> dict[str, Any]:
         out["cpu_sum"] = t.tolist()
         out["gathered"] = group.all_gather_object(ctx.rank)
         out["cuda_supported"] = group.supports("all_reduce", "cuda")
+        torch.distributed.all_reduce(u := torch.ones(2), group=group.to_torch())  # torch's side: the cpu part too
+        out["torch_sum"] = u.tolist()
         if out["nccl_reason"] is not None:
             # a CPU-only torch cannot even make a cuda tensor: the group's own refusal is what a
             # device-moving helper meets, e.g. a cuda tensor's backend created for to_torch()
@@ -178,6 +180,7 @@ def test_the_cards_line_runs_its_cpu_part_wherever_it_runs(rank_pools: Pools, n:
         assert out["cpu_sum"] == [n * (n + 1) / 2] * 4
         assert out["gathered"] == list(range(n))
         assert out["cuda_supported"] == (out["nccl_reason"] is None)
+        assert out["torch_sum"] == [float(n)] * 2
         if out["nccl_reason"] is not None:  # this machine: the reason and the fix, on the first cuda use
             assert "group 'world' cannot run cuda tensors here" in out["cuda_error"]
             assert out["nccl_reason"] in out["cuda_error"]

@@ -104,6 +104,14 @@ def rank_and_size(env: Mapping[str, str]) -> tuple[int, int] | None:
     return None if found is None else found[1:3]
 
 
+def local_rank(env: Mapping[str, str]) -> int | None:
+    """This process's rank on its node, from the first launcher of the precedence whose rank
+    variable is set (``PG_LOCAL_RANK``, ``LOCAL_RANK``, ``SLURM_LOCALID``, ...); ``None`` outside
+    a launcher or where the launcher does not say."""
+    found = _find_rank(env)
+    return None if found is None else found[3]
+
+
 def read_launch(env: Mapping[str, str]) -> LaunchEnv:
     """Parse ``env``; nothing connects. Raises ``ValueError`` naming the variables it looked
     for and did not find, or the one whose value it cannot read."""

@@ -144,7 +144,7 @@ class ProcessGroup:
         if backends is None and env.get("PG_BACKENDS"):
             backends = env["PG_BACKENDS"]
         store = launch.connect(seconds(timeout, DEFAULT_TIMEOUT))
-        return cls(
+        group = cls(
             store,
             launch.rank,
             launch.size,
@@ -154,6 +154,8 @@ class ProcessGroup:
             options=options,
             registry=registry,
         )
+        group._local_rank = launch.local_rank
+        return group
 
     @classmethod
     def _of(cls, formation: Formation) -> ProcessGroup:
@@ -209,6 +211,7 @@ class ProcessGroup:
             name=f.name,
         )
         self._subgroups = Subgroups(f)
+        self._local_rank: int | _Unread | None = _UNREAD  # read from the environment on first use
         self._torch_group: torch.distributed.ProcessGroup | None = None  # to_torch(), made on first call
         self._monitored = 0  # monitored_barrier() rounds so far (their store keys)
 
@@ -219,6 +222,25 @@ class ProcessGroup:
 
     @property
     def size(self) -> int:
+        return self._size
+
+    @property
+    def local_rank(self) -> int | None:
+        """This process's rank on its node, as its launcher says (pgrun's ``PG_LOCAL_RANK``,
+        torchrun's ``LOCAL_RANK``, SLURM's ``SLURM_LOCALID``, MPI launchers' local rank; the
+        environment :meth:`from_env` read, for a group made by it): which GPU to take,
+        ``torch.device("cuda", group.local_rank)``. ``None`` outside a launcher. A property of
+        the process, not the group: every group of the process gives the same."""
+        if isinstance(self._local_rank, _Unread):
+            self._local_rank = environment.local_rank(os.environ)
+        return self._local_rank
+
+    def get_rank(self) -> int:
+        """:attr:`rank`, under torch's name (``torch.distributed.get_rank(group)``)."""
+        return self._rank
+
+    def get_world_size(self) -> int:
+        """:attr:`size`, under torch's name (``torch.distributed.get_world_size(group)``)."""
         return self._size
 
     @property
@@ -246,6 +268,12 @@ class ProcessGroup:
         """Device type -> backend name."""
         return {device: spec.name for device, spec in self._specs.items()}
 
+    def supports_device(self, device: str | torch.device) -> bool:
+        """Whether this group has a backend for ``device``'s type that can run here (False for
+        one installed but unavailable on this machine, such as nccl without a GPU)."""
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        return self._dispatch.available(device_type)
+
     def supports(
         self,
         op: str,
@@ -259,7 +287,7 @@ class ProcessGroup:
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         op = {"isend": "send", "irecv": "recv"}.get(op, op)
         spec = self._specs.get(device_type)
-        if spec is None or not self._dispatch.available(device_type):
+        if spec is None or not self.supports_device(device_type):
             return False
         caps = spec.capabilities_for(device_type)
         return caps.supports(op, dtype, as_reduce_op(reduce_op) if reduce_op is not None else None)
@@ -1049,9 +1077,65 @@ class ProcessGroup:
             async_op=async_op,
         )
 
-    def all_gather_object(self, obj: Any, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Any:
-        """A list of every rank's ``obj``, in rank order (copies, this rank's included)."""
-        return self._objects.all_gather(obj, timeout=self._seconds(timeout), async_op=async_op)
+    def all_gather_object(
+        self,
+        *args: Any,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """A list of every rank's ``obj``, in rank order (copies, this rank's included):
+        ``all_gather_object(obj) -> list``.
+
+        Torch's form works too: ``all_gather_object(object_list, obj)`` (or the keywords
+        ``object_list=``, ``obj=``) fills ``object_list``, which must have one entry per rank,
+        in place and returns ``None`` (with ``async_op=True``, a :class:`Work` that fills it on
+        completion)."""
+        object_list, obj = _torch_form("all_gather_object", args, kwargs)
+        if object_list is not None:
+            _check_object_list(object_list, self._size, "all_gather_object")
+        result = self._objects.all_gather(obj, timeout=self._seconds(timeout), async_op=async_op)
+        if object_list is None:
+            return result
+
+        def fill(values: list[Any]) -> None:
+            object_list[:] = values
+
+        if async_op:
+            return mapped(result, fill)
+        fill(result)
+        return None
+
+    def broadcast_object_list(
+        self,
+        object_list: list[Any],
+        src: int = 0,
+        *,
+        async_op: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Work | None:
+        """Torch's ``broadcast_object_list``: every rank's ``object_list`` becomes a copy of
+        ``src``'s, in place (the lists are the same length on every rank, as torch requires;
+        another length raises ``ValueError`` once the objects arrive). :meth:`broadcast_object`
+        is pg-core's own form: one object, returned."""
+        if not isinstance(object_list, list):
+            raise TypeError(f"broadcast_object_list: object_list must be a list, got {type(object_list).__name__}")
+        result = self.broadcast_object(
+            list(object_list) if self._rank == src else None, src, async_op=async_op, timeout=timeout
+        )
+
+        def fill(values: list[Any]) -> None:
+            if len(values) != len(object_list):
+                raise ValueError(
+                    f"broadcast_object_list: rank {src} sent {len(values)} objects into a list of "
+                    f"{len(object_list)} on rank {self._rank}; pass lists of one length on every rank"
+                )
+            object_list[:] = values
+
+        if async_op:
+            return mapped(result, fill)
+        fill(result)
+        return None
 
     def gather_object(
         self, obj: Any, dst: int = 0, *, async_op: bool = False, timeout: float | timedelta | None = None
@@ -1293,6 +1377,43 @@ class ProcessGroup:
         with contextlib.suppress(Exception):
             if self._executor.state is None:
                 self.abort()
+
+
+class _Unread:
+    """The mark of a value not read yet (``None`` is a value: outside a launcher, no local rank)."""
+
+
+_UNREAD = _Unread()
+
+
+def _torch_form(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any] | None, Any]:
+    """``(object_list, obj)`` of a call in torch's form ``op(object_list, obj)``, or ``(None,
+    obj)`` of one in pg-core's ``op(obj)``."""
+    unknown = set(kwargs) - {"object_list", "obj"}
+    if unknown:
+        raise TypeError(f"{op}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    given = list(args)
+    object_list = kwargs["object_list"] if "object_list" in kwargs else (given.pop(0) if len(given) == 2 else None)
+    if "obj" in kwargs:
+        given.append(kwargs["obj"])
+    if len(given) != 1:
+        raise TypeError(
+            f"{op}() takes an object (pg-core's form) or object_list and obj (torch's), got {len(args)} "
+            f"positional and {sorted(kwargs)} keyword arguments"
+        )
+    if "object_list" in kwargs and kwargs["object_list"] is None:
+        raise TypeError(f"{op}(): object_list must be a list, got None")
+    return object_list, given[0]
+
+
+def _check_object_list(object_list: object, size: int, op: str) -> None:
+    if not isinstance(object_list, list):
+        raise TypeError(f"{op}: object_list must be a list, got {type(object_list).__name__}")
+    if len(object_list) != size:
+        raise ValueError(
+            f"{op}: object_list has {len(object_list)} entries, but the group has size {size}: torch's form fills "
+            f"one entry per rank ([None] * group.size)"
+        )
 
 
 def _rank_and_size(rank: int | None, size: int | None) -> tuple[int, int]:

@@ -62,13 +62,16 @@ _TYPES = {"gloo": "GLOO", "nccl": "NCCL", "mpi": "MPI", "ucc": "UCC", "xccl": "X
 
 def to_torch(group: ProcessGroup) -> dist.ProcessGroup:
     """``group`` as a torch ``ProcessGroup`` (see the module docstring). Collective for a group
-    with native backends: their instances are created now, on every rank."""
+    with native backends: their instances are created now, on every rank. A device type whose
+    backend cannot run here (nccl on a machine without a GPU) is left out, as the group leaves
+    it out until its first use."""
     natives = {}
-    for device_type in group.backends:
+    usable = [device_type for device_type in group.backends if group.supports_device(device_type)]
+    for device_type in usable:
         backend = group._dispatch.instance(group._dispatch.device(device_type), "to_torch").backend
         if isinstance(backend, C10dBackend):
             natives[device_type] = backend
-    if len(natives) == len(group.backends):
+    if len(natives) == len(usable):
         pg = dist.ProcessGroup(group.rank, group.size)  # type: ignore[call-arg]
         for device_type, backend in natives.items():
             kind = getattr(dist.ProcessGroup.BackendType, _TYPES.get(backend.ctx.backend_name, "CUSTOM"))

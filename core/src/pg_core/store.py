@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from torch.distributed import DistNetworkError, FileStore, HashStore, PrefixStore, Store
 from torch.distributed import TCPStore as _TorchTCPStore
@@ -285,24 +285,40 @@ def wait_for_server(host: str, port: int, timeout: float | timedelta) -> None:
         pause = min(pause * 2, _SERVER_POLL_MAX_S)
 
 
-class TCPStore(_TorchTCPStore):
-    """torch's ``TCPStore`` (an instance of it: everything torch takes, it takes), whose
-    client waits for the server with :func:`wait_for_server` before torch connects: at most
-    ``timeout``, and Ctrl-C ends the wait. The arguments are torch's."""
+class _TCPStoreType(type):
+    """Makes ``isinstance(store, pg_core.TCPStore)`` true of every torch ``TCPStore``."""
 
-    def __init__(
-        self,
-        host_name: str,
-        port: int,
-        world_size: int | None = None,
-        is_master: bool = False,
-        timeout: timedelta = timedelta(seconds=300),
-        *args: Any,
-        **kwargs: Any,
-    ) -> None:
-        if not is_master:
-            wait_for_server(host_name, int(port), timeout)
-        super().__init__(host_name, port, world_size, is_master, timeout, *args, **kwargs)
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, _TorchTCPStore)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _TorchTCPStore)
+
+
+if TYPE_CHECKING:
+    TCPStore = _TorchTCPStore
+else:
+
+    class TCPStore(metaclass=_TCPStoreType):
+        """torch's ``TCPStore``: calling it makes one of torch's (everything torch takes, it
+        takes), with the same arguments; a client (``is_master=False``) first waits for the
+        server with :func:`wait_for_server`, at most ``timeout``, and Ctrl-C ends the wait.
+        The object is torch's own, fully made or not at all (a subclass would leave one half
+        made behind a failed connection, which crashes whatever prints it)."""
+
+        def __new__(
+            cls,
+            host_name: str,
+            port: int,
+            world_size: int | None = None,
+            is_master: bool = False,
+            timeout: timedelta = timedelta(seconds=300),
+            *args: Any,
+            **kwargs: Any,
+        ) -> _TorchTCPStore:
+            if not is_master:
+                wait_for_server(host_name, int(port), timeout)
+            return _TorchTCPStore(host_name, port, world_size, is_master, timeout, *args, **kwargs)
 
 
 class StoreServer:
