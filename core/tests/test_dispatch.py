@@ -1015,3 +1015,19 @@ def test_names_are_checked_at_construction_and_availability_at_first_use():
         ProcessGroup(HashStore(), 0, 1, backends="cpu:far", registry=reg)
     with pytest.raises(BackendUnavailableError, match=NO_META):  # the only backend: the group's messages need it
         ProcessGroup(HashStore(), 0, 1, backends="far", registry=reg)
+
+
+def test_groups_of_backend_classes_leave_nothing_behind_in_the_process_wide_registry(log):
+    import gc
+
+    from pg_core.registry import default_registry
+
+    def sizes() -> int:
+        gc.collect()
+        return len(default_registry()._availability)
+
+    ProcessGroup(HashStore(), 0, 1, backends={"cpu": CpuRecorder}, options={"cpu-rec": {"log": log}}).shutdown()
+    before = sizes()
+    for _ in range(5):  # each group makes a spec of its own for the class
+        ProcessGroup(HashStore(), 0, 1, backends={"cpu": CpuRecorder}, options={"cpu-rec": {"log": log}}).shutdown()
+    assert sizes() == before

@@ -59,9 +59,9 @@ import sys, time, traceback
 from datetime import timedelta
 from pg_core import TCPStore
 from pg_core.errors import StoreUnavailableError
-print("waiting", flush=True)
 start = time.monotonic()
 try:
+    print("waiting", flush=True)
     TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=float(sys.argv[2])))
 except StoreUnavailableError as exc:
     took = time.monotonic() - start
@@ -110,28 +110,41 @@ def test_a_client_waiting_for_its_store_is_interrupted_by_ctrl_c() -> None:
     assert "interrupted after" in out, out
 
 
+EARLY_CLIENT = """
+import socket, sys
+real = socket.create_connection
+told = []
+def create_connection(*args, **kwargs):  # says when the client found nobody listening yet
+    try:
+        return real(*args, **kwargs)
+    except OSError:
+        if not told:
+            told.append(print("refused", flush=True))
+        raise
+socket.create_connection = create_connection
+from pg_core import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=60)  # seconds, as the rest of pg-core takes them
+store.set("k", "v")
+"""
+
+
 def test_a_client_started_before_its_store_connects_once_the_store_is_up() -> None:
     from pg_core import TCPStore
 
     port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from pg_core import TCPStore; TCPStore('127.0.0.1', int(sys.argv[1])).set('k', 'v')",
-            str(port),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = subprocess.Popen([sys.executable, "-c", EARLY_CLIENT, str(port)], stdout=subprocess.PIPE, text=True)
     try:
+        assert proc.stdout is not None and proc.stdout.readline() == "refused\n"  # it is waiting: now host the store
         host = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         host.wait(["k"], timedelta(seconds=60))
         assert host.get("k") == b"v"
         assert proc.wait(timeout=60) == 0
         assert isinstance(host, torch.distributed.TCPStore)  # torch's store: everything torch takes, it takes
+        assert isinstance(host, TCPStore) and issubclass(torch.distributed.TCPStore, TCPStore)
     finally:
         proc.kill()
+    with pytest.raises(TypeError, match="subclass torch.distributed.TCPStore instead"):
+        type("Mine", (TCPStore,), {})
 
 
 # -- a torch user's habits -----------------------------------------------------------------------------
@@ -150,6 +163,14 @@ def torch_habits(ctx: RankContext, backend: str) -> dict[str, Any]:
         group.all_gather_object(object_list=keyword, obj=ctx.rank * 10)
         out["keyword"] = keyword
         out["ours"] = group.all_gather_object(ctx.rank)  # pg-core's own form returns the list
+        out["ours_keyword"] = group.all_gather_object(obj=ctx.rank + 1)
+        mixed: list[Any] = [None] * ctx.size
+        group.all_gather_object(mixed, obj=-1)  # torch accepts the object by keyword after the list
+        out["mixed"] = mixed
+        try:
+            group.all_gather_object(None, ctx.rank)
+        except TypeError as exc:
+            out["none_list"] = str(exc)
         async_list: list[Any] = [None] * ctx.size
         work = group.all_gather_object(async_list, -ctx.rank, async_op=True)
         work.wait()
@@ -177,7 +198,9 @@ def test_torch_habits_work_on_a_group(rank_pools: Pools) -> None:
         assert (out["rank"], out["size"]) == (rank, n)
         assert out["returned"] is None and out["gathered"] == [{"r": r} for r in range(n)]
         assert out["keyword"] == [0, 10, 20]
-        assert out["ours"] == [0, 1, 2]
+        assert out["ours"] == [0, 1, 2] and out["ours_keyword"] == [1, 2, 3]
+        assert out["mixed"] == [-1, -1, -1]
+        assert "object_list must be a list, got NoneType" in out["none_list"]
         assert out["async"] == [0, -1, -2]
         assert out["bcast_returned"] is None and out["bcast"] == ["a", {"b": 1}, None]
         assert "object_list has 4 entries" in out["wrong_length"] and "size 3" in out["wrong_length"]
@@ -192,21 +215,25 @@ def test_local_rank_comes_from_the_launchers_variables() -> None:
 
     with StoreServer() as server:
         for env, local in (
-            ({"PG_RANK": "0", "PG_WORLD_SIZE": "1", "PG_LOCAL_RANK": "0", "PG_STORE": server.address}, 0),
+            ({"PG_RANK": "0", "PG_WORLD_SIZE": "1", "PG_LOCAL_RANK": "1", "PG_STORE": server.address}, 1),
             (
                 {
                     "RANK": "0",
                     "WORLD_SIZE": "1",
-                    "LOCAL_RANK": "0",
+                    "LOCAL_RANK": "1",
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(server.port),
                     "TORCHELASTIC_USE_AGENT_STORE": "True",  # torchrun's agent hosts the store: a client here
                 },
-                0,
+                1,
             ),
         ):
             with ProcessGroup.from_env("tcp", env=env, timeout=30) as group:
                 assert group.local_rank == local
+                with group.new_group([0]) as sub:  # the process's, whichever group is asked
+                    assert sub.local_rank == local
+                with group.split(color=0) as part:
+                    assert part.local_rank == local
     script = "from pg_core import HashStore, ProcessGroup\nwith ProcessGroup(HashStore(), 0, 1, backends='tcp') as g: print(g.local_rank)"
     clean = {
         k: v

@@ -104,9 +104,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pg_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    if home is not None:
+        value = getattr(importlib.import_module(f".{home}", __name__), name)
+    else:  # a submodule, as `import pg_core; pg_core.errors` found it when this module imported them all
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the submodule exists and failed to import: that is the error to see
+            raise AttributeError(f"module 'pg_core' has no attribute {name!r}") from None
     globals()[name] = value  # later lookups do not come back here
     return value
 

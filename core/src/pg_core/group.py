@@ -60,6 +60,17 @@ __all__ = ["DEFAULT_TIMEOUT", "P2POp", "ProcessGroup", "rendezvous"]
 _Tensor = torch.Tensor  # a module global: the hot path's type check reads one name, not two
 
 
+class _Unread:
+    """The mark of a value not read yet (``None`` is a value: outside a launcher, no local rank)."""
+
+
+_UNREAD = _Unread()
+
+
+#: an argument not given (``None`` is a value: torch's form refuses ``object_list=None``)
+_MISSING: Any = _Unread()
+
+
 @dataclass(frozen=True)
 class P2POp:
     """One send or receive for :meth:`ProcessGroup.batch_isend_irecv`.
@@ -1080,31 +1091,29 @@ class ProcessGroup:
     def all_gather_object(
         self,
         *args: Any,
+        object_list: Any = _MISSING,
+        obj: Any = _MISSING,
         async_op: bool = False,
         timeout: float | timedelta | None = None,
-        **kwargs: Any,
     ) -> Any:
         """A list of every rank's ``obj``, in rank order (copies, this rank's included):
-        ``all_gather_object(obj) -> list``.
+        ``objs = group.all_gather_object(obj)``.
 
-        Torch's form works too: ``all_gather_object(object_list, obj)`` (or the keywords
-        ``object_list=``, ``obj=``) fills ``object_list``, which must have one entry per rank,
+        Torch's form works too: ``group.all_gather_object(object_list, obj)`` (either may be
+        given by keyword, as in torch) fills ``object_list``, a list with one entry per rank,
         in place and returns ``None`` (with ``async_op=True``, a :class:`Work` that fills it on
         completion)."""
-        object_list, obj = _torch_form("all_gather_object", args, kwargs)
-        if object_list is not None:
+        object_list, obj = _torch_form("all_gather_object", args, object_list, obj)
+        if object_list is not _MISSING:
             _check_object_list(object_list, self._size, "all_gather_object")
         result = self._objects.all_gather(obj, timeout=self._seconds(timeout), async_op=async_op)
-        if object_list is None:
+        if object_list is _MISSING:
             return result
 
         def fill(values: list[Any]) -> None:
             object_list[:] = values
 
-        if async_op:
-            return mapped(result, fill)
-        fill(result)
-        return None
+        return _filled(result, fill, async_op)
 
     def broadcast_object_list(
         self,
@@ -1132,10 +1141,7 @@ class ProcessGroup:
                 )
             object_list[:] = values
 
-        if async_op:
-            return mapped(result, fill)
-        fill(result)
-        return None
+        return _filled(result, fill, async_op)
 
     def gather_object(
         self, obj: Any, dst: int = 0, *, async_op: bool = False, timeout: float | timedelta | None = None
@@ -1217,7 +1223,9 @@ class ProcessGroup:
         if name is not None:
             check_name(name, "new_group name")
         specs, budget, opts = self._inherited(backends, timeout, options)
-        return ProcessGroup._of(self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts))
+        group = ProcessGroup._of(self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts))
+        group._local_rank = self._local_rank  # the process's, as its parent read it
+        return group
 
     def split(
         self,
@@ -1279,6 +1287,7 @@ class ProcessGroup:
         if formation is None:
             return None
         group = ProcessGroup._of(formation)
+        group._local_rank = self._local_rank
         try:
             for device_type in formation.split_from:  # created now, while every member is here
                 group._dispatch.instance(self._dispatch.device(device_type), "split")
@@ -1379,31 +1388,30 @@ class ProcessGroup:
                 self.abort()
 
 
-class _Unread:
-    """The mark of a value not read yet (``None`` is a value: outside a launcher, no local rank)."""
-
-
-_UNREAD = _Unread()
-
-
-def _torch_form(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any] | None, Any]:
-    """``(object_list, obj)`` of a call in torch's form ``op(object_list, obj)``, or ``(None,
-    obj)`` of one in pg-core's ``op(obj)``."""
-    unknown = set(kwargs) - {"object_list", "obj"}
-    if unknown:
-        raise TypeError(f"{op}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+def _torch_form(op: str, args: tuple[Any, ...], object_list: Any, obj: Any) -> tuple[Any, Any]:
+    """``(object_list, obj)`` of a call in torch's form ``op(object_list, obj)`` (positional or
+    keyword), or ``(_MISSING, obj)`` of one in pg-core's ``op(obj)``."""
     given = list(args)
-    object_list = kwargs["object_list"] if "object_list" in kwargs else (given.pop(0) if len(given) == 2 else None)
-    if "obj" in kwargs:
-        given.append(kwargs["obj"])
-    if len(given) != 1:
+    if object_list is _MISSING and len(given) == 2 - (obj is not _MISSING):
+        object_list = given.pop(0)  # torch's order: the list first
+    if obj is _MISSING and len(given) == 1:
+        obj = given.pop()
+    if given or obj is _MISSING:
         raise TypeError(
-            f"{op}() takes an object (pg-core's form) or object_list and obj (torch's), got {len(args)} "
-            f"positional and {sorted(kwargs)} keyword arguments"
+            f"{op}() takes obj (pg-core's form: it returns the list) or object_list and obj (torch's: it fills "
+            f"the list); got {len(args)} positional argument(s)"
+            f"{'' if object_list is _MISSING else ' and object_list'}{'' if obj is _MISSING else ' and obj'}"
         )
-    if "object_list" in kwargs and kwargs["object_list"] is None:
-        raise TypeError(f"{op}(): object_list must be a list, got None")
-    return object_list, given[0]
+    return object_list, obj
+
+
+def _filled(result: Any, fill: Callable[[Any], None], async_op: bool) -> Work | None:
+    """Torch's in-place forms: ``fill`` the caller's list with ``result`` (or, for an
+    asynchronous call, once its work completes) and return what torch returns."""
+    if async_op:
+        return mapped(result, fill)
+    fill(result)
+    return None
 
 
 def _check_object_list(object_list: object, size: int, op: str) -> None:

@@ -54,6 +54,7 @@ import inspect
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -295,7 +296,9 @@ class Registry:
         self._discovering = False
         self._plugins: list[_Record] = []  # from entry points
         self._registered: list[_Record] = []  # from register()
-        self._availability: dict[int, tuple[BackendSpec, str | None]] = {}
+        #: id(spec) -> (a weak reference to the spec, its reason): a spec made for one group
+        #: (``backends=SomeBackend``) leaves the cache when it is collected
+        self._availability: dict[int, tuple[weakref.ref[BackendSpec], str | None]] = {}
 
     def __repr__(self) -> str:
         state = "discovered" if self._discovered else "not yet discovered"
@@ -513,10 +516,18 @@ class Registry:
 
     # -- internals -------------------------------------------------------------------------
     def _why_unavailable(self, spec: BackendSpec) -> str | None:
-        cached = self._availability.get(id(spec))
-        if cached is None or cached[0] is not spec:
-            cached = self._availability[id(spec)] = (spec, spec.why_unavailable())
+        key = id(spec)
+        cached = self._availability.get(key)
+        if cached is None or cached[0]() is not spec:
+            ref = weakref.ref(spec, lambda dead: self._forget(key, dead))
+            cached = self._availability[key] = (ref, spec.why_unavailable())
         return cached[1]
+
+    def _forget(self, key: int, dead: weakref.ref[BackendSpec]) -> None:
+        # no lock: the collector may call this on any thread, and a dict's get and pop are atomic
+        entry = self._availability.get(key)
+        if entry is not None and entry[0] is dead:
+            self._availability.pop(key, None)
 
     def _ensure_discovered(self) -> None:
         if self._discovered or self._discovering:

@@ -46,6 +46,7 @@ __all__ = [
     "store_host",
     "wait_any",
     "wait_for",
+    "wait_for_server",
 ]
 
 
@@ -303,8 +304,19 @@ else:
         """torch's ``TCPStore``: calling it makes one of torch's (everything torch takes, it
         takes), with the same arguments; a client (``is_master=False``) first waits for the
         server with :func:`wait_for_server`, at most ``timeout``, and Ctrl-C ends the wait.
-        The object is torch's own, fully made or not at all (a subclass would leave one half
-        made behind a failed connection, which crashes whatever prints it)."""
+        ``timeout`` may also be a number of seconds. The object is torch's own, fully made or
+        not at all (a subclass would leave one half made behind a failed connection, which
+        crashes whatever prints it); to subclass, subclass ``torch.distributed.TCPStore``.
+
+        The wait covers a server that is not listening yet (or any more). Once something
+        accepts connections on the port, torch's own handshake follows, in C++: it too ends
+        at ``timeout``, but Ctrl-C does not reach it."""
+
+        def __init_subclass__(cls, **kwargs: Any) -> None:
+            raise TypeError(
+                "pg_core.TCPStore makes torch's own TCPStore and cannot be subclassed; subclass "
+                "torch.distributed.TCPStore instead"
+            )
 
         def __new__(
             cls,
@@ -312,13 +324,14 @@ else:
             port: int,
             world_size: int | None = None,
             is_master: bool = False,
-            timeout: timedelta = timedelta(seconds=300),
+            timeout: timedelta | float = timedelta(seconds=300),
             *args: Any,
             **kwargs: Any,
         ) -> _TorchTCPStore:
+            wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds(timeout, 300.0))
             if not is_master:
-                wait_for_server(host_name, int(port), timeout)
-            return _TorchTCPStore(host_name, port, world_size, is_master, timeout, *args, **kwargs)
+                wait_for_server(host_name, int(port), wait)
+            return _TorchTCPStore(host_name, port, world_size, is_master, wait, *args, **kwargs)
 
 
 class StoreServer:
