@@ -27,7 +27,6 @@ import sys
 import torch
 import torch.distributed as dist
 from pg_core import ProcessGroup
-from pg_core.environment import rank_and_size
 
 STEPS, BATCH, LR = 20, 24, 0.05
 
@@ -86,7 +85,7 @@ def main() -> int:
         "--world-size", type=int, default=3, help="ranks to start, when started without a launcher (default 3)"
     )
     args = parser.parse_args()
-    if rank_and_size(os.environ) is not None:  # a rank of a launched job
+    if any(var in os.environ for var in ("PG_RANK", "RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):  # a launched rank
         rank_main(args.backend, args.steps)
         return 0
     if BATCH % args.world_size:

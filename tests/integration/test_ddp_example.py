@@ -1,7 +1,7 @@
 """examples/ddp_train.py runs as its docstring says, on every in-repo CPU backend under its
 launcher: pg-gloo under ``pgrun``, pg-tcp as started without a launcher (the example starts
-its ranks under ``pgrun`` itself), pg-mpi under ``mpiexec`` (one Python process per rank; the
-store hosted here, named by ``PG_STORE``). Exit status 0, every rank's parameters equal to
+its ranks under ``pgrun`` itself), pg-mpi under ``pgrun --mpi`` (its ranks started through
+``mpiexec``, one Python process each). Exit status 0, every rank's parameters equal to
 single-process training, and the summary line rank 0 prints once every rank has checked."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from pg_core import TCPStore
-from pg_core.launchers import launch_command
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
 RANKS, STEPS = 2, 5
@@ -48,13 +46,13 @@ def _run(command: list[str], env: dict[str, str]) -> str:
 )
 def test_ddp_example_runs_under_its_launcher(backend: str) -> None:
     example = [sys.executable, str(EXAMPLE), "--backend", backend, "--steps", str(STEPS)]
+    pgrun = [sys.executable, "-m", "pg_core.launch", "-n", str(RANKS), "--timeout", "120"]
     if backend == "gloo":
-        out = _run([sys.executable, "-m", "pg_core.launch", "-n", str(RANKS), "--timeout", "120", *example[1:]], {})
+        out = _run([*pgrun, *example[1:]], {})
     elif backend == "tcp":
         out = _run([*example, "--world-size", str(RANKS)], {})
-    else:
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: a free port
-        out = _run(launch_command("mpiexec", RANKS, example), {"PG_STORE": f"127.0.0.1:{store.port}"})
+    else:  # as the issue's user ran it: pgrun --mpi starts the ranks through mpiexec
+        out = _run([*pgrun, "--mpi", *example[1:]], {})
     assert f"ddp_train: {RANKS} ranks trained with DDP over pg-core backend '{backend}'" in out, out
     for rank in range(RANKS):
         assert f"rank {rank}: loss on my shard" in out, out

@@ -18,7 +18,7 @@ from . import launch
 if TYPE_CHECKING:
     from .registry import PluginEntry
 
-__all__ = ["main"]
+__all__ = ["capabilities_table", "main"]
 
 _PIP_TCP = " `pip install pg-core[tcp]` gives the pure-Python default."
 _NOTHING_INSTALLED = "No backend is installed: pg-core alone has no backend." + _PIP_TCP

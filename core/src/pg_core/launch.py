@@ -3,8 +3,9 @@
 ``pgrun -n N [options] script.py ARGS`` or ``pgrun -n N [options] -m module ARGS`` runs
 ``N`` Python processes on this host, in the spirit of torchrun:
 
-- it hosts the job's store (a ``TCPStore`` server on ``--host``, 127.0.0.1 by default, on
-  a free port unless ``--master HOST:PORT``), outside the ranks and alive until every rank
+- it hosts the job's store (a ``TCPStore`` server, listening on every interface, which the
+  ranks reach at ``--host``, 127.0.0.1 by default, on a free port unless ``--master
+  HOST:PORT``), outside the ranks and alive until every rank
   is gone, in a process of its own that imports torch while the ranks start (pgrun itself
   imports no torch, so a rank starts in a fraction of a second), and gives each rank ``PG_RANK``, ``PG_WORLD_SIZE``, ``PG_LOCAL_RANK``,
   ``PG_STORE`` (``host:port``), ``PG_BACKENDS`` (with ``--backends``) and torchrun's
@@ -121,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host",
         default=None,
         metavar="HOST",
-        help="address the store listens on and the ranks connect to (default 127.0.0.1)",
+        help="address the ranks reach the store at (default 127.0.0.1); the store listens on every interface, as torch's TCPStore does",
     )
     parser.add_argument(
         "--master",
@@ -406,7 +407,8 @@ class _Job:
         if proc is None:
             return
         _killpg(proc, signal.SIGKILL)
-        proc.popen.wait(10.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: pgrun's own exit code stands
+            proc.popen.wait(10.0)
         for pump in proc.pumps:
             pump.join(5.0)
         if proc.popen.stdin is not None:
