@@ -30,3 +30,10 @@ def test_every_relative_link_of_the_readme_resolves() -> None:
     assert links, "the README links to no file: the pattern no longer matches its links"
     missing = [link for link in links if not (ROOT / link.split("#", 1)[0]).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_the_readme_stays_a_front_door() -> None:
+    """What it is, install, the card's line, launching, the backends, links: history and
+    measurements live in docs/ (issue 29 set the bound)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail into docs/"
