@@ -573,6 +573,10 @@ def test_the_report_says_what_every_backend_it_shows_is() -> None:
         summary = bench_metadata(entry.distribution)
         assert said[entry.name] == f"{entry.distribution} {entry.version}: {summary}", said[entry.name]
     assert said["test_bench:OK_SPEC"].startswith("not an installed plugin")
+    first = installed[0]
+    pinned = f"{first.name}@{first.distribution}"  # a pinned name is its plugin's; a dotted reference is listed
+    again = dict(line.split(": ", 1) for line in bench.describe_backends([pinned, "pkg.mod:SPEC"], entries))
+    assert again[pinned] == said[first.name] and again["pkg.mod:SPEC"].startswith("not an installed plugin")
     by_distribution = {e.distribution: e.name for e in installed}
     if "pg-storecomm" in by_distribution:  # the repository's example plugin (examples/third_party_plugin)
         assert "example" in said[by_distribution["pg-storecomm"]].lower()

@@ -692,13 +692,18 @@ def describe_backends(labels: Sequence[str], entries: Sequence[PluginEntry]) -> 
     their backend's; a backend no installed plugin provides (a ``module:attr`` reference) says that."""
     from importlib import metadata
 
-    by_name = {e.name: e for e in entries}
+    def canonical(distribution: str) -> str:
+        return re.sub(r"[-_.]+", "-", distribution).lower()
+
     lines = []
     for label in dict.fromkeys(labels):
-        name = label.split(".")[0]
-        if name != label:
-            continue  # a variant row (.again, .to_torch) of a backend described on its own line
-        entry = by_name.get(name)
+        if label.endswith((CONTROL, ".to_torch")):
+            continue  # a variant row of a backend described on its own line
+        name, _, pin = label.partition("@")  # "tcp@pg-tcp": a pinned distribution
+        entry = next(
+            (e for e in entries if e.name == name and (not pin or canonical(e.distribution or "") == canonical(pin))),
+            None,
+        )
         if name in _BASELINE_IS:
             what = _BASELINE_IS[name]
         elif entry is None or entry.distribution is None:
