@@ -31,6 +31,7 @@ from .work import Work, all_of, unwrap
 if TYPE_CHECKING:
     from datetime import timedelta
 
+    from .check import Checker
     from .dispatch import Dispatcher
     from .executor import Executor
     from .instance import Instance
@@ -72,6 +73,7 @@ class Batch:
         async_op: bool,
         timeout: float,
         default_timeout: float,
+        check: Checker | None = None,
     ) -> None:
         self._name = name
         self._executor = executor
@@ -80,6 +82,7 @@ class Batch:
         self._async = async_op
         self._timeout = timeout  # for the calls that give none
         self._default = default_timeout  # the group's, for seconds()
+        self._check = check  # the group's check mode, where on: the batch's collectives are compared first
         self._ops: list[_Op] = []
         self._device: torch.device | None = None
         self._members: list[Work] = []  # the works handed out for calls made with async_op=True
@@ -229,6 +232,8 @@ class Batch:
             return self._native(inst) if _coalesces(inst) else self._one_by_one(inst, None)
 
         def run(seq: int) -> Work:
+            if self._check is not None:
+                self._verify(seq, device)
             inst = self._dispatch.instance(device, _OP)
             if not _coalesces(inst):
                 return self._one_by_one(inst, seq)
@@ -242,6 +247,16 @@ class Batch:
         inline = not self._async or self._dispatch.launches(device)
         result: Work = self._executor.run(_OP, run, async_op=not inline)
         return result if inline else unwrap(result)
+
+    def _verify(self, seq: int, device: torch.device) -> None:
+        """Check mode: every rank's batch holds the same collectives (one alone is compared as
+        itself, so a batch of one matches the same call made outside a block)."""
+        assert self._check is not None
+        calls = [(op.call.op, op.call.args) for op in self._ops if op.staging is not None]
+        if len(calls) == 1:
+            self._check.verify(calls[0][0], seq, device.type, calls[0][1], self._timeout)
+        else:
+            self._check.verify_batch(seq, device.type, calls, self._timeout)
 
     def _native(self, inst: Instance) -> Work:
         """The whole batch as one launch: the backend's ``coalesced``."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from . import environment, messages
+from .check import Checker, check_mode
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends, unavailable
 from .errors import CollectiveTimeout, NotSupportedError, PluginError, warn_user
@@ -111,6 +112,15 @@ class ProcessGroup:
     (checked as it joins). ``timeout`` (seconds) bounds every operation unless the
     call gives its own. ``options`` maps a backend name to the options its
     ``BackendContext`` carries.
+
+    ``check=True`` (default: ``PG_CORE_CHECK`` of the environment, read here; off when unset)
+    is check mode: before each tensor collective reaches its backend, the ranks compare a
+    fingerprint of it (op, sequence number, device, dtype, the shape they must agree on,
+    root, reduce op, all-to-all split sizes) over the message backend, and a difference
+    raises :class:`~pg_core.errors.CollectiveMismatchError` on every rank, naming each side,
+    instead of the backend's crash, hang or wrong result. It costs one small all_gather per
+    collective (see :mod:`pg_core.check`); every rank of a group must have it alike.
+    Subgroups inherit it.
     """
 
     def __init__(
@@ -124,13 +134,16 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
         registry: Registry | None = None,
+        check: bool | None = None,
     ) -> None:
         rank, size = _rank_and_size(rank, size)
         check_name(name)
+        checked = check_mode(check, os.environ)
         self._attach(
             _form_top_level(
                 store, name, rank, size, backends=backends, timeout=timeout, options=options, registry=registry
-            )
+            ),
+            checked,
         )
 
     @classmethod
@@ -143,6 +156,7 @@ class ProcessGroup:
         timeout: float | timedelta | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
         registry: Registry | None = None,
+        check: bool | None = None,
     ) -> ProcessGroup:
         """The group of every process a launcher started: pgrun, torchrun, SLURM's ``srun`` or
         ``mpiexec``, read from ``env`` (default ``os.environ``) as :mod:`pg_core.environment`
@@ -154,6 +168,7 @@ class ProcessGroup:
         launch = environment.read_launch(env)
         if backends is None and env.get("PG_BACKENDS"):
             backends = env["PG_BACKENDS"]
+        checked = check_mode(check, env)  # PG_CORE_CHECK of the launcher's environment, where not given
         store = launch.connect(seconds(timeout, DEFAULT_TIMEOUT))
         group = cls(
             store,
@@ -164,18 +179,19 @@ class ProcessGroup:
             timeout=timeout,
             options=options,
             registry=registry,
+            check=checked,
         )
         group._local_rank = launch.local_rank
         return group
 
     @classmethod
-    def _of(cls, formation: Formation) -> ProcessGroup:
+    def _of(cls, formation: Formation, check: bool) -> ProcessGroup:
         """The group of a formation made elsewhere (:func:`rendezvous`, subgroups)."""
         group = cls.__new__(cls)
-        group._attach(formation)
+        group._attach(formation, check)
         return group
 
-    def _attach(self, f: Formation) -> None:
+    def _attach(self, f: Formation, check: bool) -> None:
         """Everything a group holds, from its formation: nothing here talks to a peer."""
         m = f.membership
         self._formation = f
@@ -222,6 +238,10 @@ class ProcessGroup:
             name=f.name,
         )
         self._subgroups = Subgroups(f)
+        #: check mode's fingerprint exchange, or ``None`` (off: nothing on any path reads more than this)
+        self._checker = _checker(
+            self._dispatch, self._supported, self._barrier_device, rank=m.rank, size=m.size, name=f.name, check=check
+        )
         self._local_rank: int | _Unread | None = _UNREAD  # read from the environment on first use
         self._torch_group: torch.distributed.ProcessGroup | None = None  # to_torch(), made on first call
         self._monitored = 0  # monitored_barrier() rounds so far (their store keys)
@@ -275,6 +295,12 @@ class ProcessGroup:
         return self._timeout
 
     @property
+    def check(self) -> bool:
+        """Whether check mode is on: each collective's fingerprint is compared across the
+        ranks before its backend runs it (``check=`` or ``PG_CORE_CHECK``; see the class)."""
+        return self._checker is not None
+
+    @property
     def backends(self) -> dict[str, str]:
         """Device type -> backend name."""
         return {device: spec.name for device, spec in self._specs.items()}
@@ -308,7 +334,7 @@ class ProcessGroup:
             f"{d}: {n}{'' if self._dispatch.available(d) else ' (unavailable here)'}" for d, n in self.backends.items()
         )
         state = self._executor.state
-        shown = f" {state}" if state else ""
+        shown = f"{' check' if self._checker is not None else ''}{f' {state}' if state else ''}"
         return f"<ProcessGroup {self._name!r} rank {self._rank}/{self._size} backends={{{backends}}}{shown}>"
 
     # -- execution --------------------------------------------------------------
@@ -342,8 +368,11 @@ class ProcessGroup:
 
         if async_op and dispatch.launches(device):
             return self._launch(op, device, staging, args, budget)
+        checker = self._checker
 
-        def run(_seq: int) -> Any:
+        def run(seq: int) -> Any:
+            if checker is not None:  # every rank's fingerprint first: a mismatch raises here, on every rank
+                checker.verify(op, seq, device.type, args, budget)
             result = getattr(dispatch.instance(device).backend, op)(*args, timeout=budget)
             if staging is not None and staging.back:
                 staging.finish()
@@ -359,7 +388,11 @@ class ProcessGroup:
         a failure latched when it completes."""
         executor = self._executor
 
+        checker = self._checker
+
         def launch(seq: int) -> Work:
+            if checker is not None:
+                checker.verify(op, seq, device.type, args, budget)
             backend = self._dispatch.instance(device, op).backend
             work: Work = getattr(backend, op)(*args, timeout=budget, async_op=True)
             work.add_done_callback(lambda done: executor.latch(op, seq, done.exception(0)))
@@ -401,6 +434,7 @@ class ProcessGroup:
             async_op=async_op,
             timeout=self._seconds(timeout),
             default_timeout=self._timeout,
+            check=self._checker,
         )
 
     # -- collectives ------------------------------------------------------------
@@ -432,7 +466,7 @@ class ProcessGroup:
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
-        if plain:  # it ran: the backend exists, and declares this kind (and it was not inside a batch)
+        if plain and self._checker is None:  # it ran: the backend exists, and declares this kind (not in a batch)
             key = (tensor.device, tensor.dtype, rop.type)
             if key not in self._lanes:  # the backend's prepared call, run in order by the executor
                 prepared = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
@@ -1207,11 +1241,12 @@ class ProcessGroup:
         *,
         timeout: float | timedelta | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
+        check: bool | None = None,
     ) -> ProcessGroup:
         """A group of the ranks ``ranks`` of this group; called by those members only
         (the others never call it). This rank's rank in it is its index in ``ranks``.
 
-        ``backends``, ``timeout`` and ``options`` default to this group's. The subgroup
+        ``backends``, ``timeout``, ``options`` and ``check`` default to this group's. The subgroup
         lives in this group's store namespace: the same ``ranks`` (or ``name``) formed
         again, while the first is alive or after it shut down, is a new formation.
         Members must call ``new_group`` for the same ``ranks`` in the same order.
@@ -1223,7 +1258,9 @@ class ProcessGroup:
         if name is not None:
             check_name(name, "new_group name")
         specs, budget, opts = self._inherited(backends, timeout, options)
-        group = ProcessGroup._of(self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts))
+        checked = self._inherited_check(check)
+        formation = self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts)
+        group = ProcessGroup._of(formation, checked)
         group._local_rank = self._local_rank  # the process's, as its parent read it
         return group
 
@@ -1236,10 +1273,12 @@ class ProcessGroup:
         backends: BackendsArg = None,
         timeout: float | timedelta | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
+        check: bool | None = None,
     ) -> ProcessGroup | None:
         """Collective over this group, with ``MPI_Comm_split`` semantics: ranks passing the
         same ``color`` (an int ``>= 0``) form one subgroup, ranked by ``key`` and then by
-        their rank here; ``color=None`` joins none and returns ``None``.
+        their rank here; ``color=None`` joins none and returns ``None``. ``backends``,
+        ``timeout``, ``options`` and ``check`` default to this group's.
 
         The colors and keys travel in one ``all_gather_object``. Where this group's message
         backend splits natively (``Backend.split``, backend API 1.6: pg-mpi's
@@ -1254,6 +1293,7 @@ class ProcessGroup:
         if name is not None:
             check_name(name, "split name")
         specs, budget, opts = self._inherited(backends, timeout, options)
+        checked = self._inherited_check(check)
 
         def native(index: int | None, rank: int) -> dict[str, Any]:
             """The message backend's native split, in collective order, where it has one."""
@@ -1286,7 +1326,7 @@ class ProcessGroup:
         )
         if formation is None:
             return None
-        group = ProcessGroup._of(formation)
+        group = ProcessGroup._of(formation, checked)
         group._local_rank = self._local_rank
         try:
             for device_type in formation.split_from:  # created now, while every member is here
@@ -1305,6 +1345,10 @@ class ProcessGroup:
         """A subgroup's configuration: this group's, where the call does not give its own."""
         specs = self._specs if backends is None else resolve_backends(backends, self._formation.registry)
         return specs, self._seconds(timeout), self._formation.options if options is None else options
+
+    def _inherited_check(self, check: bool | None) -> bool:
+        """A subgroup's check mode: this group's unless the call says (the environment is not read again)."""
+        return check_mode(check, {}) if check is not None else self._checker is not None
 
     # -- life ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -1453,9 +1497,10 @@ def rendezvous(
     timeout: float | timedelta | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
     registry: Registry | None = None,
+    check: bool | None = None,
 ) -> ProcessGroup:
     """Form group ``name`` of ``size`` processes that know nothing of each other but the
-    store; ranks are given in arrival order. Returns once all ``size`` have arrived, so any
+    store; ranks are given in arrival order. ``check``: check mode, as :class:`ProcessGroup`'s. Returns once all ``size`` have arrived, so any
     operation (point to point included) may come first.
 
     The processes need no common parent group: a decode worker started later joins by
@@ -1472,8 +1517,12 @@ def rendezvous(
         raise TypeError(f"size must be an int, got {size!r}")
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
+    checked = check_mode(check, os.environ)
     group = ProcessGroup._of(
-        _form_top_level(store, name, None, size, backends=backends, timeout=timeout, options=options, registry=registry)
+        _form_top_level(
+            store, name, None, size, backends=backends, timeout=timeout, options=options, registry=registry
+        ),
+        checked,
     )
     try:
         group._objects.endpoint("rendezvous")  # the message backend, created while every member is here
@@ -1481,6 +1530,32 @@ def rendezvous(
         group.abort()
         raise
     return group
+
+
+def _checker(
+    dispatch: Dispatcher, supported: Supported, device: torch.device, *, rank: int, size: int, name: str, check: bool
+) -> Checker | None:
+    """Check mode's exchange for a group (``None`` when off), over the message backend on
+    ``device``, which must declare an int64 ``all_gather_into_tensor`` (checked on first use).
+    Made of the group's parts, not the group: no cycle keeps a dropped group alive."""
+    if not check:
+        return None
+    checked: list[bool] = []
+
+    def endpoint() -> Instance:
+        if not checked:
+            try:
+                supported.check("all_gather_into_tensor", device, torch.int64, None)
+            except NotSupportedError as exc:
+                raise NotSupportedError(
+                    f"group {name!r}: check mode sends each collective's fingerprint as an int64 "
+                    f"all_gather_into_tensor over the group's {device.type} backend, which does not declare it ({exc}); "
+                    "turn check mode off for this group (check=False)"
+                ) from exc
+            checked.append(True)
+        return dispatch.instance(device, "check")
+
+    return Checker(rank=rank, size=size, name=name, endpoint=endpoint)
 
 
 def _form_top_level(
