@@ -7,22 +7,24 @@ processes: tests/integration/test_check_mode.py)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from pg_core import Backend, BackendContext, Capabilities, CollectiveMismatchError, HashStore, ProcessGroup, ReduceOp
-from pg_core.check import ENV, check_mode, describe, fingerprint
+from pg_core.check import ENV, Checker, check_mode, describe, fingerprint
 
 #: what the peer (rank 1) calls, given this rank's sequence number: ``(op, args)``
 Peer = Callable[[int], tuple[str, tuple[Any, ...]]]
 
 
 class Twin(Backend):
-    """Rank 0 of 2 with a scripted rank 1: collectives are recorded (all_reduce adds 1), and
-    the exchange of fingerprints gives rank 1 the fingerprint of ``options['peer'](seq)``
-    (default: the same as this rank's)."""
+    """Rank 0 of 2 with a scripted rank 1: collectives are recorded (all_reduce adds 1). The
+    check's one-element int64 all_reduce gives rank 1 the same digest as this rank's, or,
+    where ``options['peer']`` scripts what rank 1 called (``peer(seq)``), another: and then
+    the fingerprints' all_gather gives rank 1's row the fingerprint of that call."""
 
     name = "twin"
     capabilities = Capabilities()
@@ -39,6 +41,10 @@ class Twin(Backend):
         self.log.append("recv")
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        if tensor.dtype == torch.int64 and tensor.numel() == 1:
+            self.log.append("digest")
+            tensor.mul_(2).add_(0 if self.peer[0] is None else 1)
+            return
         self.log.append("all_reduce")
         tensor.add_(1)
 
@@ -53,7 +59,7 @@ class Twin(Backend):
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
         width = input.numel()
-        self.log.append(f"exchange[{width}]")
+        self.log.append(f"gather[{width}]")
         output[:width] = input
         peer = self.peer[0]
         if peer is None or width != 16:  # the same as this rank (and all-to-all counts: the same)
@@ -165,18 +171,14 @@ def test_on_each_collective_is_compared_first_and_matching_ones_run(log: list[st
         work = group.broadcast(torch.zeros(1), src=1, async_op=True)
         assert work is not None
         work.wait()
-        group.all_to_all_single(torch.zeros(4), torch.zeros(4), [2, 2], [2, 2])  # (rank 1 mirrors this one)
         with group.coalescing():
             group.all_reduce(torch.zeros(1))
             group.all_reduce(torch.zeros(1))
         assert log == [
-            *["exchange[16]", "all_reduce"] * 3,
-            "exchange[16]",
+            *["digest", "all_reduce"] * 3,
+            "digest",
             "broadcast",
-            "exchange[16]",
-            "exchange[4]",  # the split sizes
-            "all_to_all_single",
-            "exchange[16]",  # the batch, once
+            "digest",  # the batch, once
             "all_reduce",
             "all_reduce",
         ]
@@ -211,20 +213,27 @@ def test_a_mismatch_raises_naming_both_sides_and_nothing_runs_after_it(
         assert "rank 0: " in message and "rank 1: " in message
         assert f"rank 1: {theirs[0]} #1" in message and said in message
         assert caught.value.peers == (1,)
-        assert log == ["exchange[16]"]  # the collective itself never ran
+        assert log == ["digest", "gather[16]"]  # the collective itself never ran
         peer[0] = None
         with pytest.raises(CollectiveMismatchError, match="stopped after"):
             group.all_reduce(torch.zeros(1))  # the group's collectives stop, as after any mismatch
-        assert log == ["exchange[16]"]
+        assert log == ["digest", "gather[16]"]
     finally:
         group.abort()
 
 
 def test_split_sizes_that_disagree_raise_naming_both_ranks(log: list[str], peer: list[Peer | None]) -> None:
     class Lopsided(Twin):
+        """Rank 1 sends rank 0 two elements, where rank 0 expects one: the digests differ,
+        the fingerprints read alike, and the counts tell."""
+
+        def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+            super().all_reduce(tensor, op, timeout=timeout)
+            tensor.add_(1)
+
         def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
             super().all_gather_into_tensor(output, input, timeout=timeout)
-            if input.numel() == 4:  # rank 1 sends rank 0 two elements, where rank 0 expects one
+            if input.numel() == 4:
                 output[4:] = torch.tensor([2, 1, 1, 1])
 
     opts = {"twin": {"log": log, "peer": peer}}
@@ -235,3 +244,78 @@ def test_split_sizes_that_disagree_raise_naming_both_ranks(log: list[str], peer:
         assert "all_to_all_single" not in log
     finally:
         group.abort()
+
+
+# -- the verdict, across ranks ----------------------------------------------------------------------
+class World:
+    """``size`` ranks as threads, each with a checker whose message backend is this object:
+    every collective waits for all ranks, as a real one does."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.slots: list[Any] = [None] * size
+
+    def endpoint(self, rank: int) -> Any:
+        world = self
+
+        class Exchange:
+            def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+                tensor.copy_(torch.tensor([sum(world.exchange(rank, int(tensor)))]))
+
+            def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+                output.copy_(torch.cat(world.exchange(rank, input.clone())))
+
+        class Inst:
+            device = torch.device("cpu")
+            backend = Exchange()
+
+        return Inst()
+
+    def exchange(self, rank: int, value: Any) -> list[Any]:
+        self.slots[rank] = value
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+
+def verdicts(calls: list[tuple[str, tuple[Any, ...]]]) -> list[str | None]:
+    """What each rank's check says when rank ``r`` calls ``calls[r]`` (``None``: it passed)."""
+    world = World(len(calls))
+    out: list[str | None] = [None] * len(calls)
+
+    def rank(r: int) -> None:
+        inst = world.endpoint(r)
+        checker = Checker(rank=r, size=len(calls), name="w", endpoint=lambda: inst)
+        try:
+            checker.verify(calls[r][0], 1, "cpu", calls[r][1], 30.0)
+        except CollectiveMismatchError as exc:
+            out[r] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_every_rank_reaches_the_same_verdict() -> None:
+    f = torch.zeros
+    same = [("all_reduce", (f(4), ReduceOp.SUM))] * 3
+    assert verdicts(same) == [None, None, None]
+    three_ways = [("all_reduce", (f(4), ReduceOp.SUM)), ("all_reduce", (f(5), ReduceOp.SUM)), ("barrier", ())]
+    said = [s or "(passed)" for s in verdicts(three_ways)]
+    assert all("rank 0: all_reduce #1 float32[4] SUM on cpu; rank 1: all_reduce #1 float32[5]" in s for s in said)
+    assert all("rank 2: barrier #1 on cpu" in s for s in said)
+    # all-to-all: the splits agree pairwise, or every rank says which pair does not
+    a2a = [
+        ("all_to_all_single", (f(3), f(3), [1, 1, 1], [1, 1, 1])),
+        ("all_to_all_single", (f(4), f(3), [1, 1, 2], [1, 1, 1])),
+        ("all_to_all_single", (f(3), f(4), [1, 1, 1], [1, 2, 1])),
+    ]
+    assert verdicts(a2a) == [None, None, None]
+    a2a[2] = ("all_to_all_single", (f(3), f(4), [1, 1, 1], [2, 1, 1]))  # rank 2 sends rank 0 the row rank 1 expects
+    said = [s or "(passed)" for s in verdicts(a2a)]
+    assert all("rank 2 sends rank 1 1 elements, rank 1 expects 2 from rank 2" in s for s in said)

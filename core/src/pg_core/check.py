@@ -4,17 +4,24 @@ A backend that cannot see a mismatch (Gloo aborts the process on a size or dtype
 expect; MPI returns wrong results) must never be handed one. With check mode on
 (``ProcessGroup(..., check=True)`` or ``PG_CORE_CHECK=1``), each collective is first
 described by a fixed-size fingerprint (op, sequence number, device type, dtype, root, reduce
-op, the shape every rank must agree on), the fingerprints are all-gathered over the group's
-message backend, and where any differ every rank raises
+op, the shape every rank must agree on; for all-to-all, the elements sent to and expected
+from each peer), and where any differ every rank raises
 :class:`~pg_core.errors.CollectiveMismatchError` naming each side, before a byte of the
-collective itself is sent. All-to-all ops then exchange their per-peer element counts too,
-so a rank sending ``k`` elements to a peer that expects another number is named alike.
+collective itself is sent.
 
-The exchange is itself a collective of the same width on every rank, whatever the ranks
-called, so it cannot mismatch; every rank compares the same table and reaches the same
-verdict. What it costs is one all_gather of 128 bytes per rank per collective (see
-docs/faults.md for the figures). The group runs it in the executor's order, so a mismatch
-latches like any other and the group's collectives stop.
+**How ranks compare.** Each rank reduces its fingerprint to a digest ``h`` below ``M``
+(``2**(62 - bits(size))``, so a sum of ``size`` of them is exact in int64) and the group
+all-reduces one int64, ``h`` plus the rank's all-to-all balance (``sum over peers of
+H(me, peer, sent) - H(peer, me, expected)``, mod ``M``: the balances of every rank cancel
+exactly when what each sends is what its peer expects), with SUM, over its message
+backend. Every rank's own check is ``total == size * h (mod M)``: equal fingerprints always
+pass, and different ones pass on a rank only by a coincidence of their digests (a chance of
+the order of ``2**-50`` per check), so every rank reaches the same verdict. The common case is thus one
+one-element all_reduce, the cheapest collective there is, whatever the ranks called: it
+cannot mismatch itself. Only after a mismatch do the ranks all-gather their full
+fingerprints (and all-to-all counts) to say who called what. The group runs the check in
+the executor's order, so a mismatch latches like any other and its collectives stop. What
+it costs, measured: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import torch
 
 from .dtypes import dtype_code, dtype_from_code, dtype_name
 from .errors import CollectiveMismatchError
-from .ops import RedOpType
+from .ops import RedOpType, ReduceOp
 
 if TYPE_CHECKING:
     from .instance import Instance
 
 __all__ = ["ENV", "Checker", "batch_fingerprint", "check_mode", "describe", "fingerprint"]
+
+_ONE: Final = struct.Struct("<q")
 
 #: the environment variable that turns check mode on for groups that do not say
 ENV: Final = "PG_CORE_CHECK"
@@ -65,7 +74,6 @@ _DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", 
 _MAGIC: Final = 0x70_67_63_68_6B_01  # "pgchk", version 1
 _DIMS: Final = 7
 _WIDTH: Final = 9 + _DIMS
-_ROW: Final = struct.Struct(f"<{_WIDTH}q")
 
 
 def _crc(name: str) -> int:
@@ -209,18 +217,18 @@ def _ranks(ranks: Sequence[int]) -> str:
 class Checker:
     """Check mode of one group: :meth:`verify` before each collective, in the executor's order.
 
-    ``endpoint`` gives the group's message backend instance (created on first use), over
-    whose ``all_gather_into_tensor`` the fingerprints travel as int64. Buffers are the
-    checker's own, reused by every call: collectives of a group run one at a time."""
+    ``endpoint`` gives the group's message backend instance (created on first use): the
+    digests travel as its int64 ``all_reduce`` (SUM), and after a mismatch the fingerprints
+    as its int64 ``all_gather_into_tensor``. Buffers are the checker's own, reused by every
+    call: collectives of a group run one at a time."""
 
-    __slots__ = ("_endpoint", "_name", "_rank", "_row", "_row_buf", "_size", "_table", "_table_buf")
+    __slots__ = ("_endpoint", "_modulus", "_name", "_one", "_one_buf", "_rank", "_size")
 
     def __init__(self, *, rank: int, size: int, name: str, endpoint: Callable[[], Instance]) -> None:
         self._rank, self._size, self._name, self._endpoint = rank, size, name, endpoint
-        self._row_buf = bytearray(_ROW.size)
-        self._table_buf = bytearray(_ROW.size * size)
-        self._row = torch.frombuffer(self._row_buf, dtype=torch.int64)
-        self._table = torch.frombuffer(self._table_buf, dtype=torch.int64)
+        self._modulus = 1 << (62 - size.bit_length())
+        self._one_buf = bytearray(_ONE.size)
+        self._one = torch.frombuffer(self._one_buf, dtype=torch.int64)
 
     def verify(self, op: str, seq: int, device_type: str, args: Sequence[Any], timeout: float) -> None:
         """Raise :class:`CollectiveMismatchError` (on every rank alike) unless every rank's
@@ -236,46 +244,70 @@ class Checker:
         self._compare(row, counts, timeout)
 
     def _compare(self, row: list[int], counts: list[int], timeout: float) -> None:
-        _ROW.pack_into(self._row_buf, 0, *row)
-        self._gather(self._table, self._row, timeout)
-        if self._table_buf != self._row_buf * self._size:
-            raise self._mismatch([_ROW.unpack_from(self._table_buf, r * _ROW.size) for r in range(self._size)])
-        if counts:
-            self._compare_counts(row, counts, timeout)
-
-    def _gather(self, table: torch.Tensor, row: torch.Tensor, timeout: float) -> None:
+        m = self._modulus
+        h = hash(tuple(row)) % m  # a tuple of ints hashes alike in every process
+        _ONE.pack_into(self._one_buf, 0, (h + self._balance(counts)) % m if counts else h)
         inst = self._endpoint()
         if inst.device.type == "cpu":
-            inst.backend.all_gather_into_tensor(table, row, timeout=timeout)
-            return
-        out = table.to(inst.device)
-        inst.backend.all_gather_into_tensor(out, row.to(inst.device), timeout=timeout)
-        table.copy_(out.cpu())
+            inst.backend.all_reduce(self._one, _SUM, timeout=timeout)
+            total = _ONE.unpack_from(self._one_buf)[0]
+        else:
+            one = self._one.to(inst.device)
+            inst.backend.all_reduce(one, _SUM, timeout=timeout)
+            total = int(one.item())
+        if (total - self._size * h) % m:
+            raise self._explain(row, counts, timeout)
+
+    def _balance(self, counts: list[int]) -> int:
+        """What this rank adds for its all-to-alls (``counts``: per all-to-all, the elements it
+        sends each peer, then those it expects from each): the digests of the (sender, receiver,
+        part, elements) it sends, less those it expects; every rank's cancel out when they agree."""
+        n, me, m = self._size, self._rank, self._modulus
+        balance = 0
+        for part in range(0, len(counts), 2 * n):
+            for peer in range(n):
+                balance += hash((me, peer, part, counts[part + peer])) - hash((peer, me, part, counts[part + n + peer]))
+        return balance % m
+
+    def _gather(self, mine: list[int], timeout: float) -> list[list[int]]:
+        """Every rank's ``mine`` (of one length on every rank), in rank order."""
+        inst = self._endpoint()
+        row = torch.tensor(mine, dtype=torch.int64, device=inst.device)
+        table = torch.empty(self._size * len(mine), dtype=torch.int64, device=inst.device)
+        inst.backend.all_gather_into_tensor(table, row, timeout=timeout)
+        return table.view(self._size, len(mine)).tolist()  # type: ignore[no-any-return]
+
+    def _explain(self, row: list[int], counts: list[int], timeout: float) -> CollectiveMismatchError:
+        """The error after a mismatch: every rank's fingerprint (of one width everywhere), and
+        where those agree, the all-to-all counts (then of one length everywhere too)."""
+        rows = [tuple(r) for r in self._gather(row, timeout)]
+        if any(r != rows[0] for r in rows):
+            return self._mismatch(rows)
+        wrong, involved = self._split_mismatches(self._gather(counts, timeout)) if counts else ([], set())
+        what = "; ".join(wrong) or "their digests differ although the fingerprints read alike"
+        return CollectiveMismatchError(
+            f"group {self._name!r}: {describe(row)}: the ranks' split sizes do not agree: {what}. {_AFTER}",
+            peers=sorted(involved - {self._rank}),
+        )
 
     def _mismatch(self, rows: list[tuple[int, ...]]) -> CollectiveMismatchError:
         sides: dict[tuple[int, ...], list[int]] = {}
         for rank, row in enumerate(rows):
             sides.setdefault(row, []).append(rank)
         mine = rows[self._rank]
-        seq = mine[2]
         told = "; ".join(f"{_ranks(ranks)}: {describe(row)}" for row, ranks in sides.items())
         return CollectiveMismatchError(
-            f"group {self._name!r}: the ranks called different collectives at collective #{seq} (rank {self._rank} "
-            f"is in {describe(mine)}): {told}. Check mode caught it before the backend ran it, so nothing of it "
-            "was sent; the group's collectives stop: form the group again after fixing the program",
+            f"group {self._name!r}: the ranks called different collectives at collective #{mine[2]} (rank "
+            f"{self._rank} is in {describe(mine)}): {told}. {_AFTER}",
             peers=[r for r, row in enumerate(rows) if row != mine],
         )
 
-    def _compare_counts(self, row: list[int], counts: list[int], timeout: float) -> None:
-        """All-to-all: what each rank sends each peer is what that peer expects from it."""
-        n, width = self._size, len(counts)
-        mine = torch.tensor(counts, dtype=torch.int64)
-        table = torch.empty(n * width, dtype=torch.int64)
-        self._gather(table, mine, timeout)
-        got = table.view(n, width).tolist()
+    def _split_mismatches(self, got: list[list[int]]) -> tuple[list[str], set[int]]:
+        """All-to-all: each pair where what a rank sends is not what its peer expects."""
+        n = self._size
         wrong: list[str] = []
         involved: set[int] = set()
-        for part in range(0, width, 2 * n):  # one all-to-all after another (a batch may hold several)
+        for part in range(0, len(got[0]), 2 * n):  # one all-to-all after another (a batch may hold several)
             for i in range(n):
                 for j in range(n):
                     sent, expected = got[i][part + j], got[j][part + n + i]
@@ -284,10 +316,11 @@ class Checker:
                             f"rank {i} sends rank {j} {sent} elements, rank {j} expects {expected} from rank {i}"
                         )
                         involved.update((i, j))
-        if wrong:
-            raise CollectiveMismatchError(
-                f"group {self._name!r}: {describe(row)}: the ranks' split sizes do not agree: {'; '.join(wrong)}. "
-                "Check mode caught it before the backend ran it, so nothing of it was sent; the group's collectives "
-                "stop: form the group again after fixing the program",
-                peers=sorted(involved - {self._rank}),
-            )
+        return wrong, involved
+
+
+_SUM: Final = ReduceOp.SUM
+_AFTER: Final = (
+    "Check mode caught it before the backend ran it, so nothing of it was sent; the group's collectives stop: "
+    "form the group again after fixing the program"
+)

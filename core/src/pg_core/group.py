@@ -1536,8 +1536,9 @@ def _checker(
     dispatch: Dispatcher, supported: Supported, device: torch.device, *, rank: int, size: int, name: str, check: bool
 ) -> Checker | None:
     """Check mode's exchange for a group (``None`` when off), over the message backend on
-    ``device``, which must declare an int64 ``all_gather_into_tensor`` (checked on first use).
-    Made of the group's parts, not the group: no cycle keeps a dropped group alive."""
+    ``device``, which must declare int64 ``all_reduce`` (SUM) and ``all_gather_into_tensor``
+    (checked on first use). Made of the group's parts, not the group: no cycle keeps a dropped
+    group alive."""
     if not check:
         return None
     checked: list[bool] = []
@@ -1545,12 +1546,13 @@ def _checker(
     def endpoint() -> Instance:
         if not checked:
             try:
+                supported.check("all_reduce", device, torch.int64, ReduceOp.SUM)
                 supported.check("all_gather_into_tensor", device, torch.int64, None)
             except NotSupportedError as exc:
                 raise NotSupportedError(
-                    f"group {name!r}: check mode sends each collective's fingerprint as an int64 "
-                    f"all_gather_into_tensor over the group's {device.type} backend, which does not declare it ({exc}); "
-                    "turn check mode off for this group (check=False)"
+                    f"group {name!r}: check mode compares each collective's fingerprint as an int64 all_reduce "
+                    f"(and all_gather_into_tensor) over the group's {device.type} backend, which does not declare it "
+                    f"({exc}); turn check mode off for this group (check=False)"
                 ) from exc
             checked.append(True)
         return dispatch.instance(device, "check")
