@@ -154,7 +154,10 @@ class TCPBackend(Backend):
     address to listen on and advertise (default: the interface that reaches the
     store; also ``PG_CORE_ADDR``); ``small_bytes`` (default 64 KiB) and
     ``segment_bytes`` (default 2 MiB), the :class:`pg_core.algorithms.Tuning` of
-    the collectives and of the native ring (every rank must pass the same values).
+    the collectives and of the native ring (every rank must pass the same values);
+    ``max_message_bytes`` (default 256 MiB), the largest byte message a peer may announce, and
+    ``max_unexpected_bytes`` (default 512 MiB), what a peer may have buffered here ahead of its
+    receives (see :mod:`pg_tcp.transport`, "Limits").
     """
 
     def __init__(self, ctx: BackendContext) -> None:

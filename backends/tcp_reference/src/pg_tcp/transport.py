@@ -63,6 +63,26 @@ what it is, ranks that call different things get
 :class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's
 bytes as data.
 
+**Limits on what a peer announces.** A header's ``nbytes`` is checked before anything is
+allocated for it. A tensor or collective frame with a posted receive takes that receive's
+size (a frame of another size is a mismatch, read past through a small scratch buffer; one
+larger than both the receive and ``max_message_bytes`` is refused). A byte message may
+announce at most ``max_message_bytes`` (option, default :data:`DEFAULT_MAX_MESSAGE_BYTES`).
+Frames held ahead of their receive (unexpected) may total ``max_unexpected_bytes`` per peer
+(option, default :data:`DEFAULT_MAX_UNEXPECTED_BYTES`): a byte message beyond it is refused,
+a tensor or collective frame beyond it *parks* its connection (not read; the payload waits in
+the kernel, TCP holds the sender) until a receive is posted, and is routed again then.
+Control frames carry at most 64 KiB. A refused frame drops every connection of its peer
+unread: the peer is lost as if it crashed (``PeerFailureError`` naming it, the announced size
+and the option, on whatever needed it), the collectives stop with an ABORT to the others,
+and the line is logged on the ``pg_tcp`` logger.
+
+**Second claims.** A rank makes at most one connection to a peer, and none at all once it has
+answered the peer's with OK (it had none of its own; "crossed" says it had one, whose hello
+comes). So an accepted hello for a rank that already made its connection, or whose answer
+said it makes none, is someone else's: refused, logged with the claimed rank and the remote
+address, never read.
+
 **Receiving from any source.** A tensor receive may name no peer (:data:`ANY`): it takes
 the oldest message queued on its tag from any peer (each arrival is numbered), or is
 posted and takes the first to arrive. Named and any-source receives of one tag wait in
@@ -135,6 +155,7 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import logging
 import mmap
 import select
 import socket
@@ -161,14 +182,27 @@ from pg_core.ops import COLLECTIVE_OPS, RedOpType
 from pg_core.store import advertise_address, wait_for
 from pg_core.work import Work
 
-__all__ = ["ANY", "Recv", "Request", "Send", "Transport", "describe_arg", "encode_arg", "tensor_bytes"]
+__all__ = [
+    "ANY",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_MAX_UNEXPECTED_BYTES",
+    "Recv",
+    "Request",
+    "Send",
+    "Transport",
+    "describe_arg",
+    "encode_arg",
+    "tensor_bytes",
+]
+
+_log = logging.getLogger("pg_tcp")
 
 # -- wire format ------------------------------------------------------------------
 
 HEADER: Final = struct.Struct("<HBBB3xqQQ")  # magic, kind, opcode, dtype, tag, seq, nbytes
 HEADER_SIZE: Final = HEADER.size  # 32
 MAGIC: Final = 0x5054  # "TP"
-PROTOCOL_VERSION: Final = 2  # 2: connections made on first use (hello flags, RETIRE)
+PROTOCOL_VERSION: Final = 3  # 2: connections made on first use (hello flags, RETIRE); 3: the CROSSED answer
 HELLO_MAGIC: Final = b"pg-tcp\x00\x01"
 
 # kinds
@@ -408,6 +442,12 @@ _REPLY_OK: Final = 0  # "use this connection"
 _REPLY_SWITCH: Final = 1  # "use this connection; mine to you retires (RETIRE on it): read what follows here after that"
 _REPLY_CLOSING: Final = 2  # "I am shutting down; nothing comes here: my BYE comes on my own connection to you"
 _REPLY_GONE: Final = 3  # "I am shutting down, and I never sent you anything": a BYE
+_REPLY_CROSSED: Final = 4  # "use this connection; mine to you crossed it (its hello comes, then its RETIRE)"
+
+#: Limits on what a peer may announce (options of the backend; see the module docstring).
+DEFAULT_MAX_MESSAGE_BYTES: Final = 256 << 20
+DEFAULT_MAX_UNEXPECTED_BYTES: Final = 512 << 20
+_MAX_CONTROL_BYTES: Final = 1 << 16  # an ABORT's or a BYE's reason; ARRIVED and RETIRE carry nothing
 
 # connection states
 _OPEN: Final = 0  # frames flow
@@ -446,8 +486,11 @@ class _Conn:
         "initiated",
         "mask",
         "outq",
+        "parked",
         "peer",
         "quiet",
+        "remote",
+        "resume",
         "send_error",
         "sock",
         "state",
@@ -468,6 +511,9 @@ class _Conn:
         self.ended = False  # the peer sends nothing more here
         self.quiet = False  # its EOF is expected, not a crash
         self.dead = False  # to be closed by the driver
+        self.parked = False  # do not read: a frame too large to buffer waits here for its receive
+        self.resume = False  # a parked frame's receive may be posted: route its header again
+        self.remote = ""  # host:port of the other end, for messages
         # reader state (driver only)
         self.hdr = bytearray(HEADER_SIZE)
         self.hdr_view = memoryview(self.hdr)
@@ -482,7 +528,20 @@ class _Conn:
 class _Peer:
     """Another rank of the group: its connections and what waits for one. Under ``_lock``."""
 
-    __slots__ = ("address", "backlog", "closed", "connecting", "conns", "crashed", "hold", "rank", "send")
+    __slots__ = (
+        "accepted",
+        "address",
+        "backlog",
+        "buffered",
+        "closed",
+        "connecting",
+        "conns",
+        "crashed",
+        "hold",
+        "rank",
+        "sealed",
+        "send",
+    )
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -494,6 +553,9 @@ class _Peer:
         self.hold = 0  # SWITCH answers read minus RETIRE frames read (> 0: hold the switched connection)
         self.closed: str | None = None  # why this peer can no longer be talked to
         self.crashed = False
+        self.buffered = 0  # payload bytes from it held ahead of their receives (unexpected)
+        self.accepted = False  # a connection it made was taken: it makes no second one
+        self.sealed = False  # it answered ours saying it has none of its own: it makes none
 
 
 class _NotPublished(Exception):
@@ -512,6 +574,17 @@ def _tune(sock: socket.socket) -> None:
         option = getattr(socket, name, None)
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def _byte_limit(label: str, ctx: BackendContext, name: str, default: int) -> int:
+    """The option ``name`` of the backend: a positive number of bytes."""
+    value = ctx.options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"{label}: option {name}={value!r} is not a number of bytes: pass a positive int "
+            f"(the default is {default}), the same on every rank"
+        )
+    return value
 
 
 # -- the transport -----------------------------------------------------------------------
@@ -533,6 +606,9 @@ class Transport:
         self._uid = ctx.group_uid.encode()
         if len(self._uid) > _MAX_UID:
             raise ValueError(f"{self.label}: group_uid is longer than {_MAX_UID} bytes")
+        self._max_message = _byte_limit(self.label, ctx, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        self._max_unexpected = _byte_limit(self.label, ctx, "max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED_BYTES)
+        self._parked: set[_Conn] = set()  # connections whose next frame waits for its receive
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # "something completed / the driver left"
         self._sleepers = 0  # threads waiting on _cond
@@ -600,8 +676,17 @@ class Transport:
     # == posting ==============================================================================
 
     def post_send(self, req: Send) -> Send:
-        """Start ``req``: written now as far as the kernel takes it, the rest queued."""
+        """Start ``req``: written now as far as the kernel takes it, the rest queued.
+
+        A point-to-point send to a connected peer first reads what is waiting (one poll that
+        does not block): a peer that died since the last read has left its EOF or reset there,
+        and the send fails with PeerFailureError instead of handing the kernel bytes that can
+        no longer be delivered."""
         self._prepare(req)
+        if req.kind in (TENSOR, BYTES) and 0 <= req.peer < self.size:
+            peer = self._peers[req.peer]
+            if peer is not None and peer.send is not None and peer.closed is None:
+                self._drive(None, 0.0)
         with self._lock:
             peer = self._admit(req)
             if peer is not None:
@@ -634,6 +719,7 @@ class Transport:
                 frame, payload, _ = queue.popleft()
                 if not queue:
                     del self._unexpected[key]
+                peer.buffered -= frame[5]
         self._deliver(req, frame, payload, req.peer, req.seq)  # an early frame
         self._settle()
         return req
@@ -646,6 +732,23 @@ class Transport:
         if posted is None:
             posted = self._posted[req.key] = deque()
         posted.append(req)
+        if self._parked:  # a frame too large to buffer may be this receive's: route it again
+            self._unpark()
+
+    def _unpark(self) -> None:
+        """Let the driver route the parked frames' headers again. Under the lock."""
+        for conn in self._parked:
+            conn.parked = False
+            conn.resume = True
+        self._parked.clear()
+        self._poll_dirty = True
+        self._wake_driver()
+
+    def _unbuffer(self, rank: int, nbytes: int) -> None:
+        """``nbytes`` held from ``rank`` ahead of their receive are no longer held. Under the lock."""
+        peer = self._peers[rank]
+        if peer is not None:
+            peer.buffered -= nbytes
 
     def _match_any(self, req: Recv) -> tuple[Frame, Payload] | None:
         """An any-source receive: the oldest frame queued on its tag from any peer (``req.peer``
@@ -669,6 +772,7 @@ class Transport:
         frame, payload, _ = oldest.popleft()
         if not oldest:
             del self._unexpected[(sender, req.kind, req.tag)]
+        self._unbuffer(sender, frame[5])
         req.peer = sender
         return frame, payload
 
@@ -1048,7 +1152,7 @@ class Transport:
             if mask & _POLLOUT:
                 self._flush(conn)
             if mask & _POLLIN and not conn.dead and (conn.peer is None or conn.peer.closed is None):
-                if conn.held:  # not reading it; an error or hang-up on it, though, is news
+                if conn.held or conn.parked:  # not reading it; an error or hang-up on it, though, is news
                     if mask & (select.POLLERR | select.POLLHUP):
                         self._conn_lost(conn, f"connection to rank {conn.peer.rank if conn.peer else '?'} failed")
                     continue
@@ -1067,7 +1171,7 @@ class Transport:
                 peer = conn.peer
                 want = 0
                 if peer is None or peer.closed is None:
-                    if not conn.ended and not conn.held:
+                    if not conn.ended and not conn.held and not conn.parked:
                         want |= _POLLIN
                     if conn.outq and conn.send_error is None:
                         want |= _POLLOUT
@@ -1088,6 +1192,7 @@ class Transport:
             conn.mask = 0
         self._conns.pop(conn.fd, None)
         self._anonymous.discard(conn)
+        self._parked.discard(conn)
         peer = conn.peer
         if peer is not None:
             if conn in peer.conns:
@@ -1118,7 +1223,7 @@ class Transport:
         assert self._listener is not None
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, remote = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -1129,6 +1234,7 @@ class Transport:
                 sock.close()
                 continue
             conn = _Conn(sock, None, initiated=False)
+            conn.remote = f"{remote[0]}:{remote[1]}"
             conn.hello_by = time.monotonic() + _HELLO_TIMEOUT
             with self._lock:
                 self._add_conn(conn)
@@ -1152,10 +1258,18 @@ class Transport:
             conn.dead = True  # another group's, or not pg-tcp at all
             self._poll_dirty = True
             return False
-        if peer.closed is not None or any(not c.initiated for c in peer.conns if not c.dead):
-            conn.dead = True  # a peer already gone, or a second connection made by the same peer
+        if peer.closed is not None:
+            conn.dead = True  # a peer already gone
             self._poll_dirty = True
             return False
+        if self._closed is None and (peer.accepted or peer.sealed):
+            # A rank makes at most one connection to a peer, and none once it answered the peer's
+            # saying it had none of its own: whoever this is, it is not that rank.
+            # (Shutting down, this rank answers every hello with "closing" and reads nothing: see below.)
+            why = "it already made its connection" if peer.accepted else "it answered ours saying it makes none"
+            self._refuse_claim(conn, rank, why)
+            return False
+        peer.accepted = True
         conn.peer = peer
         conn.state = _OPEN
         peer.conns.append(conn)
@@ -1181,8 +1295,22 @@ class Transport:
         else:
             # Both connected at once, and ours wins: the peer retires this one once it has
             # read our hello; until then frames from it arrive here.
-            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_OK)))
+            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_CROSSED)))
         return True
+
+    def _refuse_claim(self, conn: _Conn, rank: int, why: str) -> None:
+        """Drop an accepted connection that claims ``rank`` although it cannot be that rank's;
+        nothing read from it is delivered. Under the lock."""
+        _log.warning(
+            "%s: refused a connection from %s that says hello as rank %d: %s (a second claim of a live rank)",
+            self.label,
+            conn.remote or "?",
+            rank,
+            why,
+        )
+        self._anonymous.discard(conn)
+        conn.dead = True
+        self._poll_dirty = True
 
     def _answered(self, conn: _Conn, rank: int, flags: int, uid: bytes) -> bool:
         """The acceptor answered a connection this rank made. True if frames may be read
@@ -1198,6 +1326,10 @@ class Transport:
             )
             return False
         conn.state = _OPEN
+        if flags == _REPLY_OK:
+            # The peer had no connection of its own to us, and will make none: a connection
+            # that claims to be it from now on is someone else's.
+            peer.sealed = True
         if flags == _REPLY_SWITCH:
             peer.hold += 1
             if peer.hold > 0:
@@ -1312,6 +1444,11 @@ class Transport:
         (the driver, on POLLIN)."""
         sock = conn.sock
         while True:
+            if conn.resume:  # a parked header: its receive may be posted now
+                conn.resume = False
+                if not self._begin_frame(conn):
+                    return
+                continue
             try:
                 if conn.state != _OPEN:
                     if conn.hello is None:
@@ -1413,7 +1550,9 @@ class Transport:
             self._lose_peer(peer, reason, crashed=True)
 
     def _begin_frame(self, conn: _Conn) -> bool:
-        """A header arrived: decide where its payload goes. False if the stream is unusable."""
+        """A header arrived: decide where its payload goes, within the limits on what a peer
+        may announce (see the module docstring). False: stop reading ``conn`` now (the stream
+        is unusable, or the frame waits, parked, for its receive)."""
         peer = conn.peer
         assert peer is not None
         magic, kind, opcode, dtype, tag, seq, nbytes = HEADER.unpack_from(conn.hdr)
@@ -1426,6 +1565,10 @@ class Transport:
         frame: Frame = (kind, opcode, dtype, tag, seq, nbytes)
         conn.frame, conn.got, conn.dest, conn.target = frame, 0, None, None
         if kind >= ARRIVED:
+            if nbytes > _MAX_CONTROL_BYTES:
+                with self._lock:
+                    self._refuse_frame(conn, f"a control frame of {nbytes} bytes (at most {_MAX_CONTROL_BYTES})")
+                return False
             if kind in (ABORT, BYE):
                 reason = conn.target = bytearray(nbytes)
                 conn.dest = memoryview(reason)
@@ -1437,34 +1580,102 @@ class Transport:
                     return True  # collectives are over: discard
             req = self._take_posted(peer.rank, kind, tag)
             if req is not None:
+                if req.buf is None and nbytes > self._max_message:  # a byte message: only the cap bounds it
+                    self._refuse_frame(conn, f"a message of {nbytes} bytes", "max_message_bytes", req)
+                    return False
                 error = self._check(req, frame)
                 if error is not None:
+                    if nbytes > max(self._max_message, req.nbytes):  # too large even to read past
+                        self._refuse_frame(
+                            conn,
+                            f"a message of {nbytes} bytes for a receive of {req.nbytes} bytes",
+                            "max_message_bytes",
+                            req,
+                        )
+                        return False
                     self._complete(req, error)
                     if kind == COLL:
                         self._break_collectives(CollectiveMismatchError, str(error), (peer.rank,), seq, notify=True)
                     return True
                 if req.buf is None:
-                    req.result = _payload_buffer(nbytes)
+                    try:
+                        req.result = _payload_buffer(nbytes)
+                    except (MemoryError, OSError) as exc:
+                        self._refuse_frame(
+                            conn, f"a message of {nbytes} bytes, which cannot be allocated ({exc})", req=req
+                        )
+                        return False
                     conn.dest = memoryview(req.result)
                 else:
                     conn.dest = req.buf
                 conn.target = req
                 return True
-        buf = conn.target = _payload_buffer(nbytes)
+            # Nobody asked for it yet: held until its receive, within the peer's budget.
+            if kind == BYTES and nbytes > self._max_message:
+                self._refuse_frame(conn, f"a message of {nbytes} bytes", "max_message_bytes")
+                return False
+            if peer.buffered + nbytes > self._max_unexpected:
+                if kind == BYTES:
+                    self._refuse_frame(
+                        conn,
+                        f"a message of {nbytes} bytes while {peer.buffered} bytes from it wait for their receives",
+                        "max_unexpected_bytes",
+                    )
+                    return False
+                # A tensor's receive knows its size: the frame waits in the kernel (this connection
+                # is not read meanwhile) until a receive is posted, and is judged against it then.
+                conn.frame = None
+                conn.parked = True
+                self._parked.add(conn)
+                self._poll_dirty = True
+                return False
+            peer.buffered += nbytes
+        try:
+            buf = conn.target = _payload_buffer(nbytes)
+        except (MemoryError, OSError) as exc:
+            with self._lock:
+                self._refuse_frame(conn, f"a message of {nbytes} bytes, which cannot be allocated ({exc})")
+            return False
         conn.dest = memoryview(buf)
         return True
+
+    def _refuse_frame(self, conn: _Conn, what: str, option: str | None = None, req: Recv | None = None) -> None:
+        """``conn``'s peer announced more than it may: drop its connections unread, fail what
+        depends on it (``req``, the receive the frame was for, too) and stop the collectives,
+        telling the other ranks. Under the lock, driver only."""
+        peer = conn.peer
+        assert peer is not None
+        limits = {"max_message_bytes": self._max_message, "max_unexpected_bytes": self._max_unexpected}
+        limit = limits.get(option or "")
+        reason = f"rank {peer.rank} announced {what}" + (
+            f", over this rank's {option} of {limit} (a pg-tcp option: raise it on every rank if such "
+            "messages are legitimate)"
+            if option is not None
+            else ""
+        )
+        reason += "; its connection was dropped unread"
+        _log.warning("%s: %s (from %s)", self.label, reason, conn.remote or f"rank {peer.rank}'s address")
+        conn.frame = None
+        self._break_collectives(PeerFailureError, reason, (peer.rank,), None if req is None else req.seq, notify=True)
+        for other in peer.conns:
+            other.dead = True
+        self._lose_peer(peer, reason, crashed=True)
+        if req is not None:
+            self._complete(req, self._peer_error(req, peer))
 
     def _end_frame(self, conn: _Conn) -> None:
         """A payload is complete: finish its receive, queue it as unexpected, or act on it."""
         frame, target, peer = conn.frame, conn.target, conn.peer
         assert frame is not None and peer is not None
         conn.frame, conn.dest, conn.target, conn.got = None, None, None, 0
-        kind, opcode, _, tag, seq, _ = frame
+        kind, opcode, _, tag, seq, nbytes = frame
         if isinstance(target, Recv):
             with self._lock:
                 self._complete(target, None)
             return
         with self._lock:
+            if kind <= COLL and target is not None:  # held ahead of a receive until now
+                peer.buffered -= nbytes
             if kind == ARRIVED:
                 self._heard[peer.rank] = max(self._heard[peer.rank], seq)
                 self._arrivals[peer.rank] = (seq, opcode, tag)
@@ -1493,6 +1704,7 @@ class Transport:
                     queue = self._unexpected[key] = deque()
                 self._queued += 1
                 queue.append((frame, target, self._queued))
+                peer.buffered += nbytes
                 return
         self._deliver(req, frame, target, peer.rank, seq if kind == COLL else None)
 
@@ -1669,7 +1881,12 @@ class Transport:
             self._withdraw(req)
             self._complete(req, self._broken_error(req.name, req.seq))
         self._posted = {k: q for k, q in self._posted.items() if k[1] != COLL}
+        for (rank, kind, _), queue in self._unexpected.items():
+            if kind == COLL:
+                self._unbuffer(rank, sum(frame[5] for frame, _, _ in queue))
         self._unexpected = {k: q for k, q in self._unexpected.items() if k[1] != COLL}
+        if self._parked:  # a parked collective frame is to be read past now
+            self._unpark()
         if notify:
             code = _ABORT_PEER if issubclass(cls, PeerFailureError) else _ABORT_CODE.get(cls, _ABORT_MISMATCH)
             payload = memoryview(f"collective #{seq}: {reason}".encode())
