@@ -101,7 +101,7 @@ def wait_closed(sock: socket.socket, within: float) -> bool:
 # -- 1. frames are bounded before allocation --------------------------------------------
 
 
-def oversized_frame(ctx: RankContext, name: str, where: str, nbytes: int) -> tuple[float, float, str, Any] | None:
+def oversized_frame(ctx: RankContext, name: str, where: str, nbytes: int) -> tuple[float, float, str, Any, bool] | None:
     if ctx.rank == 1:  # the stranger: takes rank 1's place and announces nbytes
         ctx.store.wait([f"{name}/posted"])
         with hello(ctx, name, as_rank=1) as sock:
@@ -123,7 +123,8 @@ def oversized_frame(ctx: RankContext, name: str, where: str, nbytes: int) -> tup
                 b.recv_bytes(1, 8, timeout=30.0)
         after = rss_mb()
         ctx.store.wait([f"{name}/closed"])
-        return before, after, str(info.value), (type(info.value).__name__, getattr(info.value, "peers", None))
+        closed = ctx.store.get(f"{name}/closed") == b"1"  # the stranger saw its connection dropped
+        return before, after, str(info.value), (type(info.value).__name__, getattr(info.value, "peers", None)), closed
     finally:
         b.shutdown()
 
@@ -134,18 +135,20 @@ def test_an_oversized_frame_is_refused_before_allocation(rank_pools: Pools, wher
     name = f"big-{where}-{nbytes.bit_length()}"
     result = rank_pools(2).run(oversized_frame, name, where, nbytes, timeout=90)[0]
     assert result is not None
-    before, after, message, (cls, peers) = result
+    before, after, message, (cls, peers), closed = result
     assert after - before < RSS_SLACK_MB, f"RSS {before:.0f} -> {after:.0f} MB: {message}"
     assert cls == "PeerFailureError" and peers == (1,), message
+    assert closed, "the connection that announced the frame was not dropped"
     assert "rank 1" in message and str(nbytes) in message and "max_" in message, message
 
 
 def test_a_tensor_frame_larger_than_its_posted_receive_drops_the_connection(rank_pools: Pools) -> None:
     result = rank_pools(2).run(oversized_frame, "big-tensor", "tensor", 1 << 40, timeout=90)[0]
     assert result is not None
-    before, after, message, (cls, peers) = result
+    before, after, message, (cls, peers), closed = result
     assert after - before < RSS_SLACK_MB, f"RSS {before:.0f} -> {after:.0f} MB: {message}"
     assert cls == "PeerFailureError" and peers == (1,), message
+    assert closed, "the connection that announced the frame was not dropped"
     assert str(1 << 40) in message, message
 
 

@@ -1300,7 +1300,7 @@ class Transport:
 
     def _refuse_claim(self, conn: _Conn, rank: int, why: str) -> None:
         """Drop an accepted connection that claims ``rank`` although it cannot be that rank's;
-        nothing read from it is delivered. Under the lock."""
+        nothing read from it is delivered. Under the lock, driver only."""
         _log.warning(
             "%s: refused a connection from %s that says hello as rank %d: %s (a second claim of a live rank)",
             self.label,
@@ -1308,9 +1308,8 @@ class Transport:
             rank,
             why,
         )
-        self._anonymous.discard(conn)
         conn.dead = True
-        self._poll_dirty = True
+        self._discard(conn)  # closed now: the stranger learns at once, and nothing of it is read
 
     def _answered(self, conn: _Conn, rank: int, flags: int, uid: bytes) -> bool:
         """The acceptor answered a connection this rank made. True if frames may be read
@@ -1657,11 +1656,12 @@ class Transport:
         _log.warning("%s: %s (from %s)", self.label, reason, conn.remote or f"rank {peer.rank}'s address")
         conn.frame = None
         self._break_collectives(PeerFailureError, reason, (peer.rank,), None if req is None else req.seq, notify=True)
-        for other in peer.conns:
-            other.dead = True
         self._lose_peer(peer, reason, crashed=True)
         if req is not None:
             self._complete(req, self._peer_error(req, peer))
+        for other in list(peer.conns):  # closed now, not at the next round: the peer learns at once
+            other.dead = True
+            self._discard(other)
 
     def _end_frame(self, conn: _Conn) -> None:
         """A payload is complete: finish its receive, queue it as unexpected, or act on it."""
