@@ -70,6 +70,37 @@ def matching(ctx: RankContext, backend: str) -> dict[str, Any]:
         return out
 
 
+def async_then_p2p(ctx: RankContext, backend: str) -> list[float]:
+    """An asynchronous collective (and coalesced batch) does not wait for the others' check
+    before returning: rank 0 starts an all_reduce, then sends rank 1 what rank 1 waits for
+    before it calls its own."""
+    r = ctx.rank
+    with ProcessGroup(ctx.store, r, ctx.size, backends=backend, name="async", timeout=20, check=True) as g:
+        g.barrier()  # the backend exists now: where it launches, an asynchronous call is launched at once
+        t = torch.full((2,), float(r + 1))
+        if r == 0:
+            work = g.all_reduce(t, async_op=True)
+            g.send(torch.ones(1), dst=1)
+            assert work is not None
+            work.wait()
+        else:
+            g.recv(torch.empty(1), src=0)
+            g.all_reduce(t)
+        u = torch.full((2,), float(r + 1))
+        if r == 0:  # the same with an asynchronous coalesced batch
+            with g.coalescing(async_op=True) as batch:
+                g.all_reduce(u)
+                g.all_reduce(torch.ones(1))
+            g.send(torch.ones(1), dst=1)
+            batch.wait()
+        else:
+            g.recv(torch.empty(1), src=0)
+            with g.coalescing():
+                g.all_reduce(u)
+                g.all_reduce(torch.ones(1))
+        return t.tolist() + u.tolist()
+
+
 #: per case, what rank 0 and rank 1 call
 CASES: dict[str, tuple[Callable[[ProcessGroup], object], Callable[[ProcessGroup], object]]] = {
     "size": (lambda g: g.all_reduce(torch.zeros(4)), lambda g: g.all_reduce(torch.zeros(8))),
@@ -114,6 +145,13 @@ def test_matching_programs_give_the_right_results_in_check_mode(
         assert out["max"] == [2.0] * 2
     assert results[0]["all_to_all_single"] == [0.0, 1.0, 1.0, 1.0]
     assert results[1]["all_to_all_single"] == [0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_asynchronous_collective_returns_before_the_others_check(
+    rank_pools: Pools, request: pytest.FixtureRequest, backend: str
+) -> None:
+    assert pool_for(backend, rank_pools, request).run(async_then_p2p, backend, timeout=120) == [[3.0] * 4] * 2
 
 
 #: what each case's error names, per rank's side

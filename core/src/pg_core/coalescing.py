@@ -243,8 +243,9 @@ class Batch:
             return work
 
         # launched here where the backend launches (or the caller waits anyway); else on the
-        # progress thread, as an asynchronous collective would be
-        inline = not self._async or self._dispatch.launches(device)
+        # progress thread, as an asynchronous collective would be (in check mode too: the check
+        # waits for every rank, which an asynchronous batch must not)
+        inline = not self._async or (self._check is None and self._dispatch.launches(device))
         result: Work = self._executor.run(_OP, run, async_op=not inline)
         return result if inline else unwrap(result)
 

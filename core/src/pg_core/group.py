@@ -366,9 +366,10 @@ class ProcessGroup:
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         dispatch = self._dispatch
 
-        if async_op and dispatch.launches(device):
-            return self._launch(op, device, staging, args, budget)
         checker = self._checker
+        # (in check mode, not launched here: the check waits for every rank, which an asynchronous call must not)
+        if async_op and checker is None and dispatch.launches(device):
+            return self._launch(op, device, staging, args, budget)
 
         def run(seq: int) -> Any:
             if checker is not None:  # every rank's fingerprint first: a mismatch raises here, on every rank
@@ -388,11 +389,7 @@ class ProcessGroup:
         a failure latched when it completes."""
         executor = self._executor
 
-        checker = self._checker
-
         def launch(seq: int) -> Work:
-            if checker is not None:
-                checker.verify(op, seq, device.type, args, budget)
             backend = self._dispatch.instance(device, op).backend
             work: Work = getattr(backend, op)(*args, timeout=budget, async_op=True)
             work.add_done_callback(lambda done: executor.latch(op, seq, done.exception(0)))
