@@ -36,7 +36,7 @@ import torch
 
 from .dtypes import dtype_code, dtype_from_code, dtype_name
 from .errors import CollectiveMismatchError
-from .ops import RedOpType, ReduceOp
+from .ops import COLLECTIVE_OPS, RedOpType, ReduceOp
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -52,21 +52,7 @@ _TRUE: Final = frozenset({"1", "true", "yes", "on"})
 _FALSE: Final = frozenset({"", "0", "false", "no", "off"})
 
 #: the collectives a fingerprint names by code (index + 1); another name travels as its CRC-32
-_OPS: Final[tuple[str, ...]] = (
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-    "barrier",
-    "coalesced",
-)
+_OPS: Final[tuple[str, ...]] = (*COLLECTIVE_OPS, "coalesced")
 _REDUCE: Final[tuple[RedOpType, ...]] = tuple(RedOpType)
 _DEVICES: Final[tuple[str, ...]] = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta", "privateuseone")
 
