@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -296,6 +297,13 @@ def collective_mismatch(ctx) -> str:
                 g.all_gather_object(r)
         except CollectiveMismatchError as exc:
             return str(exc)
+        finally:
+            # rank 1 stays in the group until rank 0 has seen its message: a rank that left is
+            # another failure (rank 0's send to it raises PeerFailureError), not this test's
+            if r == 0:
+                ctx.store.set("mismatch-seen", "1")
+            else:
+                ctx.store.wait(["mismatch-seen"], timedelta(seconds=30))
         return "no error"
 
 
