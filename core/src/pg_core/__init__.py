@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors as _errors
+
 if TYPE_CHECKING:
     from .backend import API_VERSION, Backend, BackendContext, BackendSpec, Capabilities
     from .errors import (
@@ -39,24 +41,8 @@ __version__ = "0.1.0"
 #: Each public name -> the module that defines it.
 _HOME: dict[str, str] = {
     **dict.fromkeys(("API_VERSION", "Backend", "BackendContext", "BackendSpec", "Capabilities"), "backend"),
-    **dict.fromkeys(
-        (
-            "BackendNotFoundError",
-            "BackendUnavailableError",
-            "CollectiveMismatchError",
-            "CollectiveTimeout",
-            "GroupClosedError",
-            "NotSupportedError",
-            "PeerFailureError",
-            "PGError",
-            "PluginConflictError",
-            "PluginError",
-            "PluginLoadError",
-            "PluginVersionError",
-            "StoreUnavailableError",
-        ),
-        "errors",
-    ),
+    # every error class of pg_core.errors (a torch-free module: importing it here costs nothing)
+    **dict.fromkeys((n for n in _errors.__all__ if isinstance(getattr(_errors, n), type)), "errors"),
     **dict.fromkeys(("P2POp", "ProcessGroup", "rendezvous"), "group"),
     **dict.fromkeys(("RedOpType", "ReduceOp"), "ops"),
     **dict.fromkeys(("PluginEntry", "Registry", "default_registry", "register_backend"), "registry"),
