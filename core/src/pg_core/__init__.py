@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any
 from . import errors as _errors
 
 if TYPE_CHECKING:
+    from .auth import AuthKey
     from .backend import API_VERSION, Backend, BackendContext, BackendSpec, Capabilities
     from .errors import (
+        AuthenticationError,
         BackendNotFoundError,
         BackendUnavailableError,
         CollectiveMismatchError,
         CollectiveTimeout,
+        ForbiddenObjectError,
         GroupClosedError,
         NotSupportedError,
         PeerFailureError,
@@ -40,6 +43,7 @@ __version__ = "0.1.0"
 
 #: Each public name -> the module that defines it.
 _HOME: dict[str, str] = {
+    "AuthKey": "auth",
     **dict.fromkeys(("API_VERSION", "Backend", "BackendContext", "BackendSpec", "Capabilities"), "backend"),
     # every error class of pg_core.errors (a torch-free module: importing it here costs nothing)
     **dict.fromkeys((n for n in _errors.__all__ if isinstance(getattr(_errors, n), type)), "errors"),
@@ -52,6 +56,8 @@ _HOME: dict[str, str] = {
 
 __all__ = [
     "API_VERSION",
+    "AuthKey",
+    "AuthenticationError",
     "Backend",
     "BackendContext",
     "BackendNotFoundError",
@@ -61,6 +67,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeout",
     "FileStore",
+    "ForbiddenObjectError",
     "GroupClosedError",
     "HashStore",
     "NotSupportedError",

@@ -240,6 +240,8 @@ from .work import Work
 if TYPE_CHECKING:
     from torch.distributed import Store
 
+    from .auth import AuthKey
+
 __all__ = [
     "API_VERSION",
     "DTYPES",
@@ -261,8 +263,9 @@ __all__ = [
 #: 1.4, receiving from any source (``recv_anysource``, an optional op a backend declares by name);
 #: 1.5, a prepared all_reduce (:meth:`Backend.prepared_all_reduce`); 1.6, a native split
 #: (:meth:`Backend.split`, with :attr:`BackendContext.split_from`); 1.7, releasing a split's handle
-#: that no subgroup took (:meth:`Backend.release_split`).
-API_VERSION: Final[str] = "1.7"
+#: that no subgroup took (:meth:`Backend.release_split`); 1.8, the job's secret
+#: (:attr:`BackendContext.auth_key`) for backends that authenticate their connections.
+API_VERSION: Final[str] = "1.8"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -487,6 +490,13 @@ class BackendContext:
     the handle that hook returned on this member (an ``mpi4py`` communicator, say), of
     ``size`` members with this one at ``rank``, for the backend to take over (no store
     exchange needed) and to release in its ``shutdown``/``abort``.
+
+    ``auth_key`` (API 1.8) is ``None``, or the job's secret (:class:`~pg_core.auth.AuthKey`)
+    in an authenticated job. Then ``store`` already writes and verifies a MAC with every
+    value, and a backend that opens connections of its own must admit only peers that prove
+    they hold the key (``auth_key.mac(...)``, ``auth_key.verify(...)``: pg-tcp's handshake
+    is the model) and read nothing else from a connection first. A backend that cannot
+    should say so in its documentation: its connections are then as open as without a key.
     """
 
     store: Store
@@ -499,6 +509,7 @@ class BackendContext:
     backend_name: str
     options: Mapping[str, Any] = field(default_factory=dict)
     split_from: Any = None
+    auth_key: AuthKey | None = None
 
     @property
     def store_timeout(self) -> timedelta:

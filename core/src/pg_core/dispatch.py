@@ -20,6 +20,7 @@ from .ops import ReduceOp
 from .store import PrefixStore, Store
 
 if TYPE_CHECKING:
+    from .auth import AuthKey
     from .registry import Registry
 
 __all__ = [
@@ -274,10 +275,12 @@ def context_factory(
     group_uid: str,
     options: Mapping[str, Mapping[str, Any]],
     split_from: Mapping[str, Any] | None = None,
+    auth_key: AuthKey | None = None,
 ) -> Callable[[BackendSpec, torch.device], BackendContext]:
     """How a group's dispatcher builds each backend's context: the store under
-    ``<device type>/<backend name>``, the user's options for that backend, and for a device
-    type in ``split_from`` (a subgroup split natively, API 1.6) the parent backend's handle."""
+    ``<device type>/<backend name>``, the user's options for that backend, for a device
+    type in ``split_from`` (a subgroup split natively, API 1.6) the parent backend's handle,
+    and the job's secret (API 1.8) in an authenticated job."""
     handles = dict(split_from or {})
 
     def ctx(spec: BackendSpec, device: torch.device) -> BackendContext:
@@ -292,6 +295,7 @@ def context_factory(
             backend_name=spec.name,
             options=dict(options.get(spec.name, {})),
             split_from=handles.get(device.type),
+            auth_key=auth_key,
         )
 
     return ctx

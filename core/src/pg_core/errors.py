@@ -13,10 +13,12 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "AuthenticationError",
     "BackendNotFoundError",
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeout",
+    "ForbiddenObjectError",
     "GroupClosedError",
     "NotSupportedError",
     "PGError",
@@ -95,6 +97,26 @@ class StoreUnavailableError(PeerFailureError):
     def __init__(self, message: str, *, address: str | None = None, peers: Iterable[int] = ()) -> None:
         super().__init__(message, peers=peers)
         self.address = address
+
+
+class AuthenticationError(PGError):
+    """Something that should come from a member of this authenticated job does not: a store
+    value whose MAC does not match the job's secret (``key`` names the store key), or a peer
+    that failed to prove it holds the secret."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class ForbiddenObjectError(PGError):
+    """A received object names a class or function that the group's restricted object
+    loading (``objects="restricted"``) does not allow; ``name`` is ``module.qualname``.
+    Raised before anything of it is called."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        super().__init__(message)
+        self.name = name
 
 
 class CollectiveMismatchError(PGError):

@@ -45,12 +45,14 @@ messages never mix with a user's ``send``/``recv`` traffic on the same tag.
 
 from __future__ import annotations
 
+import builtins
+import collections
 import io
 import mmap
 import pickle
 import struct
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -59,7 +61,7 @@ import torch
 from .algorithms import binomial_tree
 from .backend import tensor_bytes
 from .dtypes import dtype_code, dtype_from_code
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, ForbiddenObjectError
 from .instance import Instance
 from .timeouts import Deadline
 from .validation import Staging
@@ -68,17 +70,22 @@ __all__ = [
     "EAGER_BYTES",
     "KIND_NAMES",
     "OBJECT",
+    "OBJECTS_ENV",
+    "PICKLE",
     "TENSOR",
     "TENSOR_DICT",
     "Buffer",
     "Encoded",
     "Endpoint",
     "Incoming",
+    "Loader",
+    "ObjectsArg",
     "Outgoing",
     "Progress",
     "Received",
     "check_collective",
     "encode",
+    "loader",
     "parse",
     "parse_tensor",
     "tree_broadcast",
@@ -346,12 +353,15 @@ class Incoming:
     def separate_specs(self) -> list[tuple[int, TensorSpec]]:
         return [(i, s) for i, s in enumerate(self.specs) if s.separate]
 
-    def value(self, separate: dict[int, torch.Tensor], device: torch.device | None) -> Any:
-        """Decode: every inline CPU tensor is a view into the message (no copy)."""
+    def value(
+        self, separate: dict[int, torch.Tensor], device: torch.device | None, loader: Loader | None = None
+    ) -> Any:
+        """Decode: every inline CPU tensor is a view into the message (no copy); the rest as
+        ``loader`` allows (default: pickle)."""
         tensors = [self._tensor(i, spec, separate, device) for i, spec in enumerate(self.specs)]
         if self.kind == TENSOR:
             return tensors[0]
-        unpickler = _Unpickler(io.BytesIO(self.body), tensors, self.buffers)
+        unpickler = _Unpickler(io.BytesIO(self.body), tensors, self.buffers, loader or PICKLE)
         return unpickler.load()
 
     def _tensor(
@@ -375,14 +385,96 @@ class Incoming:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], buffers: list[memoryview]) -> None:
+    def __init__(
+        self, file: io.BytesIO, tensors: list[torch.Tensor], buffers: list[memoryview], loader: Loader
+    ) -> None:
         super().__init__(file, buffers=buffers)
         self._tensors = tensors
+        self._loader = loader
 
     def persistent_load(self, pid: Any) -> Any:
         if not isinstance(pid, int) or not 0 <= pid < len(self._tensors):
             raise pickle.UnpicklingError(f"message refers to tensor {pid!r}, which its table does not have")
         return self._tensors[pid]
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self._loader.mode == "pickle":
+            return super().find_class(module, name)
+        return self._loader.find(module, name)
+
+
+# -- how objects are loaded --------------------------------------------------------------
+
+OBJECTS_ENV: Final = "PG_CORE_OBJECTS"
+
+#: What ``restricted`` loading finds by name besides the classes a group allows: plain
+#: containers and scalars (most of which pickle without naming any class at all).
+_SAFE_BUILTINS: Final = frozenset(
+    {"bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list", "range", "set"}
+    | {"slice", "str", "tuple"}
+)
+_SAFE_TORCH: Final = (torch.Size, torch.device, torch.dtype, torch.layout, torch.memory_format)
+
+
+@dataclass(frozen=True)
+class Loader:
+    """How a group loads the objects it receives. ``mode="pickle"``: as :mod:`pickle` does
+    (a sender can make the receiver run any code: trusted peers only). ``mode="restricted"``:
+    a global the stream names is found only if it is a plain builtin container or scalar,
+    ``collections.OrderedDict``, a torch ``dtype``, ``device``, ``Size``, ``layout`` or
+    ``memory_format``, or one of ``allowed`` (the group's ``objects=[...]``); anything else
+    raises :class:`~pg_core.errors.ForbiddenObjectError` naming it, before it is called.
+    Tensors travel beside the stream in either mode and are never unpickled."""
+
+    mode: str = "pickle"
+    allowed: frozenset[type] = frozenset()
+
+    def find(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _SAFE_BUILTINS:
+            return getattr(builtins, name)
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch" and "." not in name:
+            found = getattr(torch, name, None)
+            if isinstance(found, _SAFE_TORCH) or any(found is cls for cls in _SAFE_TORCH):
+                return found
+        for cls in self.allowed:
+            if cls.__module__ == module and cls.__qualname__ == name:
+                return cls
+        raise ForbiddenObjectError(
+            f"a received object names {module}.{name}, which this group's restricted object loading does not "
+            "allow (nothing was called); if the sender is trusted to send it, allow the class: "
+            f"objects=[{name.rpartition('.')[2]}, ...] when forming the group",
+            name=f"{module}.{name}",
+        )
+
+
+PICKLE: Final = Loader()
+
+#: ``objects=`` of a group: ``"pickle"``, ``"restricted"``, classes to allow besides the
+#: restricted set, a :class:`Loader`, or ``None`` (``PG_CORE_OBJECTS``, else ``"pickle"``).
+ObjectsArg = str | Iterable[type] | Loader | None
+
+
+def loader(objects: ObjectsArg | Loader, env: Mapping[str, str]) -> Loader:
+    """The :class:`Loader` of ``objects=`` (``None``: ``PG_CORE_OBJECTS`` of ``env``)."""
+    if isinstance(objects, Loader):
+        return objects
+    if objects is None:
+        objects = env.get(OBJECTS_ENV, "").strip().lower() or "pickle"
+        if objects not in ("pickle", "restricted"):
+            raise ValueError(f"{OBJECTS_ENV}={objects!r}: use pickle or restricted")
+    if isinstance(objects, str):
+        if objects == "pickle":
+            return PICKLE
+        if objects == "restricted":
+            return Loader("restricted")
+        raise ValueError(f"objects={objects!r}: use 'pickle', 'restricted', or a list of classes to allow")
+    classes = tuple(objects)
+    wrong = [c for c in classes if not isinstance(c, type)]
+    if wrong:
+        raise TypeError(f"objects=: {wrong[0]!r} is not a class; pass the classes received objects may be")
+    return Loader("restricted", frozenset(classes))
 
 
 _ONE_CPU_HEAD: Final = struct.Struct("<4sBBHQHHII4B3s")  # the head, then the spec of one cpu tensor

@@ -62,6 +62,7 @@ class Objects:
         executor: Executor,
         coalescing: Mapping[int, object],
         name: str,
+        loader: messages.Loader = messages.PICKLE,
     ) -> None:
         self.rank, self.size = rank, size
         self.device = device
@@ -71,6 +72,7 @@ class Objects:
         self._executor = executor
         self._coalescing = coalescing  # the group's open coalescing blocks, by thread: value ops refuse to run in one
         self._name = name
+        self.loader = loader  # how received objects are loaded (pickle, or restricted)
         self._endpoint: messages.Endpoint | None = None
         self._endpoint_lock = threading.Lock()
         self._checked: set[str] = set()
@@ -177,7 +179,7 @@ class Objects:
                     f"tag {tag}, where this rank expected {messages.KIND_NAMES[kind]}",
                     peers=(src,),
                 )
-            return incoming.value(separate, device)
+            return incoming.value(separate, device, self.loader)
 
         return ep.instance.ordered("recv", src, wire, op, run, async_op=async_op)
 
@@ -215,7 +217,7 @@ class Objects:
     def _value(self, op: str, seq: int, data: messages.Received, src: int) -> Any:
         incoming = messages.parse(data, src=src)
         messages.check_collective(incoming, op=_OPS[op], seq=seq, src=src, what=op, names=_OP_NAMES)
-        return incoming.value({}, None)
+        return incoming.value({}, None, self.loader)
 
     def broadcast(
         self,
@@ -262,7 +264,7 @@ class Objects:
                 tensor = torch.empty(spec.shape, dtype=spec.dtype, device=target)
                 self._instance(target).backend.broadcast(tensor, src, timeout=deadline.left())
                 separate[index] = tensor
-            return incoming.value(separate, device)
+            return incoming.value(separate, device, self.loader)
 
         return self.run(op, call, timeout, async_op)
 

@@ -10,6 +10,8 @@ A ``TCPStore`` lives as long as the process that hosts its server. :class:`Store
 hosts one apart from the ranks; a group formed on a store sees it through
 :class:`GuardedStore`, so that once the host is gone every rank meets
 :class:`~pg_core.errors.StoreUnavailableError` saying so, not torch's ``DistNetworkError``.
+In an authenticated job (:mod:`pg_core.auth`) it is formed on :class:`AuthenticatedStore`,
+which writes every value with a MAC and verifies it when read back.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from torch.distributed import DistNetworkError, FileStore, HashStore, PrefixStore, Store
 from torch.distributed import TCPStore as _TorchTCPStore
 
-from .errors import CollectiveTimeout, StoreUnavailableError
+from .auth import MAC_BYTES, AuthKey
+from .errors import AuthenticationError, CollectiveTimeout, StoreUnavailableError
 from .timeouts import DEFAULT_TIMEOUT, Deadline, seconds
 
 __all__ = [
+    "AuthenticatedStore",
     "FileStore",
     "GuardedStore",
     "HashStore",
@@ -40,6 +44,8 @@ __all__ = [
     "StoreServer",
     "TCPStore",
     "advertise_address",
+    "auth_key_of",
+    "authenticated",
     "guarded",
     "hosts_store",
     "store_address",
@@ -51,12 +57,13 @@ __all__ = [
 
 
 def _innermost(store: Store) -> Store:
-    """The store behind ``PrefixStore``, :class:`GuardedStore` and :class:`PolledStore` wrappers."""
+    """The store behind ``PrefixStore`` and pg-core's wrappers (:class:`GuardedStore`,
+    :class:`PolledStore`, :class:`~pg_core.auth.AuthenticatedStore`: each keeps its store as ``inner``)."""
     for _ in range(64):
         if isinstance(store, PrefixStore):
             store = store.underlying_store
-        elif isinstance(store, (GuardedStore, PolledStore)):
-            store = store.inner
+        elif isinstance(getattr(store, "inner", None), Store):
+            store = store.inner  # type: ignore[attr-defined]
         else:
             break
     return store
@@ -244,6 +251,156 @@ class GuardedStore(Store):
 
     def has_extended_api(self) -> bool:
         return bool(cast(Any, self.inner).has_extended_api())
+
+
+def _raw(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class AuthenticatedStore(Store):
+    """``inner`` seen by the members of an authenticated job: values are written as
+    ``MAC || payload`` and verified when read back. ``set``,
+    ``get``, ``compare_set``, ``multi_set`` and ``multi_get`` carry MACs; ``add``, ``check``,
+    ``wait``, ``delete_key`` and ``num_keys`` pass through; ``append`` is refused (a value
+    appended to cannot keep one MAC). See :mod:`pg_core.auth`."""
+
+    def __init__(self, inner: Store, key: AuthKey) -> None:
+        super().__init__()
+        self.inner = inner
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"<AuthenticatedStore over {type(self.inner).__name__}, authenticated>"
+
+    # -- the MAC --------------------------------------------------------------------
+    def seal(self, key: str, value: Any) -> bytes:
+        """``value`` as it is stored under ``key``: ``MAC || payload``."""
+        payload = _raw(value)
+        return self.key.mac(key.encode(), payload) + payload
+
+    def open(self, key: str, stored: bytes) -> bytes:
+        """The payload of what ``key`` holds, once its MAC is verified; else
+        :class:`~pg_core.errors.AuthenticationError` naming ``key``."""
+        stored = bytes(stored)
+        mac, payload = stored[:MAC_BYTES], stored[MAC_BYTES:]
+        if len(mac) < MAC_BYTES or not self.key.verify(mac, key.encode(), payload):
+            raise AuthenticationError(
+                f"store key {key!r} holds a value ({len(stored)} bytes) that no member of this authenticated job "
+                "wrote (its MAC does not match the job's secret): someone without the secret wrote to the store, or "
+                "this process has another secret than the job's (compare PG_CORE_AUTH_KEY on every rank)",
+                key=key,
+            )
+        return payload
+
+    def _counter(self, op: str, key: str, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except DistNetworkError:  # the store is gone: GuardedStore says so
+            raise
+        except (RuntimeError, ValueError) as exc:
+            raise AuthenticationError(
+                f"store key {key!r} is a counter ({op}) but holds something else ({exc}): counters cannot carry a "
+                "MAC, and someone without the job's secret wrote to it",
+                key=key,
+            ) from None
+
+    # -- the store ------------------------------------------------------------------
+    def set(self, key: str, value: Any) -> None:
+        cast(Any, self.inner).set(key, self.seal(key, value))  # torch takes bytes; its stubs say str
+
+    def get(self, key: str) -> bytes:
+        return self.open(key, self.inner.get(key))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        want = _raw(expected)
+        sealed_expected = self.seal(key, want) if want else b""  # empty: "not set yet"
+        inner = cast(Any, self.inner)  # torch takes bytes; its stubs say str
+        return self.open(key, inner.compare_set(key, sealed_expected, self.seal(key, desired)))
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        cast(Any, self.inner).multi_set(keys, [self.seal(k, v) for k, v in zip(keys, values, strict=True)])
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.open(k, v) for k, v in zip(keys, self.inner.multi_get(keys), strict=True)]
+
+    def add(self, key: str, amount: int) -> int:
+        # torch's TCPStore server drops the client's connection when asked to add to a value
+        # that is not a number: look first (counters are only touched while groups form)
+        if self.inner.check([key]):
+            held = bytes(self.inner.get(key))
+            if not held.removeprefix(b"-").isdigit():
+                raise AuthenticationError(
+                    f"store key {key!r} is a counter but holds {len(held)} bytes that are not a number: counters "
+                    "cannot carry a MAC, and someone without the job's secret wrote to it",
+                    key=key,
+                )
+        value = self._counter("add", key, lambda: self.inner.add(key, amount))
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise AuthenticationError(f"store key {key!r}: the counter read {value!r}, not an int", key=key)
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802  (the name torch's C++ stores look up)
+        return self.delete_key(key)
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return self.num_keys()
+
+    def append(self, key: str, value: Any) -> None:
+        raise AuthenticationError(
+            f"store key {key!r}: append is not available in an authenticated job (each value carries one MAC over "
+            "all of it); use set",
+            key=key,
+        )
+
+    def has_extended_api(self) -> bool:
+        return bool(cast(Any, self.inner).has_extended_api())
+
+
+def authenticated(store: Store, key: AuthKey | None) -> Store:
+    """``store`` as a group with ``key`` uses it: through :class:`AuthenticatedStore` (itself
+    if it is one with this key already); ``store`` unchanged without a key."""
+    if key is None:
+        return store
+    if isinstance(store, AuthenticatedStore):
+        if store.key != key:
+            raise ValueError(
+                "the store is already an AuthenticatedStore with another secret than auth_key: pass one of them"
+            )
+        return store
+    return AuthenticatedStore(store, key)
+
+
+def auth_key_of(store: Store) -> AuthKey | None:
+    """The key of the :class:`AuthenticatedStore` ``store`` is seen through, if any (through
+    pg-core's wrappers, which keep theirs as ``inner``, and torch's ``PrefixStore``)."""
+    for _ in range(64):
+        if isinstance(store, AuthenticatedStore):
+            return store.key
+        if isinstance(store, PrefixStore):
+            store = store.underlying_store
+            continue
+        inner = getattr(store, "inner", None)
+        if not isinstance(inner, Store):
+            return None
+        store = inner
+    return None
 
 
 def guarded(store: Store) -> GuardedStore:
