@@ -10,7 +10,9 @@
   imports no torch, so a rank starts in a fraction of a second), and gives each rank ``PG_RANK``, ``PG_WORLD_SIZE``, ``PG_LOCAL_RANK``,
   ``PG_STORE`` (``host:port``), ``PG_BACKENDS`` (with ``--backends``) and torchrun's
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-  ``MASTER_ADDR``, ``MASTER_PORT``: what :meth:`ProcessGroup.from_env` reads;
+  ``MASTER_ADDR``, ``MASTER_PORT``: what :meth:`ProcessGroup.from_env` reads; and
+  ``PG_CORE_AUTH_KEY``, a fresh secret for the job (the user's, where the environment has
+  one), so the ranks' groups are authenticated (``docs/security.md``);
 - every line a rank writes, to stdout or stderr, comes out on pgrun's stdout or stderr
   prefixed with ``[rank R] `` (``--no-prefix``: as written);
 - when a rank fails (a non-zero exit, or killed), the others get ``SIGTERM`` and, after
@@ -25,6 +27,8 @@
 Multi-node, as torchrun spells it: ``--nnodes K --node-rank I --master HOST:PORT`` on each
 node; node 0's pgrun hosts the store on ``HOST:PORT``, the global rank is
 ``I * N + local rank``, and a failure on one node stops the others (through the store).
+The nodes cannot agree on a fresh secret by themselves: set ``PG_CORE_AUTH_KEY`` alike on
+every node for an authenticated multi-node job (without it the job runs unauthenticated).
 
 ``--mpi`` starts the ranks through ``mpiexec -n N`` (for pg-mpi, whose ranks must be MPI
 processes); each rank runs under a small wrapper that gives it the same variables, prefixes
@@ -53,6 +57,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Final, TextIO
+
+from .auth import environment_with_key
 
 __all__ = ["add_arguments", "add_parser", "main", "run"]
 
@@ -432,6 +438,8 @@ class _Job:
         )
         if c.backends is not None:
             env["PG_BACKENDS"] = c.backends
+        if c.nnodes == 1:  # one secret per job; the nodes of a multi-node job share the user's, if set
+            env = environment_with_key(env)
         if c.nproc > 1 and "OMP_NUM_THREADS" not in env:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks of all-core torch threads fight over the cores
         return env
