@@ -180,6 +180,61 @@ def _table(entries: Sequence[PluginEntry]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+# -- pg-core trace ---------------------------------------------------------------------------------
+
+
+def _add_trace(subparsers: _Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "trace",
+        help="merge a job's flight-recorder dumps (PG_CORE_TRACE_DIR) into one report",
+        description=(
+            "Read every rank's dump in DIR (written on a failure where PG_CORE_TRACE_DIR was set) and report, per "
+            "group: which ranks dumped and which were not heard from, where each stands (the collective it is "
+            "in, the last it completed), and the first sequence number at which the ranks' collectives differ. "
+            "Dumps are read without loading any class. Exit status: 0 a report, 2 no dump in DIR."
+        ),
+    )
+    parser.add_argument("dir", metavar="DIR", help="the folder PG_CORE_TRACE_DIR named")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(handler=_trace)
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .recorder import load_dump, merge, merged_text
+
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        sys.stderr.write(f"pg-core trace: {folder} is not a folder; give the one PG_CORE_TRACE_DIR named\n")
+        return 2
+    states, skipped = [], []
+    for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+        try:
+            dump = load_dump(path)
+        except (OSError, ValueError) as exc:
+            skipped.append({"file": path.name, "why": str(exc)})
+            continue
+        state = dump.get("pg_core")
+        if not isinstance(state, dict):
+            skipped.append({"file": path.name, "why": "a dump of torch's own recorder, not pg-core's"})
+            continue
+        states.append(state)
+    if not states:
+        why = "".join(f"\n  {s['file']}: {s['why']}" for s in skipped)
+        sys.stderr.write(f"pg-core trace: no pg-core dump in {folder}{why}\n")
+        return 2
+    groups = merge(states)
+    if args.json:
+        json.dump({"groups": groups, "skipped": skipped}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    sys.stdout.write(merged_text(groups, str(folder)))
+    for s in skipped:
+        sys.stdout.write(f"skipped {s['file']}: {s['why']}\n")
+    return 0
+
+
 def _add_bench(subparsers: _Subparsers) -> None:
     from . import bench
 
@@ -197,4 +252,5 @@ _SUBCOMMANDS: list[Callable[[_Subparsers], None]] = [
     launch.add_parser,
     _add_bench,
     _add_conformance,
+    _add_trace,
 ]

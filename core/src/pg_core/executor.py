@@ -10,6 +10,10 @@ see a mismatch name it.
 
 After a collective fails (timeout, peer failure, mismatch) the executor refuses the
 group's later collectives: the ranks may be out of step, with messages still in flight.
+
+Every collective passes here, so here is where the group's flight recorder
+(:mod:`pg_core.recorder`) notes each one: when it takes its sequence number, and when it
+ends (a collective the backend launched ends when its work does).
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
+from .recorder import FlightRecorder, describe_args
 from .work import Work
 
 __all__ = ["Executor"]
 
-_Item = tuple[Work, str, Callable[[int], Any]]
+#: a queued operation: its work, op, function, and what the recorder notes (the backend's args, the device type)
+_Item = tuple[Work, str, Callable[[int], Any], tuple[Any, ...], str]
 
 #: ``arg`` of :meth:`Executor.call` meaning "the sequence number" (what :meth:`Executor.run` passes)
 _SEQ: Any = object()
@@ -36,9 +42,12 @@ _LATCHED = (CollectiveTimeout, PeerFailureError, CollectiveMismatchError)
 
 class Executor:
     """Runs one group's collectives in order; ``name`` is the group's, for messages.
-    ``explain``, where given, is shown every :class:`CollectiveTimeout` of a collective once
-    its op and sequence number are set, to say more where the group knows more (members
-    that never joined, :func:`pg_core.membership.never_joined`)."""
+    ``explain``, where given, is called as ``explain(op, seq, exc)`` with every failure of a
+    collective that stops the group (:class:`CollectiveTimeout`, whose op and sequence number
+    are set first, :class:`PeerFailureError`, :class:`CollectiveMismatchError`), to say more
+    where the group knows more (members that never joined, who is where:
+    :meth:`pg_core.recorder.Tracer.explain`). ``recorder``, where given, notes every
+    collective (``None``: recording is off)."""
 
     __slots__ = (
         "__weakref__",
@@ -50,15 +59,22 @@ class Executor:
         "_next_seq",
         "_pending",
         "_queue",
+        "_recorder",
         "_state",
         "_worker",
         "_worker_ident",
         "seq",
     )
 
-    def __init__(self, name: str, explain: Callable[[CollectiveTimeout], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        explain: Callable[[str, int, BaseException], None] | None = None,
+        recorder: FlightRecorder | None = None,
+    ) -> None:
         self._name = name
         self._explain = explain
+        self._recorder = recorder
         self._lock = threading.Lock()  # guards _pending, _worker, _worker_ident, _state
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
@@ -86,14 +102,17 @@ class Executor:
         if self._state is not None:
             raise GroupClosedError(f"group {self._name!r} is {self._state}; create a new group to communicate again")
 
-    def run(self, op: str, fn: Callable[[int], Any], *, async_op: bool) -> Any:
+    def run(
+        self, op: str, fn: Callable[[int], Any], *, async_op: bool, args: tuple[Any, ...] = (), device: str = ""
+    ) -> Any:
         """Run collective ``op`` as ``fn(seq)`` in order. Blocking: returns ``fn``'s result;
-        ``async_op``: a :class:`Work` whose ``result()`` it is."""
+        ``async_op``: a :class:`Work` whose ``result()`` it is. ``args`` (the backend's
+        arguments) and ``device`` (its type) are what the recorder notes of it."""
         if async_op:
-            return self._queued(op, fn, async_op=True)
-        return self.call(op, fn, _SEQ)
+            return self._queued(op, fn, async_op=True, args=args, device=device)
+        return self.call(op, fn, _SEQ, args, device)
 
-    def call(self, op: str, fn: Callable[[Any], Any], arg: Any) -> Any:
+    def call(self, op: str, fn: Callable[[Any], Any], arg: Any, args: tuple[Any, ...] = (), device: str = "") -> Any:
         """Run collective ``op`` as ``fn(arg)``, blocking, in order; return its result. In the
         caller's thread when nothing is queued (the hot path: no closure, no handoff), else
         queued behind what is. :meth:`run` passes the sequence number as ``arg``."""
@@ -109,24 +128,27 @@ class Executor:
                 if self._pending == 0:
                     if self._state is not None:
                         self.check_open()
-                    return self._invoke(op, fn, arg)
+                    return self._invoke(op, fn, arg, args, device)
             finally:
                 running.release()
-        return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False)
+        return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False, args=args, device=device)
 
-    def lane(self, op: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def lane(self, op: str, fn: Callable[[Any], Any], device: str = "") -> Callable[[Any], Any]:
         """``fn`` as a blocking collective ``op`` that runs as :meth:`call` would run it, made for
         a group's hottest call (a blocking all_reduce on a backend's prepared call): one frame, its
         state read from the closure. Whenever anything is other than open, idle and in order (an
         operation queued, the group closing or closed, a collective failed, a call from the
-        progress thread), it hands the call to :meth:`call`, which queues, refuses or raises as usual."""
+        progress thread), it hands the call to :meth:`call`, which queues, refuses or raises as usual.
+        ``arg`` is the collective's one tensor, written in place; ``device`` its device type
+        (for the recorder)."""
         lock = self._exec_lock
         acquire, release, call, latch, ident = lock.acquire, lock.release, self.call, self.latch, threading.get_ident
+        recorder = self._recorder
 
         def run(arg: Any) -> Any:
             worker = self._worker_ident
             if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
-                return call(op, fn, arg)
+                return call(op, fn, arg, (arg,), device)
             acquire()
             try:
                 if not self._pending:  # still nothing queued, now that no other collective can start
@@ -139,11 +161,40 @@ class Executor:
                         raise
             finally:
                 release()
-            return call(op, fn, arg)  # an asynchronous one was queued meanwhile: behind it
+            return call(op, fn, arg, (arg,), device)  # an asynchronous one was queued meanwhile: behind it
 
-        return run
+        if recorder is None:
+            return run
+        begin, finished = recorder.tensor_collective, recorder.finished
 
-    def _queued(self, op: str, fn: Callable[[int], Any], *, async_op: bool) -> Any:
+        def recorded(arg: Any) -> Any:  # run, noting the collective in the group's flight recorder
+            worker = self._worker_ident
+            if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
+                return call(op, fn, arg, (arg,), device)
+            acquire()
+            try:
+                if not self._pending:
+                    seq = self.seq = self._next_seq
+                    self._next_seq = seq + 1
+                    record = begin(seq, op, arg, device)
+                    try:
+                        result = fn(arg)
+                    except BaseException as exc:
+                        finished(record, exc)
+                        if isinstance(exc, _LATCHED):
+                            latch(op, seq, exc)
+                        raise
+                    finished(record)
+                    return result
+            finally:
+                release()
+            return call(op, fn, arg, (arg,), device)
+
+        return recorded
+
+    def _queued(
+        self, op: str, fn: Callable[[int], Any], *, async_op: bool, args: tuple[Any, ...] = (), device: str = ""
+    ) -> Any:
         work = Work(op)
         with self._lock:
             self.check_open()
@@ -154,19 +205,37 @@ class Executor:
                 )
                 self._worker.start()
                 self._worker_ident = self._worker.ident
-            self._queue.put((work, op, fn))
+            self._queue.put((work, op, fn, args, device))
         return work if async_op else work.result()
 
-    def _invoke(self, op: str, fn: Callable[[Any], Any], arg: Any = _SEQ) -> Any:
+    def _invoke(
+        self, op: str, fn: Callable[[Any], Any], arg: Any = _SEQ, args: tuple[Any, ...] = (), device: str = ""
+    ) -> Any:
         seq = self.seq = self._next_seq
         self._next_seq = seq + 1
         if self._broken is not None:
             raise self._stopped(op)
+        recorder = self._recorder
+        if recorder is None:
+            try:
+                return fn(seq if arg is _SEQ else arg)
+            except _LATCHED as exc:
+                self.latch(op, seq, exc)
+                raise
+        record = recorder.collective(seq, op, describe_args(op, args), device)
         try:
-            return fn(seq if arg is _SEQ else arg)
-        except _LATCHED as exc:
-            self.latch(op, seq, exc)
+            result = fn(seq if arg is _SEQ else arg)
+        except BaseException as exc:
+            recorder.finished(record, exc)
+            if isinstance(exc, _LATCHED):
+                self.latch(op, seq, exc)
             raise
+        if isinstance(result, Work):  # launched: it ends when its work does
+            recorder.launched(record)
+            result.add_done_callback(lambda done: recorder.finished(record, done.exception(0)))
+        else:
+            recorder.finished(record)
+        return result
 
     def _stopped(self, op: str) -> PGError:
         kind, reason = self._broken or (PGError, "")
@@ -193,17 +262,19 @@ class Executor:
         if isinstance(exc, _LATCHED):
             if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
                 exc.op, exc.seq = op, seq
-                if self._explain is not None:
-                    self._explain(exc)
+            if self._explain is not None:
+                self._explain(op, seq, exc)
             if self._broken is None:
                 self._broken = (type(exc), f"{op} (collective #{seq}) failed: {exc}")
 
-    def _run_queued(self, work: Work, op: str, fn: Callable[[int], Any]) -> None:
+    def _run_queued(
+        self, work: Work, op: str, fn: Callable[[int], Any], args: tuple[Any, ...] = (), device: str = ""
+    ) -> None:
         try:
             with self._exec_lock:
                 if self._state in ("shut down", "aborted"):
                     raise GroupClosedError(f"group {self._name!r} was {self._state} before this operation ran")
-                result = self._invoke(op, fn)
+                result = self._invoke(op, fn, _SEQ, args, device)
         except BaseException as exc:
             with self._lock:
                 self._pending -= 1
@@ -268,11 +339,11 @@ def _work_loop(q: queue.SimpleQueue[_Item | None], ref: weakref.ref[Executor]) -
         item = q.get()
         if item is None:
             return
-        work, op, fn = item
+        work, op, fn, args, device = item
         del item  # nothing may keep the group (fn's closure) alive while waiting for the next item
         executor = ref()
         if executor is None:
             work.set_exception(GroupClosedError("the group was garbage-collected before this operation ran"))
         else:
-            executor._run_queued(work, op, fn)
-        del executor, work, fn
+            executor._run_queued(work, op, fn, args, device)
+        del executor, work, fn, args

@@ -32,6 +32,7 @@ from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave, never_joined
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
+from .recorder import FlightRecorder, Tracer, buffer_size, trace_dir
 from .store import PrefixStore, Store, hosts_store, store_address, wait_for
 from .tags import check_tag
 from .timeouts import DEFAULT_TIMEOUT, seconds
@@ -200,7 +201,22 @@ class ProcessGroup:
         self._specs = dict(f.specs)
         missing = unavailable(self._specs, f.registry, f.name)
         self._supported = Supported(self._specs, f.name, missing)
-        self._executor = Executor(f.name, never_joined(self._store, m.size, f.name))
+        #: the flight recorder (None: PG_CORE_TRACE_BUFFER=0) and what the group does with it on a failure
+        capacity = buffer_size(os.environ)
+        self._recorder = FlightRecorder(capacity) if capacity else None
+        self._tracer = Tracer(
+            store=self._store,
+            rank=m.rank,
+            size=m.size,
+            name=f.name,
+            uid=f.uid,
+            timeout=f.timeout,
+            recorder=self._recorder,
+            joined=never_joined(self._store, m.size, f.name),
+            folder=trace_dir(os.environ),
+            describe=self._described,
+        )
+        self._executor = Executor(f.name, self._tracer.explain, self._recorder)
         self._dispatch = Dispatcher(
             self._specs,
             context_factory(
@@ -305,6 +321,32 @@ class ProcessGroup:
         """Device type -> backend name."""
         return {device: spec.name for device, spec in self._specs.items()}
 
+    def debug_state(self) -> dict[str, Any]:
+        """What this rank's flight recorder knows of the group, as a JSON-serialisable dict:
+        ``group``, ``uid``, ``rank``, ``size``, ``backends``, ``timeout``, ``state`` (``open``,
+        ``failed``, ``shutting down``, ``shut down``, ``aborted``), ``seq`` (the last collective's
+        sequence number), ``recorder`` (its capacity: ``PG_CORE_TRACE_BUFFER``, ``0`` when off),
+        ``entries`` (the operations kept, oldest first: sequence number or point to point
+        number, op, input and output sizes and dtypes, root or peer, device, state, error
+        class, start and end times in wall-clock nanoseconds) and ``report`` (the last desync
+        report: who was where when a collective failed; ``None`` if none failed). See
+        docs/debugging.md."""
+        return self._tracer.state()
+
+    def _described(self) -> dict[str, Any]:
+        executor = self._executor
+        state = executor.state or ("failed" if executor.failed else "open")
+        return {
+            "group": self._name,
+            "uid": self._formation.uid,
+            "rank": self._rank,
+            "size": self._size,
+            "backends": self.backends,
+            "timeout": self._timeout,
+            "state": state,
+            "seq": executor.seq,
+        }
+
     def supports_device(self, device: str | torch.device) -> bool:
         """Whether this group has a backend for ``device``'s type that can run here (False for
         one installed but unavailable on this machine, such as nccl without a GPU)."""
@@ -379,7 +421,7 @@ class ProcessGroup:
                 staging.finish()
             return result
 
-        return self._executor.run(op, run, async_op=async_op)
+        return self._executor.run(op, run, async_op=async_op, args=args, device=device.type)
 
     def _launch(
         self, op: str, device: torch.device, staging: Staging | None, args: tuple[Any, ...], budget: float
@@ -395,7 +437,7 @@ class ProcessGroup:
             work.add_done_callback(lambda done: executor.latch(op, seq, done.exception(0)))
             return work
 
-        inner: Work = executor.run(op, launch, async_op=False)
+        inner: Work = executor.run(op, launch, async_op=False, args=args, device=device.type)
         return then(inner, staging.finish) if staging is not None and staging.back else inner
 
     def coalescing(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Batch:
@@ -467,7 +509,9 @@ class ProcessGroup:
             key = (tensor.device, tensor.dtype, rop.type)
             if key not in self._lanes:  # the backend's prepared call, run in order by the executor
                 prepared = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
-                self._lanes[key] = None if prepared is None else self._executor.lane("all_reduce", prepared)
+                self._lanes[key] = (
+                    None if prepared is None else self._executor.lane("all_reduce", prepared, tensor.device.type)
+                )
         return result
 
     def broadcast(
@@ -892,10 +936,23 @@ class ProcessGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
-        if self._p2p_fast("send", tensor, dst, tag, timeout):
+        recorder = self._recorder
+        if recorder is None or type(tensor) is not _Tensor or self._coalescing:
+            if self._p2p_fast("send", tensor, dst, tag, timeout):
+                return
+            inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
+            inst.p2p("send", t, dst, tag, budget, async_op=False)
             return
-        inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
-        inst.p2p("send", t, dst, tag, budget, async_op=False)
+        record = recorder.point_to_point("send", tensor, dst)
+        try:
+            if not self._p2p_fast("send", tensor, dst, tag, timeout):
+                inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
+                inst.p2p("send", t, dst, tag, budget, async_op=False)
+        except BaseException as exc:
+            recorder.finished(record, exc)
+            self._tracer.point_to_point_failed(exc)
+            raise
+        recorder.finished(record)
 
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *, timeout: float | timedelta | None = None
@@ -908,6 +965,20 @@ class ProcessGroup:
         :class:`~pg_core.errors.NotSupportedError` before anything is received). Each sender's
         messages arrive in the order it sent them, however receives naming it and any-source
         receives interleave (see docs/decisions.md)."""
+        recorder = self._recorder
+        if recorder is None or src is None or type(tensor) is not _Tensor or self._coalescing:
+            return self._recv(tensor, src, tag, timeout)
+        record = recorder.point_to_point("recv", tensor, src)
+        try:
+            sender = self._recv(tensor, src, tag, timeout)
+        except BaseException as exc:
+            recorder.finished(record, exc)
+            self._tracer.point_to_point_failed(exc)
+            raise
+        recorder.finished(record)
+        return sender
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | timedelta | None) -> int:
         if src is not None and self._p2p_fast("recv", tensor, src, tag, timeout):
             return src
         if src is None:

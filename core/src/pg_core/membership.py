@@ -165,18 +165,18 @@ def absent(group_store: Store, size: int) -> list[int]:
     return [r for r in range(size) if not group_store.check([f"rank/{r}"])]
 
 
-def never_joined(group_store: Store, size: int, name: str) -> Callable[[CollectiveTimeout], None]:
+def never_joined(group_store: Store, size: int, name: str) -> Callable[[CollectiveTimeout], bool]:
     """What a group does with a timeout of its own: where members never joined, that is the
     cause, so the message says so first and names only them (not the members that are here,
-    waiting in the same operation)."""
+    waiting in the same operation). The callable returns whether it explained the timeout so."""
 
-    def explain(exc: CollectiveTimeout) -> None:
+    def explain(exc: CollectiveTimeout) -> bool:
         try:
             missing = absent(group_store, size)
         except Exception:  # the store is gone or failing: the backend's account stands
-            return
+            return False
         if not missing:
-            return
+            return False
         ranks = ", ".join(map(str, missing))
         which = f"rank {ranks}" if len(missing) == 1 else f"ranks {ranks}"
         where = f"{exc.op} (collective #{exc.seq})" if exc.op and exc.seq is not None else (exc.op or "the operation")
@@ -186,6 +186,7 @@ def never_joined(group_store: Store, size: int, name: str) -> Callable[[Collecti
             "name; check that the process started and did not fail before that",
         )
         exc.peers = tuple(missing)
+        return True
 
     return explain
 
