@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from pg_core.auth import AuthKey
 from pg_core.backend import BackendContext
 from pg_core.errors import PeerFailureError, PGError
 from pg_core.ops import ReduceOp
@@ -27,6 +28,7 @@ from pg_core.store import PrefixStore
 from pg_core.testing.pool import RankContext, RankPool
 from pg_tcp.backend import TCPBackend
 from pg_tcp.transport import (
+    _AUTH,
     _HELLO,
     BYTES,
     HEADER,
@@ -44,7 +46,9 @@ GIB = 1 << 30
 RSS_SLACK_MB = 64.0
 
 
-def make_backend(ctx: RankContext, name: str, *, timeout: float, **options: Any) -> TCPBackend:
+def make_backend(
+    ctx: RankContext, name: str, *, timeout: float, auth_key: AuthKey | None = None, **options: Any
+) -> TCPBackend:
     return TCPBackend(
         BackendContext(
             store=PrefixStore(f"{name}/cpu/tcp", ctx.store),
@@ -56,6 +60,7 @@ def make_backend(ctx: RankContext, name: str, *, timeout: float, **options: Any)
             group_uid=f"{name}-{ctx.job}",
             backend_name="tcp",
             options=options,
+            auth_key=auth_key,
         )
     )
 
@@ -156,7 +161,7 @@ def limits_from_a_real_peer(ctx: RankContext) -> tuple[str, str] | None:
     """A real peer over the limits: a byte message above max_message_bytes, and messages
     piling up ahead of their receives above max_unexpected_bytes. A tensor whose receive is
     posted may be larger than max_message_bytes: its size is known."""
-    options = {"max_message_bytes": 4096, "max_unexpected_bytes": 16384}
+    options: dict[str, Any] = {"max_message_bytes": 4096, "max_unexpected_bytes": 16384}
     results: list[str] = []
     for round_ in ("message", "unexpected"):
         b = make_backend(ctx, f"lim-{round_}", timeout=30.0, **options)
@@ -348,3 +353,60 @@ def test_a_send_to_a_rank_killed_a_moment_earlier_fails(rank_pools: Pools) -> No
     message, seconds, peers = result
     assert peers == (2,) and "rank 2" in message, message
     assert seconds < 5.0, seconds
+
+
+# -- 4. an authenticated job: strangers with the store but not the key --------------------------
+
+
+def strangers_without_the_key(ctx: RankContext) -> list[str] | None:
+    name, size, key = "authed", 2, AuthKey("the job's secret")
+    uid = f"{name}-{ctx.job}".encode()
+    if ctx.rank == 2:  # the stranger: reads rank 0's address, has no key
+        ctx.store.wait([f"{name}/ready"])
+        seen: list[str] = []
+        addr = ctx.store.get(f"{name}/cpu/tcp/addr/0")  # MAC || address: readable, though not forgeable
+        host, _, port = addr[32:].decode().rpartition(":")
+        plain = _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid)) + uid
+        captured = _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, _AUTH, len(uid)) + uid + os.urandom(32)
+        # an unauthenticated hello; an authenticated-looking one with a made-up MAC; that hello replayed
+        for said in (plain, captured, captured):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(said)
+                sock.sendall((b"" if said is plain else os.urandom(32)) + header(BYTES, 4) + b"EVIL")
+                seen.append("closed" if wait_closed(sock, 10.0) else "open")
+        ctx.store.set(f"{name}/stranger", ",".join(seen))
+        return seen
+    job = dataclasses.replace(ctx, size=size)
+    records = _Records()
+    logging.getLogger("pg_tcp").addHandler(records)
+    from pg_core.store import AuthenticatedStore
+
+    authed = AuthenticatedStore(ctx.store, key)
+    job = dataclasses.replace(job, store=authed)
+    b = make_backend(job, name, timeout=30.0, auth_key=key)
+    try:
+        t = torch.full((3,), float(ctx.rank + 1))
+        b.all_reduce(t, ReduceOp.SUM, timeout=30.0)
+        assert t.tolist() == [3.0] * 3
+        if ctx.rank == 0:
+            ctx.store.set(f"{name}/ready", "1")
+            b.recv_bytes(1, 0, timeout=60.0)  # rank 0 drives its connections: every stranger's is read and refused
+        else:
+            ctx.store.wait([f"{name}/stranger"])
+            b.send_bytes(b"real", 0, 0, timeout=30.0)
+        t = torch.full((3,), float(ctx.rank + 1))
+        b.all_reduce(t, ReduceOp.SUM, timeout=30.0)
+        assert t.tolist() == [3.0] * 3
+        return records.messages
+    finally:
+        logging.getLogger("pg_tcp").removeHandler(records)
+        b.shutdown()
+
+
+def test_strangers_without_the_key_are_refused(rank_pools: Pools) -> None:
+    results = rank_pools(3).run(strangers_without_the_key, timeout=120)
+    assert results[2] == ["closed", "closed", "closed"]
+    logged = " ".join(results[0])
+    assert "not authenticated" in logged
+    assert "wrong MAC" in logged
+    assert "replayed hello" in logged

@@ -155,8 +155,10 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import hmac
 import logging
 import mmap
+import secrets
 import select
 import socket
 import struct
@@ -202,7 +204,8 @@ _log = logging.getLogger("pg_tcp")
 HEADER: Final = struct.Struct("<HBBB3xqQQ")  # magic, kind, opcode, dtype, tag, seq, nbytes
 HEADER_SIZE: Final = HEADER.size  # 32
 MAGIC: Final = 0x5054  # "TP"
-PROTOCOL_VERSION: Final = 3  # 2: connections made on first use (hello flags, RETIRE); 3: the CROSSED answer
+#: 2: connections made on first use (hello flags, RETIRE); 3: the CROSSED answer; 4: authenticated hellos
+PROTOCOL_VERSION: Final = 4
 HELLO_MAGIC: Final = b"pg-tcp\x00\x01"
 
 # kinds
@@ -443,6 +446,11 @@ _REPLY_SWITCH: Final = 1  # "use this connection; mine to you retires (RETIRE on
 _REPLY_CLOSING: Final = 2  # "I am shutting down; nothing comes here: my BYE comes on my own connection to you"
 _REPLY_GONE: Final = 3  # "I am shutting down, and I never sent you anything": a BYE
 _REPLY_CROSSED: Final = 4  # "use this connection; mine to you crossed it (its hello comes, then its RETIRE)"
+#: Flag of an authenticated job's hello and challenge: a nonce (and the challenge's MAC) follow the uid.
+_AUTH: Final = 0x80
+_NONCE: Final = 32
+_MAC: Final = 32
+_SEEN_NONCES: Final = 4096  # hello nonces remembered, to refuse a replayed hello at once
 
 #: Limits on what a peer may announce (options of the backend; see the module docstring).
 DEFAULT_MAX_MESSAGE_BYTES: Final = 256 << 20
@@ -453,6 +461,8 @@ _MAX_CONTROL_BYTES: Final = 1 << 16  # an ABORT's or a BYE's reason; ARRIVED and
 _OPEN: Final = 0  # frames flow
 _HELLO_IN: Final = 1  # accepted: waiting for the maker's hello
 _REPLY_IN: Final = 2  # made here: waiting for the acceptor's answer (frames already go out)
+_CHALLENGE_IN: Final = 3  # made here, authenticated job: waiting for the acceptor's nonce and MAC (frames held)
+_PROOF_IN: Final = 4  # accepted, authenticated job: challenge sent, waiting for the maker's MAC (nothing else read)
 
 _HELLO_TIMEOUT: Final = 10.0  # a maker says hello right after connecting; a silent stray is dropped after this
 _PROBE_S: Final = 1.0  # a rank waiting for a connection makes one itself after min(this, timeout/4)
@@ -476,6 +486,7 @@ class _Conn:
         "ended",
         "fd",
         "frame",
+        "gated",
         "got",
         "hdr",
         "hdr_got",
@@ -485,6 +496,7 @@ class _Conn:
         "hello_by",
         "initiated",
         "mask",
+        "nonces",
         "outq",
         "parked",
         "peer",
@@ -514,6 +526,8 @@ class _Conn:
         self.parked = False  # do not read: a frame too large to buffer waits here for its receive
         self.resume = False  # a parked frame's receive may be posted: route its header again
         self.remote = ""  # host:port of the other end, for messages
+        self.gated = False  # made here, authenticated job: frames wait in outq until the acceptor proved itself
+        self.nonces = (b"", b"")  # authenticated job: (maker's, acceptor's) nonce of this connection
         # reader state (driver only)
         self.hdr = bytearray(HEADER_SIZE)
         self.hdr_view = memoryview(self.hdr)
@@ -603,6 +617,9 @@ class Transport:
         self.size = ctx.size
         self.label = f"pg-tcp group {ctx.group_name!r} rank {ctx.rank}"
         self._store = ctx.store
+        self._key = ctx.auth_key  # the job's secret (API 1.8), or None: hellos are not authenticated
+        self._seen: set[bytes] = set()  # hello nonces already answered (bounded: see _remember)
+        self._seen_order: deque[bytes] = deque()
         self._uid = ctx.group_uid.encode()
         if len(self._uid) > _MAX_UID:
             raise ValueError(f"{self.label}: group_uid is longer than {_MAX_UID} bytes")
@@ -929,7 +946,12 @@ class Transport:
             conn = _Conn(sock, peer, initiated=True)
             self._add_conn(conn)
             peer.conns.append(conn)
-            self._write(conn, Send.raw("hello", peer.rank, self._hello(0)))
+            if self._key is None:
+                self._write(conn, Send.raw("hello", peer.rank, self._hello(0)))
+            else:  # no frame leaves before the acceptor proved it holds the key, and we did
+                conn.nonces = (secrets.token_bytes(_NONCE), b"")
+                conn.state, conn.gated = _CHALLENGE_IN, True
+                self._write(conn, Send.raw("hello", peer.rank, self._hello(_AUTH) + conn.nonces[0]))
             self._attach(peer, conn)
         self._settle()
 
@@ -975,6 +997,14 @@ class Transport:
 
     def _hello(self, flags: int) -> bytes:
         return _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, self.rank, flags, len(self._uid)) + self._uid
+
+    def _mac(self, conn: _Conn, maker: int, acceptor: int, role: bytes) -> bytes:
+        """The MAC one end of an authenticated connection proves itself with: over the
+        protocol, the group, both ranks, both nonces and its role."""
+        assert self._key is not None
+        version = PROTOCOL_VERSION.to_bytes(2, "little")
+        ranks = maker.to_bytes(4, "little") + acceptor.to_bytes(4, "little")
+        return self._key.mac(b"pg-tcp", version, self._uid, ranks, conn.nonces[0], conn.nonces[1], role)
 
     def _progress_now(self) -> None:
         """Two rounds of progress that do not block (accept, then read hellos); none if
@@ -1173,7 +1203,7 @@ class Transport:
                 if peer is None or peer.closed is None:
                     if not conn.ended and not conn.held and not conn.parked:
                         want |= _POLLIN
-                    if conn.outq and conn.send_error is None:
+                    if conn.outq and conn.send_error is None and not (conn.gated and conn.outq[0].kind != 0):
                         want |= _POLLOUT
                 if want == conn.mask:
                     continue
@@ -1389,6 +1419,9 @@ class Transport:
     def _write(self, conn: _Conn, req: Send) -> None:
         """Write ``req`` on ``conn`` as far as the kernel takes it; queue the rest. Under the lock."""
         req.conn = conn
+        if conn.gated and req.kind != 0:  # a frame before the handshake ended: held (raw hellos go)
+            conn.outq.append(req)
+            return
         if not conn.outq and conn.send_error is None:
             try:
                 req.sent = conn.sock.sendmsg(req.pending())
@@ -1423,6 +1456,8 @@ class Transport:
             outq = conn.outq
             while outq and not conn.dead and (conn.peer is None or conn.peer.closed is None):
                 req = outq[0]
+                if conn.gated and req.kind != 0 and req.sent == 0:
+                    break
                 try:
                     req.sent += conn.sock.sendmsg(req.pending())
                 except BlockingIOError:
@@ -1509,7 +1544,10 @@ class Transport:
             if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or uid_len > _MAX_UID:
                 self._bad_hello(conn, f"magic {magic!r}, protocol version {version}")
                 return False
-            conn.hello = (rank, flags, bytearray(uid_len))
+            extra = 0
+            if conn.state in (_CHALLENGE_IN, _HELLO_IN) and flags & _AUTH:
+                extra = _NONCE + (_MAC if conn.state == _CHALLENGE_IN else 0)
+            conn.hello = (rank, flags, bytearray(uid_len + extra))
             conn.got = 0
         else:
             conn.got += n
@@ -1519,9 +1557,102 @@ class Transport:
         conn.hello = None
         conn.got = 0
         with self._lock:
+            if conn.state == _PROOF_IN:
+                return self._proven(conn, rank, bytes(uid))
+            if conn.state == _CHALLENGE_IN:
+                return self._challenged(conn, rank, flags, bytes(uid))
+            if conn.state == _HELLO_IN and (self._key is not None or flags & _AUTH):
+                return self._authenticate(conn, rank, flags, bytes(uid))
             if conn.initiated:
                 return self._answered(conn, rank, flags, bytes(uid))
             return self._identify(conn, rank, bytes(uid))
+
+    # -- authenticated jobs: challenge and response over both ends' nonces -------------------
+    def _refuse(self, conn: _Conn, rank: int, why: str) -> bool:
+        """Drop an accepted connection that failed authentication; nothing of it is read.
+        Under the lock, driver only."""
+        self._anonymous.discard(conn)
+        _log.warning(
+            "%s: refused a connection from %s that says hello as rank %d: %s", self.label, conn.remote or "?", rank, why
+        )
+        conn.dead = True
+        self._discard(conn)
+        return False
+
+    def _authenticate(self, conn: _Conn, rank: int, flags: int, rest: bytes) -> bool:
+        """An accepted connection said hello, and this job (or the hello) is authenticated:
+        answer with this end's nonce and MAC, then read only the maker's MAC. Under the lock."""
+        if self._key is None:
+            return self._refuse(conn, rank, "its hello is authenticated but this job has no key (PG_CORE_AUTH_KEY)")
+        if not flags & _AUTH:
+            return self._refuse(
+                conn, rank, "its hello is not authenticated and this job is (another job, or a stranger)"
+            )
+        uid, nonce = rest[: len(rest) - _NONCE], rest[len(rest) - _NONCE :]
+        if uid != self._uid or not 0 <= rank < self.size or rank == self.rank:
+            return self._refuse(conn, rank, "another group's hello")
+        if nonce in self._seen:
+            return self._refuse(conn, rank, "a replayed hello (its nonce was answered before)")
+        self._remember(nonce)
+        conn.nonces = (nonce, secrets.token_bytes(_NONCE))
+        mac = self._mac(conn, rank, self.rank, b"acceptor")
+        self._write(conn, Send.raw("challenge", rank, self._hello(_AUTH) + conn.nonces[1] + mac))
+        conn.state = _PROOF_IN
+        conn.hello = (rank, flags, bytearray(_MAC))  # what is read next: the maker's MAC, nothing else
+        return True
+
+    def _proven(self, conn: _Conn, rank: int, mac: bytes) -> bool:
+        """The maker's MAC arrived: verify it, then take the connection as an ordinary hello."""
+        assert self._key is not None
+        if not hmac.compare_digest(mac, self._mac(conn, rank, self.rank, b"maker")):
+            return self._refuse(conn, rank, "it failed to prove it holds the job's key (wrong MAC)")
+        conn.state = _HELLO_IN
+        return self._identify(conn, rank, self._uid)
+
+    def _challenged(self, conn: _Conn, rank: int, flags: int, rest: bytes) -> bool:
+        """The acceptor answered this rank's authenticated hello: verify its MAC, prove ours,
+        and let the held frames go. Under the lock."""
+        peer = conn.peer
+        assert peer is not None and self._key is not None
+        if not flags & _AUTH:
+            if flags in (_REPLY_CLOSING, _REPLY_GONE) and rest == self._uid and rank == peer.rank:
+                conn.state = _REPLY_IN  # it is shutting down and read nothing: nothing to prove
+                conn.gated = False
+                return self._answered(conn, rank, flags, rest)
+            self._lose_peer(peer, f"rank {peer.rank}'s address answered without authentication", crashed=True)
+            return False
+        uid = rest[: len(rest) - _NONCE - _MAC]
+        nonce, mac = rest[len(uid) : len(uid) + _NONCE], rest[len(uid) + _NONCE :]
+        conn.nonces = (conn.nonces[0], nonce)
+        if (
+            rank != peer.rank
+            or uid != self._uid
+            or not hmac.compare_digest(mac, self._mac(conn, self.rank, peer.rank, b"acceptor"))
+        ):
+            _log.warning(
+                "%s: the process at rank %d's address %s failed to prove it holds the job's key",
+                self.label,
+                peer.rank,
+                conn.remote or "?",
+            )
+            self._lose_peer(
+                peer,
+                f"the address rank {peer.rank} published did not prove it holds the job's key (PG_CORE_AUTH_KEY)",
+                crashed=True,
+            )
+            return False
+        conn.outq.appendleft(Send.raw("proof", peer.rank, self._mac(conn, self.rank, peer.rank, b"maker")))
+        conn.gated = False
+        conn.state = _REPLY_IN
+        self._poll_dirty = True
+        self._wake_driver()
+        return True
+
+    def _remember(self, nonce: bytes) -> None:
+        self._seen.add(nonce)
+        self._seen_order.append(nonce)
+        if len(self._seen_order) > _SEEN_NONCES:
+            self._seen.discard(self._seen_order.popleft())
 
     def _bad_hello(self, conn: _Conn, what: str) -> None:
         with self._lock:
