@@ -323,7 +323,8 @@ def test_a_timeout_is_a_collective_timeout_and_the_backend_then_refuses_with_the
     (timed_out, refused), (peer_side,) = rank_pools(2).run(timeout_then_anything, timeout=120)
     assert "after 0.5 s" in timed_out and "form a new group" in timed_out
     assert "all_reduce timed out" in refused and "form a new group" in refused
-    assert "closed" in peer_side  # the other rank sees Gloo close the connection: a PeerFailureError
+    # the other rank sees Gloo close the connection, or (its watch first) rank 0 leave: a PeerFailureError
+    assert "closed" in peer_side or "rank 0 shut down" in peer_side, peer_side
 
 
 def prepared_timeout(ctx: RankContext) -> list[str]:

@@ -39,7 +39,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -47,11 +47,14 @@ from pg_core.backend import BackendContext, tensor_bytes
 from pg_core.buffers import SpareBuffers
 from pg_core.c10d import C10dBackend, first_line, flat_bytes, timeout_delta
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
-from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError
 from pg_core.ops import ReduceOp
 from pg_core.store import advertise_address
 from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
+
+from .waiting import Ticket, Waiters
+from .watch import PeerWatch
 
 __all__ = ["GlooBackend"]
 
@@ -81,6 +84,15 @@ _INLINE: Final = 4 << 20
 _REAP_SENDS: Final = 64
 _REAP_BYTES: Final = 16 << 20
 _REAP_S: Final = 0.05
+
+#: How often a wait looks up from its event for an abort, a peer gone or its deadline; and
+#: how long past the operation's timeout it still waits for Gloo's own timeout to fire first.
+_SLICE_S: Final = 0.1
+_GRACE_S: Final = 2.0
+
+#: The default bound on bytes copied by sends whose receiver has not taken them yet
+#: (``options={"gloo": {"max_buffered_send_bytes": N}}``): past it, a send waits for earlier ones.
+MAX_BUFFERED_SEND_BYTES: Final = 256 << 20
 
 #: Gloo's words for a connection that is gone (its pair.cc messages).
 _PEER_GONE: Final = (
@@ -118,35 +130,73 @@ class GlooBackend(C10dBackend):
         self._spares = SpareBuffers()
         self._reaper: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: held while Gloo's connections are being closed (abort, or a failed wait that cuts them)
+        self._closing = threading.Lock()
         #: a send the reaper saw fail, per destination: raised by that peer's next operation
         self._send_errors: dict[int, BaseException] = {}
+        #: set once ``abort()`` has closed Gloo's connections: blocked operations raise
+        self._aborted = False
+        #: bytes of sends copied and not yet taken by their receivers, bounded by ``_budget``
+        self._buffered = 0
+        self._buffered_cond = threading.Condition(self._lock)
+        self._budget = _budget(ctx.options.get("max_buffered_send_bytes", MAX_BUFFERED_SEND_BYTES))
+        self._everyone = tuple(r for r in range(ctx.size) if r != ctx.rank)
+        self._waiters = Waiters(ctx.group_name)
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         host = str(ctx.options.get("addr") or advertise_address(ctx.store))
-        options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        options._devices = [ProcessGroupGloo.create_device(hostname=host)]  # Gloo listens on this address only
         options._timeout = timeout_delta(ctx.timeout)
         options._threads = int(ctx.options.get("threads", 2))
+        self._watch = PeerWatch(
+            ctx.store,
+            ctx.rank,
+            ctx.size,
+            host,
+            ctx.timeout,
+            name=ctx.group_name,
+            uid=ctx.group_uid,
+            auth_key=ctx.auth_key,
+        )
         try:
             self._pg = ProcessGroupGloo(self.rendezvous("Gloo connect"), ctx.rank, ctx.size, options)
         except RuntimeError as exc:
+            self._watch.close(b"A")
             raise self._error(exc, "connect", ctx.timeout) from exc
+        except BaseException:
+            self._watch.close(b"A")
+            raise
 
     # -- errors -------------------------------------------------------------------------
     def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
-        """The Gloo object, or the error this backend's state calls for, before anything is sent."""
+        """The Gloo object, or the error this backend's state calls for, before anything is sent
+        (``peers``: whom the operation needs; a collective needs everyone)."""
         pg = self._pg
-        if pg is not None and self._broken is None and not (peers and self._send_errors):
+        if pg is not None and self._broken is None and not self._send_errors and not self._watch.gone:
             return pg  # the common case, first
-        if self._broken is not None:
-            raise PeerFailureError(
-                f"{what}: backend 'gloo' of group {self.ctx.group_name!r} cannot communicate any more: {self._broken}. "
-                "Gloo closes its connections after a timeout; form a new group",
-                peers=peers,
-            )
+        self._alarm(what, peers or self._everyone)
         for peer in peers:
             failed = self._send_errors.get(peer)
             if failed is not None:
                 raise PeerFailureError(f"{what}: an earlier send to rank {peer} failed: {failed}", peers=[peer])
         return self.c10d
+
+    def _alarm(self, what: str, peers: Sequence[int]) -> None:
+        """Raise what stops an operation that needs ``peers``: this backend aborted or broken,
+        or one of them gone (a peer that died, aborted or shut down)."""
+        if self._aborted:
+            raise GroupClosedError(
+                f"{what}: backend 'gloo' of group {self.ctx.group_name!r} was aborted while the operation waited"
+            )
+        if self._broken is not None:
+            raise PeerFailureError(
+                f"{what}: backend 'gloo' of group {self.ctx.group_name!r} cannot communicate any more: {self._broken}. "
+                "Gloo's connections are closed; form a new group (or shrink() this one)",
+                peers=peers,
+            )
+        gone = self._watch.gone
+        lost = [p for p in peers if p in gone]
+        if lost:
+            raise PeerFailureError(f"{what}: {_who(lost, gone)}", peers=lost)
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
         """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
@@ -159,6 +209,10 @@ class GlooBackend(C10dBackend):
                 op=what,
                 peers=peers,
             )
+        gone = self._watch.wait_gone(0.5) if any(words in text for words in _PEER_GONE) else {}
+        lost = [p for p in (peers or self._everyone) if p in gone] or sorted(gone)
+        if lost:  # the watch knows who, and how: Gloo's text names a socket address
+            return PeerFailureError(f"{what}: {_who(lost, gone)} (Gloo: {text})", peers=lost)
         if "Application timeout caused pair closure" in text:
             self._broken = self._broken or "Gloo closed its connections after a timeout"
             return PeerFailureError(
@@ -167,6 +221,153 @@ class GlooBackend(C10dBackend):
         if any(words in text for words in _PEER_GONE):
             return PeerFailureError(f"{what}: a peer closed its Gloo connection ({text})", peers=peers)
         return exc
+
+    # -- waiting: never inside Gloo, so that abort, a peer's death and Ctrl-C reach the caller (pg_gloo.waiting) --
+    def _until(self, done: threading.Event, what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait for ``done`` in slices of ``_SLICE_S``, raising between them if this backend was
+        aborted, a peer in ``peers`` is gone, or ``timeout`` (plus Gloo's grace) has passed.
+        Whatever stops the wait early (those, or ``KeyboardInterrupt``) leaves Gloo's operation
+        posted: for a collective, or anything but a receive from a peer that is gone, Gloo's
+        connections are closed first, so nothing is written into the caller's tensors afterwards."""
+        if done.wait(_SLICE_S):
+            return
+        deadline = time.monotonic() + timeout + _GRACE_S
+        try:
+            while not done.wait(_SLICE_S):
+                try:
+                    self._alarm(what, peers)
+                except PeerFailureError as exc:
+                    if set(exc.peers) != set(peers):  # some peer it needs is alive, and may still write
+                        self._cut(f"{what} failed: {exc}")
+                    raise
+                if time.monotonic() > deadline:
+                    self._cut(f"{what} did not end within {timeout:g} s")
+                    raise CollectiveTimeout(
+                        f"{what}: not done after {timeout:g} s, and Gloo's own timeout did not fire; "
+                        "its connections are closed: form a new group",
+                        op=what,
+                        peers=peers,
+                    )
+        except BaseException:
+            if not done.is_set() and not self._aborted:
+                self._cut(f"{what} was interrupted in rank {self.rank}")  # KeyboardInterrupt, say
+            raise
+
+    def _cut(self, why: str) -> None:
+        """Close Gloo's connections now (the operations in flight can then write nothing more)
+        and refuse everything after, saying ``why``."""
+        with self._closing:
+            if self._broken is None:
+                self._broken = why
+            pg = self._pg
+            if pg is not None:
+                pg.abort()
+
+    def _finish(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait for Gloo's ``work`` (see :meth:`_until`), then raise its error as pg-core's."""
+        error: BaseException | None = None
+        if work.is_completed():
+            waited = False
+        else:
+            try:
+                future = work.get_future()
+            except RuntimeError:  # point to point, reduce-scatter: no future, a waiter thread waits
+                ticket = self._waiters.start(work, timeout_delta(timeout))
+                self._until(ticket.done, what, timeout, peers)
+                error, waited = ticket.error, True  # (a point-to-point work's wait() waits again)
+            else:
+                done = threading.Event()
+                future.add_done_callback(lambda _: done.set())
+                self._until(done, what, timeout, peers)
+                waited = False
+        if not waited:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                error = exc
+        if error is not None:
+            raise self._error(error, what, timeout, peers) from error
+
+    def _wait(
+        self,
+        post: Callable[[], Any],
+        what: str,
+        timeout: float,
+        peers: Sequence[int] = (),
+        *,
+        bounded: bool = False,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Post an operation and wait for it as :meth:`_finish` does (``bounded``: point to
+        point, whose peers are given); with ``async_op``, return a work for it instead."""
+        try:
+            work = post()
+        except RuntimeError as exc:
+            raise self._error(exc, what, timeout, peers) from exc
+        if async_op:
+            return self._launched(work, what, timeout, peers)
+        self._finish(work, what, timeout, peers if bounded else self._everyone)
+        return None
+
+    def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
+        """Gloo's work as pg-core's, driven by whoever waits on it or polls it: its completion
+        comes through its future (or a waiter thread), and each slice of a wait looks for an
+        abort, a peer gone and the deadline, as a blocking call does."""
+        ticket: Ticket | None = None
+        try:
+            future = torch_work.get_future()
+        except RuntimeError:
+            ticket = self._waiters.start(torch_work, timeout_delta(timeout))
+            done = ticket.done
+        else:
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+        deadline = time.monotonic() + timeout + _GRACE_S
+        needs = peers or self._everyone
+
+        def drive(work: Work, budget: float) -> None:
+            if not done.wait(min(max(budget, 0.0), _SLICE_S)):
+                try:
+                    self._alarm(what, needs)
+                    if time.monotonic() > deadline:
+                        self._cut(f"{what} did not end within {timeout:g} s")
+                        raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=needs)
+                except (PeerFailureError, CollectiveTimeout, GroupClosedError) as exc:
+                    if not isinstance(exc, GroupClosedError):
+                        self._cut(f"{what} failed: {exc}")
+                    work.set_exception(exc)
+                return
+            error = ticket.error if ticket is not None else None
+            if ticket is None:
+                try:
+                    torch_work.wait()
+                except RuntimeError as exc:
+                    error = exc
+            if error is None:
+                work.set_result(None)
+            else:
+                work.set_exception(self._error(error, what, timeout, needs))
+
+        return Work(what, driver=drive)
+
+    def prepared_all_reduce(
+        self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The blocking all_reduce with its options built once, waited for as every other call."""
+        if super().prepared_all_reduce(dtype, op, timeout=timeout) is None:
+            return None
+        opts = self._opts("allreduce", timeout, op=op)
+        ready, error, finish, everyone = self._ready, self._error, self._finish, self._everyone
+
+        def run(tensor: torch.Tensor) -> None:
+            pg = ready("all_reduce")
+            try:
+                work = pg.allreduce([tensor], opts)
+            except RuntimeError as exc:
+                raise error(exc, "all_reduce", timeout) from exc
+            finish(work, "all_reduce", timeout, everyone)
+
+        return run
 
     #: what Gloo's copying collectives refuse ("Invalid scalar type"): moved as bytes
     as_bytes = frozenset({torch.int16, torch.complex64, torch.complex128})
@@ -245,6 +446,7 @@ class GlooBackend(C10dBackend):
         code = dtype_code(tensor.dtype)
         assert code is not None  # the core passes declared dtypes only
         nbytes = tensor.numel() * tensor.element_size()
+        self._room(nbytes, dst, timeout, "send")
         if nbytes <= _INLINE:  # (cpu: the only device pg-gloo declares point to point for)
             self._post(_message(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
         else:
@@ -261,6 +463,7 @@ class GlooBackend(C10dBackend):
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
         views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
         nbytes = sum(v.nbytes for v in views)
+        self._room(nbytes, dst, timeout, "send_bytes")
         inline = nbytes <= _INLINE
         first = torch.empty(_HEAD + nbytes if inline else _HEAD, dtype=torch.uint8)
         _HEADER.pack_into(tensor_bytes(first), 0, nbytes, _BYTES)
@@ -271,6 +474,30 @@ class GlooBackend(C10dBackend):
             target[offset : offset + view.nbytes] = view
             offset += view.nbytes
         self._post(first, payload, dst, tag, timeout=timeout, what="send_bytes", spare=spare)
+
+    def _room(self, nbytes: int, dst: int, timeout: float, what: str) -> None:
+        """Wait until a copy of ``nbytes`` more fits in the budget of buffered sends (alone, any
+        size fits), handing the sends gathered so far to the reaper first, so that it frees them
+        as their receivers take them. Interruptible as every wait; bounded by ``timeout``."""
+        with self._lock:
+            if self._buffered == 0 or self._buffered + nbytes <= self._budget:
+                return
+            batch = self._take_unreaped()
+        if batch:
+            self._sends.put(batch)
+        deadline = time.monotonic() + timeout
+        with self._buffered_cond:
+            while self._buffered and self._buffered + nbytes > self._budget:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeout(
+                        f"{what} to rank {dst}: {self._buffered} bytes of earlier sends were not taken by their "
+                        f"receivers within {timeout:g} s (max_buffered_send_bytes={self._budget})",
+                        op=what,
+                        peers=[dst],
+                    )
+                self._buffered_cond.wait(min(left, _SLICE_S))
+                self._alarm(what, [dst])
 
     def _post(
         self,
@@ -303,6 +530,7 @@ class GlooBackend(C10dBackend):
             for work, buffer in works:
                 self._unreaped.append((work, buffer[0], dst, deadline, spare if buffer[0] is payload else None))
                 self._unreaped_bytes += buffer[0].numel()
+                self._buffered += buffer[0].numel()
             if payload is not None or len(self._unreaped) >= _REAP_SENDS or self._unreaped_bytes >= _REAP_BYTES:
                 batch = self._take_unreaped()
         if batch:
@@ -332,7 +560,7 @@ class GlooBackend(C10dBackend):
 
     def _reaped(self, sent: _Sent) -> None:
         """Wait for one send (to its deadline); give its spare buffer back, or record its failure."""
-        work, _buffer, dst, deadline, spare = sent
+        work, buffer, dst, deadline, spare = sent
         try:
             work.wait(timeout_delta(max(deadline - time.monotonic(), 0.001)))
         except RuntimeError as exc:
@@ -340,6 +568,9 @@ class GlooBackend(C10dBackend):
         else:
             if spare is not None:
                 self._spares.give(spare)
+        with self._buffered_cond:
+            self._buffered -= buffer.numel()
+            self._buffered_cond.notify_all()
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -413,15 +644,43 @@ class GlooBackend(C10dBackend):
 
     # -- life ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        if self._broken is not None:  # Gloo's connections are closed: nothing to drain
+            self.abort(word=b"S")
+            return
         self._stop_reaper(self.ctx.timeout + 1.0)  # the sends in flight first
+        self._watch.close(b"S")
+        self._waiters.close()
         super().shutdown()
         self._spares.clear()
 
-    def abort(self) -> None:
-        self._broken = self._broken or "the group was aborted"
-        super().abort()  # Gloo's sends fail at once, so the reaper ends
-        self._stop_reaper(5.0)
+    def abort(self, word: bytes = b"A") -> None:
+        """Close Gloo's connections now, then make every wait raise: operations blocked in other
+        threads get :class:`~pg_core.errors.GroupClosedError` within ``_SLICE_S``, and the peers
+        are told (their errors say this rank aborted). Gloo's own threads still sit in the
+        operations they were running until those reach Gloo's timeout (nothing else wakes them);
+        the Gloo object is let go in a thread of its own, whose end waits for them."""
+        with self._closing:
+            pg, self._pg = self._pg, None
+            if pg is not None:
+                pg.abort()
+            self._broken = self._broken or "the group was aborted"
+            self._aborted = True
+        self._watch.close(word)
+        self._stop_reaper(0.0)
+        self._waiters.close()
+        with self._buffered_cond:
+            self._buffered_cond.notify_all()
         self._spares.clear()
+        if pg is not None:
+            self._release(pg)
+
+    @staticmethod
+    def _release(pg: Any) -> None:
+        """Let go of an aborted Gloo object without waiting: its destructor joins Gloo's threads,
+        which end only once the operations they run reach Gloo's timeout."""
+        holder = [pg]
+        del pg
+        threading.Thread(target=_let_go, args=(holder,), name="pg-gloo-release", daemon=True).start()
 
     def _stop_reaper(self, bound: float) -> None:
         with self._lock:
@@ -430,7 +689,26 @@ class GlooBackend(C10dBackend):
         if reaper is not None:
             self._sends.put(batch)
             self._sends.put(None)
-            reaper.join(timeout=bound)
+            if bound > 0:
+                reaper.join(timeout=bound)
+
+
+def _let_go(holder: list[Any]) -> None:
+    time.sleep(0.01)  # let go of the GIL first (see pg_core.c10d._GIL_HANDOFF_S)
+    holder.clear()
+
+
+def _who(lost: Sequence[int], gone: dict[int, str]) -> str:
+    return "; ".join(f"rank {p} {gone[p]}" for p in lost)
+
+
+def _budget(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"pg-gloo option max_buffered_send_bytes={value!r}: give a non-negative number of bytes "
+            f"(default {MAX_BUFFERED_SEND_BYTES}); sends past it wait until earlier ones are received"
+        )
+    return value
 
 
 def _describe(nbytes: int, code: int | None) -> str:
