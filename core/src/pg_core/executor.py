@@ -63,6 +63,7 @@ class Executor:
         "_state",
         "_worker",
         "_worker_ident",
+        "lost",
         "seq",
     )
 
@@ -87,6 +88,8 @@ class Executor:
         self._next_seq = 1
         #: the sequence number of the collective running now (they run one at a time)
         self.seq = 0
+        #: the ranks a collective's PeerFailureError named (what ProcessGroup.shrink takes for dead)
+        self.lost: set[int] = set()
 
     @property
     def state(self) -> str | None:
@@ -260,6 +263,8 @@ class Executor:
         that can leave ranks out of step (inline, or a launched collective's work later); the
         first such failure is the one named."""
         if isinstance(exc, _LATCHED):
+            if isinstance(exc, PeerFailureError):
+                self.lost.update(exc.peers)
             if isinstance(exc, CollectiveTimeout):  # the backend knows the peers; the executor knows op and seq
                 exc.op, exc.seq = op, seq
             if self._explain is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from . import environment, messages
+from .auth import AuthKey, resolve_key
 from .check import Checker, check_mode
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends, unavailable
@@ -30,10 +31,11 @@ from .errors import CollectiveTimeout, NotSupportedError, PluginError, warn_user
 from .executor import Executor
 from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave, never_joined
+from .messages import ObjectsArg
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
 from .recorder import FlightRecorder, Tracer, buffer_size, trace_dir
-from .store import PrefixStore, Store, hosts_store, store_address, wait_for
+from .store import PrefixStore, Store, auth_key_of, authenticated, hosts_store, store_address, wait_for
 from .tags import check_tag
 from .timeouts import DEFAULT_TIMEOUT, seconds
 from .validation import (
@@ -122,6 +124,14 @@ class ProcessGroup:
     instead of the backend's crash, hang or wrong result. It costs one small all_gather per
     collective (see :mod:`pg_core.check`); every rank of a group must have it alike.
     Subgroups inherit it.
+
+    ``auth_key`` (str or bytes; default: ``PG_CORE_AUTH_KEY`` of the environment, read here;
+    ``pgrun`` sets one per job) is the job's secret: every store value the group writes
+    carries a MAC and is verified when read back, and backends that authenticate their
+    connections (pg-tcp) admit only peers that prove they hold it (see ``docs/security.md``).
+    Every member must have the same one. Subgroups inherit it. ``objects="restricted"`` (or a
+    list of classes to allow besides) loads received objects through an allow-list instead
+    of plain pickle (see :mod:`pg_core.messages`); subgroups inherit it.
     """
 
     def __init__(
@@ -136,15 +146,27 @@ class ProcessGroup:
         options: Mapping[str, Mapping[str, Any]] | None = None,
         registry: Registry | None = None,
         check: bool | None = None,
+        auth_key: str | bytes | AuthKey | None = None,
+        objects: ObjectsArg = None,
     ) -> None:
         rank, size = _rank_and_size(rank, size)
         check_name(name)
         checked = check_mode(check, os.environ)
+        loader = messages.loader(objects, os.environ)
         self._attach(
             _form_top_level(
-                store, name, rank, size, backends=backends, timeout=timeout, options=options, registry=registry
+                authenticated(store, resolve_key(auth_key, os.environ)),
+                name,
+                rank,
+                size,
+                backends=backends,
+                timeout=timeout,
+                options=options,
+                registry=registry,
+                check=checked,
             ),
             checked,
+            loader,
         )
 
     @classmethod
@@ -158,18 +180,24 @@ class ProcessGroup:
         options: Mapping[str, Mapping[str, Any]] | None = None,
         registry: Registry | None = None,
         check: bool | None = None,
+        auth_key: str | bytes | AuthKey | None = None,
+        objects: ObjectsArg = None,
     ) -> ProcessGroup:
         """The group of every process a launcher started: pgrun, torchrun, SLURM's ``srun`` or
         ``mpiexec``, read from ``env`` (default ``os.environ``) as :mod:`pg_core.environment`
         says, in that order of precedence. Connects to (or, where the launcher leaves it to
         rank 0, hosts) the job's store, then forms the group as the constructor does.
-        ``backends=None`` takes ``PG_BACKENDS`` (``pgrun --backends``) where it is set.
+        ``backends=None`` takes ``PG_BACKENDS`` (``pgrun --backends``) where it is set;
+        ``auth_key=None`` takes ``PG_CORE_AUTH_KEY`` (``pgrun`` sets one per job), and
+        ``objects=None`` ``PG_CORE_OBJECTS``, of ``env``.
         Raises ``ValueError`` naming the variables it looked for, before connecting."""
         env = os.environ if env is None else env
         launch = environment.read_launch(env)
         if backends is None and env.get("PG_BACKENDS"):
             backends = env["PG_BACKENDS"]
         checked = check_mode(check, env)  # PG_CORE_CHECK of the launcher's environment, where not given
+        key = resolve_key(auth_key, env)  # PG_CORE_AUTH_KEY likewise
+        loader = messages.loader(objects, env)
         store = launch.connect(seconds(timeout, DEFAULT_TIMEOUT))
         group = cls(
             store,
@@ -181,18 +209,20 @@ class ProcessGroup:
             options=options,
             registry=registry,
             check=checked,
+            auth_key=key,
+            objects=loader,
         )
         group._local_rank = launch.local_rank
         return group
 
     @classmethod
-    def _of(cls, formation: Formation, check: bool) -> ProcessGroup:
+    def _of(cls, formation: Formation, check: bool, loader: messages.Loader | None = None) -> ProcessGroup:
         """The group of a formation made elsewhere (:func:`rendezvous`, subgroups)."""
         group = cls.__new__(cls)
-        group._attach(formation, check)
+        group._attach(formation, check, loader or messages.PICKLE)
         return group
 
-    def _attach(self, f: Formation, check: bool) -> None:
+    def _attach(self, f: Formation, check: bool, loader: messages.Loader) -> None:
         """Everything a group holds, from its formation: nothing here talks to a peer."""
         m = f.membership
         self._formation = f
@@ -228,6 +258,7 @@ class ProcessGroup:
                 group_uid=f.uid,
                 options=f.options,
                 split_from=f.split_from,
+                auth_key=auth_key_of(f.store),
             ),
             missing,
         )
@@ -252,6 +283,7 @@ class ProcessGroup:
             executor=self._executor,
             coalescing=self._coalescing,
             name=f.name,
+            loader=loader,
         )
         self._subgroups = Subgroups(f)
         #: check mode's fingerprint exchange, or ``None`` (off: nothing on any path reads more than this)
@@ -317,6 +349,17 @@ class ProcessGroup:
         return self._checker is not None
 
     @property
+    def authenticated(self) -> bool:
+        """Whether this group belongs to an authenticated job (``auth_key=`` or
+        ``PG_CORE_AUTH_KEY``; the secret itself is never shown)."""
+        return auth_key_of(self._formation.store) is not None
+
+    @property
+    def objects(self) -> str:
+        """How received objects are loaded: ``"pickle"`` or ``"restricted"`` (see the class)."""
+        return self._objects.loader.mode
+
+    @property
     def backends(self) -> dict[str, str]:
         """Device type -> backend name."""
         return {device: spec.name for device, spec in self._specs.items()}
@@ -376,7 +419,10 @@ class ProcessGroup:
             f"{d}: {n}{'' if self._dispatch.available(d) else ' (unavailable here)'}" for d, n in self.backends.items()
         )
         state = self._executor.state
-        shown = f"{' check' if self._checker is not None else ''}{f' {state}' if state else ''}"
+        shown = (
+            f"{' authenticated' if self.authenticated else ''}{' check' if self._checker is not None else ''}"
+            f"{' restricted-objects' if self._objects.loader.mode != 'pickle' else ''}{f' {state}' if state else ''}"
+        )
         return f"<ProcessGroup {self._name!r} rank {self._rank}/{self._size} backends={{{backends}}}{shown}>"
 
     # -- execution --------------------------------------------------------------
@@ -1327,8 +1373,8 @@ class ProcessGroup:
             check_name(name, "new_group name")
         specs, budget, opts = self._inherited(backends, timeout, options)
         checked = self._inherited_check(check)
-        formation = self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts)
-        group = ProcessGroup._of(formation, checked)
+        formation = self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts, check=checked)
+        group = ProcessGroup._of(formation, checked, self._objects.loader)
         group._local_rank = self._local_rank  # the process's, as its parent read it
         return group
 
@@ -1391,10 +1437,11 @@ class ProcessGroup:
             specs=specs,
             timeout=budget,
             options=opts,
+            check=checked,
         )
         if formation is None:
             return None
-        group = ProcessGroup._of(formation, checked)
+        group = ProcessGroup._of(formation, checked, self._objects.loader)
         group._local_rank = self._local_rank
         try:
             for device_type in formation.split_from:  # created now, while every member is here
@@ -1402,6 +1449,30 @@ class ProcessGroup:
         except BaseException:
             group.abort()
             raise
+        return group
+
+    def shrink(self, exclude: Iterable[int] = (), *, timeout: float | timedelta | None = None) -> ProcessGroup:
+        """The group of this group's survivors, after peers died: called by every survivor, it
+        agrees through the store alone (not the backends, which may be broken) on who goes on,
+        and forms them into a new group of the same name, backends, options and check mode.
+        Ranks keep their order: the new rank is the index among the survivors, and
+        ``parent_ranks`` of the new group maps it back to this group's ranks.
+
+        Gone are the ranks in ``exclude``, those a collective's :class:`PeerFailureError` named
+        on any survivor, those that shut down or aborted; every rank that reaches ``shrink``
+        before the survivors decide goes on. The survivors decide as soon as every rank has
+        arrived or is gone, else at ``timeout`` (default: the group's), whoever has not arrived
+        by then being gone. A rank that arrives after a decision that left it out raises
+        :class:`PeerFailureError`. This group is left as it is (``abort()`` it); it works in any
+        state, aborted included. Every survivor must call ``shrink`` as many times as the others.
+        """
+        lost = [check_rank(r, self._size, "exclude") for r in exclude]
+        lost += self._executor.lost
+        specs, budget, opts = self._inherited(None, timeout, None)
+        checked = self._checker is not None
+        formation = self._subgroups.shrink(lost, specs=specs, timeout=budget, options=opts, check=checked)
+        group = ProcessGroup._of(formation, checked, self._objects.loader)
+        group._local_rank = self._local_rank
         return group
 
     def _inherited(
@@ -1566,9 +1637,12 @@ def rendezvous(
     options: Mapping[str, Mapping[str, Any]] | None = None,
     registry: Registry | None = None,
     check: bool | None = None,
+    auth_key: str | bytes | AuthKey | None = None,
+    objects: ObjectsArg = None,
 ) -> ProcessGroup:
     """Form group ``name`` of ``size`` processes that know nothing of each other but the
-    store; ranks are given in arrival order. ``check``: check mode, as :class:`ProcessGroup`'s. Returns once all ``size`` have arrived, so any
+    store; ranks are given in arrival order. ``check``, ``auth_key`` and ``objects``: as
+    :class:`ProcessGroup`'s. Returns once all ``size`` have arrived, so any
     operation (point to point included) may come first.
 
     The processes need no common parent group: a decode worker started later joins by
@@ -1586,11 +1660,21 @@ def rendezvous(
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
     checked = check_mode(check, os.environ)
+    loader = messages.loader(objects, os.environ)
     group = ProcessGroup._of(
         _form_top_level(
-            store, name, None, size, backends=backends, timeout=timeout, options=options, registry=registry
+            authenticated(store, resolve_key(auth_key, os.environ)),
+            name,
+            None,
+            size,
+            backends=backends,
+            timeout=timeout,
+            options=options,
+            registry=registry,
+            check=checked,
         ),
         checked,
+        loader,
     )
     try:
         group._objects.endpoint("rendezvous")  # the message backend, created while every member is here
@@ -1638,6 +1722,7 @@ def _form_top_level(
     timeout: float | timedelta | None,
     options: Mapping[str, Mapping[str, Any]] | None,
     registry: Registry | None,
+    check: bool,
 ) -> Formation:
     """A group formed in the store's root namespace: at ``rank``, or (``None``) in arrival
     order once all ``size`` have arrived, as :func:`rendezvous` does. The backends are
@@ -1655,4 +1740,5 @@ def _form_top_level(
         options=options or {},
         registry=registry,
         wait=rank is None,
+        check=check,
     )

@@ -29,14 +29,14 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Final
 
 from .backend import BackendSpec
 from .dispatch import describe, message_device
 from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError, warn_user
-from .store import Store, guarded, wait_any, wait_for
+from .store import Store, _poll, guarded, wait_any, wait_for
 
 if TYPE_CHECKING:
     from .registry import Registry
@@ -53,6 +53,7 @@ __all__ = [
     "join",
     "leave",
     "never_joined",
+    "survivors",
     "wait_until_full",
 ]
 
@@ -216,6 +217,54 @@ def await_leaving(group_store: Store, size: int, timeout: float, what: str) -> l
     return []
 
 
+def survivors(
+    store: Store, base: str, *, prefix: str, rank: int, size: int, lost: Iterable[int], timeout: float, name: str
+) -> list[int]:
+    """The ranks of a formation (its keys under ``prefix``) that go on, agreed by every one of
+    them through the store under ``base``; ``rank`` is this member, ``lost`` the ranks it knows
+    are gone (a peer failure named them, or the user did).
+
+    Each member that calls it arrives (``base/here/<rank>``, its ``lost`` as the value). A rank
+    is gone once an arrived member names it, or it left the formation (``prefix/left/<rank>``:
+    it shut down or aborted) without arriving. As soon as every rank has arrived or is gone, or
+    at ``timeout`` (the ranks that never arrived are gone), the first member to decide writes
+    the decision, the ranks that arrived, and every member takes that one: they agree even
+    where they saw arrivals at different times. A member arriving after a decision that left
+    it out raises :class:`~pg_core.errors.PeerFailureError`."""
+    gone = sorted({int(r) for r in lost} - {rank})
+    store.set(f"{base}/here/{rank}", ",".join(map(str, gone)))
+    decision = f"{base}/decision"
+    named: dict[int, set[int]] = {}  # arrived rank -> the ranks it named gone
+
+    def decided() -> str | None:
+        if store.check([decision]):
+            return store.get(decision).decode()
+        for r in range(size):
+            if r not in named and store.check([f"{base}/here/{r}"]):
+                said = store.get(f"{base}/here/{r}").decode()
+                named[r] = {int(x) for x in said.split(",") if x.isdigit()}
+        out = set().union(*named.values()) - named.keys()
+        missing = [r for r in range(size) if r not in named and r not in out]
+        if any(not store.check([f"{prefix}/left/{r}"]) for r in missing):
+            return None
+        return ",".join(map(str, sorted(named)))
+
+    found = _poll(decided, timeout)
+    if found is None:  # the deadline: whoever has not arrived is gone
+        decided()
+        found = ",".join(map(str, sorted(named)))
+    agreed = store.compare_set(decision, "", found).decode() or found
+    members = [int(r) for r in agreed.split(",") if r]
+    if rank not in members:
+        raise PeerFailureError(
+            f"shrink of group {name!r}: the survivors ({', '.join(map(str, members))}) went on without rank {rank}, "
+            "which they took for gone (it reached shrink after they decided, or a peer reported it lost); form a "
+            "new group to take part again",
+            peers=members,
+        )
+    return members
+
+
 @dataclass(frozen=True)
 class Formation:
     """What a group is built from, formed before the group exists."""
@@ -248,26 +297,36 @@ def form(
     registry: Registry | None,
     parent_ranks: tuple[int, ...] | None = None,
     wait: bool = False,
+    check: bool = False,
 ) -> Formation:
     """Take a place in ``namespace/key`` (rank ``rank``, or the next in arrival order) and
     agree on the formation's uid and backends with the first member to arrive, in one store
     round trip; with ``wait``, also wait until every member arrived (:func:`wait_until_full`).
-    A member that resolved other backends than the first raises
+    A member that resolved other backends than the first, or has check mode (``check``) where
+    the first has not or the other way round, raises
     :class:`~pg_core.errors.CollectiveMismatchError` here, and the generation is closed.
     The formation keeps ``store`` seen through :class:`~pg_core.store.GuardedStore`, so
     everything built on it raises :class:`~pg_core.errors.StoreUnavailableError` once the
     store's host is gone."""
     store = guarded(store)
     m = join(store, namespace, key, rank, size)
-    mine = describe(specs)
+    mine = f"{int(check)} {describe(specs)}"
     proposal = f"{uuid.uuid4().hex[:16]} {m.rank} {mine}"  # backend and device names have no spaces
     token, first, theirs = store.compare_set(f"{m.prefix}/formation", "", proposal).decode().split(" ", 2)
     uid = f"{key}#{m.generation}-{token}"
     if theirs != mine:
         store.set(f"{m.prefix}/closed", "1")
+        their_check, _, their_specs = theirs.partition(" ")
+        if their_specs != mine[2:]:
+            raise CollectiveMismatchError(
+                f"group {name!r}: rank {first} uses backends {their_specs!r} but rank {m.rank} resolved {mine[2:]!r}; "
+                "install the same backends everywhere or name them with backends=",
+                peers=[int(first)],
+            )
+        on, off = (first, m.rank) if their_check == "1" else (m.rank, first)
         raise CollectiveMismatchError(
-            f"group {name!r}: rank {first} uses backends {theirs!r} but rank {m.rank} resolved {mine!r}; install the "
-            "same backends everywhere or name them with backends=",
+            f"group {name!r}: rank {on} has check mode on and rank {off} has it off; every member must have it alike "
+            "(check= or PG_CORE_CHECK in every rank's environment)",
             peers=[int(first)],
         )
     if wait:
@@ -285,6 +344,7 @@ class Subgroups:
         self._lock = threading.Lock()
         self._new_groups: dict[tuple[int, ...], int] = {}  # new_group(ranks) calls so far, per ranks
         self._splits = 0
+        self._shrinks = 0
 
     def new_group(
         self,
@@ -294,6 +354,7 @@ class Subgroups:
         specs: Mapping[str, BackendSpec],
         timeout: float,
         options: Mapping[str, Mapping[str, Any]],
+        check: bool = False,
     ) -> Formation:
         """The formation of ``members`` (parent ranks, this one among them), the same ranks
         formed again being a new formation."""
@@ -305,7 +366,31 @@ class Subgroups:
             display = f"{self._parent.name}{key}"
         else:
             key = display = check_name(name, "new_group name")
-        return self._form(key, display, list(members), specs=specs, timeout=timeout, options=options)
+        return self._form(key, display, list(members), specs=specs, timeout=timeout, options=options, check=check)
+
+    def shrink(
+        self,
+        lost: Iterable[int],
+        *,
+        specs: Mapping[str, BackendSpec],
+        timeout: float,
+        options: Mapping[str, Mapping[str, Any]],
+        check: bool = False,
+    ) -> Formation:
+        """The formation of the parent's survivors, agreed through the store (:func:`survivors`),
+        named as the parent; ``lost`` are ranks this member knows are gone."""
+        with self._lock:
+            number = self._shrinks
+            self._shrinks += 1
+        parent = self._parent
+        m = parent.membership
+        base = f"{m.prefix}/shrink{number}"
+        members = survivors(
+            parent.store, base, prefix=m.prefix, rank=m.rank, size=m.size, lost=lost, timeout=timeout, name=parent.name
+        )
+        return self._form(
+            f"shrink{number}", parent.name, members, specs=specs, timeout=timeout, options=options, check=check
+        )
 
     def split(
         self,
@@ -319,6 +404,7 @@ class Subgroups:
         specs: Mapping[str, BackendSpec],
         timeout: float,
         options: Mapping[str, Mapping[str, Any]],
+        check: bool = False,
     ) -> Formation | None:
         """``MPI_Comm_split``: ``gather`` is the parent's ``all_gather_object``. Each member
         also says whether its subgroup would use the parent's backend on the parent's message
@@ -349,7 +435,9 @@ class Subgroups:
         store_key = f"split{number}.{color}"
         display = name or f"{parent.name}.{store_key}"
         try:
-            formation = self._form(store_key, display, members, specs=specs, timeout=timeout, options=options)
+            formation = self._form(
+                store_key, display, members, specs=specs, timeout=timeout, options=options, check=check
+            )
         except BaseException as exc:
             if handles:  # no backend took them: they go back, and the formation's error is what is raised
                 try:
@@ -370,6 +458,7 @@ class Subgroups:
         specs: Mapping[str, BackendSpec],
         timeout: float,
         options: Mapping[str, Mapping[str, Any]],
+        check: bool,
     ) -> Formation:
         parent = self._parent
         return form(
@@ -384,4 +473,5 @@ class Subgroups:
             options=options,
             registry=parent.registry,
             parent_ranks=tuple(members),
+            check=check,
         )
