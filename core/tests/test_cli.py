@@ -268,3 +268,53 @@ def test_a_wrong_attribute_in_a_file_says_what_the_file_defines(
         in err
     )
     assert "Did you mean 'SPEC'?" in err
+
+
+# -- pg-core trace ---------------------------------------------------------------------------------
+def _dumped(folder: Path, rank: int, ops: list[str], failed: str | None) -> None:
+    import torch
+    from pg_core.errors import CollectiveTimeout
+    from pg_core.recorder import FlightRecorder, head_of, write_dump
+
+    rec = FlightRecorder(8)
+    for seq, op in enumerate(ops, start=1):
+        rec.finished(rec.tensor_collective(seq, op, torch.ones(2), "cpu"))
+    if failed is not None:
+        rec.finished(rec.tensor_collective(len(ops) + 1, failed, torch.ones(2), "cpu"), CollectiveTimeout("t"))
+    entries = rec.entries()
+    state = {
+        "group": "world", "uid": "world#0-feedc0de00000000", "rank": rank, "size": 3, "backends": {"cpu": "gloo"},
+        "timeout": 2.0, "state": "failed", "seq": len(entries), "recorder": {"capacity": 8}, "entries": entries,
+        "report": {"text": f"rank {rank} saw {head_of(entries)['current']}"} if failed else None,
+    }  # fmt: skip
+    write_dump(folder, state)
+
+
+def test_trace_merges_a_jobs_dumps_into_one_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _dumped(tmp_path, 0, ["all_reduce", "broadcast"], failed="all_reduce")
+    _dumped(tmp_path, 2, ["all_reduce", "broadcast"], failed="all_gather")
+    (tmp_path / "notes.txt").write_text("not a dump")
+    assert main(["trace", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "group 'world' (world#0-feedc0de00000000), size 3, backends cpu: gloo" in text
+    assert "not heard from: rank(s) 1" in text
+    assert "first divergence at collective #3:" in text
+    assert "rank 0: all_reduce #3 float32[2] (failed: CollectiveTimeout)" in text
+    assert "rank 2: all_gather #3 float32[2] (failed: CollectiveTimeout)" in text
+    assert "rank 1 is not heard from (dead or stuck outside pg-core)" in text
+    assert "fr_trace " + str(tmp_path) + " -p world-feedc0de-rank" in text
+    assert "skipped notes.txt: " in text
+    assert main(["trace", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    (group,) = report["groups"]
+    assert group["dumped"] == [0, 2] and group["not_heard"] == [1] and group["divergence"]["seq"] == 3
+    assert report["skipped"][0]["file"] == "notes.txt"
+
+
+def test_trace_says_when_there_is_nothing_to_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", str(tmp_path / "missing")]) == 2
+    assert "is not a folder; give the one PG_CORE_TRACE_DIR named" in capsys.readouterr().err
+    (tmp_path / "junk").write_bytes(b"\x80\x04junk")
+    assert main(["trace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"no pg-core dump in {tmp_path}" in err and "junk: " in err

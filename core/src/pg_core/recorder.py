@@ -136,6 +136,7 @@ _OUTPUTS: Final[dict[str, tuple[int, ...]]] = {
     "scatter": (0,),
 }
 _ROOT: Final[dict[str, int]] = {"broadcast": 1, "reduce": 1, "gather": 2, "scatter": 2}
+_IN_PLACE: Final = frozenset({"all_reduce", "broadcast", "reduce"})
 
 
 def _meta(items: Iterable[Any]) -> _Meta:
@@ -152,6 +153,10 @@ def describe_args(op: str, args: Sequence[Any]) -> tuple[_Meta, _Meta | None, in
     """``(inputs, outputs, root)`` of collective ``op`` called with the backend's ``args``:
     shapes and dtypes (``outputs`` ``None``: the inputs, written in place) and the root
     (``-1``: none)."""
+    if op in _IN_PLACE:  # the common case, without a loop: (tensor, ...) written in place
+        t = args[0]
+        root = args[1] if op != "all_reduce" else -1
+        return ((t.shape, t.dtype),), None, root if type(root) is int else -1
     outs = _OUTPUTS.get(op)
     root_at = _ROOT.get(op)
     root = args[root_at] if root_at is not None and len(args) > root_at else -1
