@@ -77,7 +77,9 @@ def test_a_skipped_collective_is_reported_by_who_is_where_dumped_and_merged(
 ) -> None:
     pool = request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(3)
     results = pool.run(skipping, backend, str(tmp_path), timeout=120)
-    where = "ranks 0, 2 are in all_reduce #3; rank 1 never started #3 (last completed all_reduce #2; in recv from rank 0)"
+    where = (
+        "ranks 0, 2 are in all_reduce #3; rank 1 never started #3 (last completed all_reduce #2; in recv from rank 0)"
+    )
     for rank in (0, 2):
         message = results[rank]["error"]
         assert "all_reduce" in message and f"Who is where in group 'fr' at collective #3: {where}" in message, message
