@@ -925,6 +925,43 @@ def test_abort_fails_pending_async_work(rank_pools: Pools) -> None:
     rank_pools(2).run(abort_pending_async)
 
 
+def peers_of_an_aborting_rank(ctx: RankContext) -> tuple[str, str, float] | None:
+    """Rank 1 aborts while rank 0 waits in a recv from it (after sending it a message rank 1
+    never read: its socket closes with unread bytes) and rank 2 waits in a collective."""
+    b = make_backend(ctx, "aborting", timeout=60.0)
+    try:
+        t = torch.ones(2)
+        b.all_reduce(t, ReduceOp.SUM, timeout=60.0)  # every pair connected
+        if ctx.rank == 1:
+            ctx.store.wait(["aborting/0", "aborting/2"])  # not reading meanwhile: rank 0's frame stays unread
+            ctx.store.set("aborting/at", repr(time.time()))
+            b.abort()
+            return None
+        if ctx.rank == 0:
+            b.send(torch.ones(256), 1, 9, timeout=60.0)
+        ctx.store.set(f"aborting/{ctx.rank}", "1")
+        with pytest.raises(PeerFailureError) as info:
+            if ctx.rank == 0:
+                b.recv(torch.empty(1), 1, 0, timeout=60.0)
+            else:
+                b.all_reduce(torch.ones(2), ReduceOp.SUM, timeout=60.0)
+        seconds = time.time() - float(ctx.store.get("aborting/at"))
+        assert info.value.peers == (1,), info.value
+        return type(info.value).__name__, str(info.value), seconds
+    finally:
+        b.abort()
+
+
+def test_peers_of_an_aborting_rank_are_told_it_aborted(rank_pools: Pools) -> None:
+    results = rank_pools(3).run(peers_of_an_aborting_rank, timeout=90)
+    for result in (results[0], results[2]):
+        assert result is not None
+        _, message, seconds = result
+        assert "rank 1 aborted" in message, message
+        assert "did its process die" not in message, message
+        assert seconds < 5.0, (seconds, message)  # at once, not at the 60 s timeout
+
+
 def stray_connection_rejected(ctx: RankContext) -> None:
     if ctx.rank == 1:
         key = "stray/cpu/tcp/addr/0"

@@ -37,6 +37,24 @@ connection (another group, a port scanner) is dropped instead of being taken for
 peer, and the initiator knows it reached the right process. The initiator does not
 wait for the answer: its frames follow its hello at once.
 
+**Authenticated jobs (protocol 4).** With a job secret (``ctx.auth_key``: ``PG_CORE_AUTH_KEY``,
+``ProcessGroup(..., auth_key=)``) a connection proves both ends hold it before any frame
+crosses. The maker's hello carries the ``_AUTH`` flag and a fresh 32-byte nonce; the
+acceptor answers with its own nonce and a MAC (HMAC-SHA256 under the secret) over the
+protocol version, the group uid, both ranks, both nonces and the word "acceptor"; the maker
+checks it, then sends its own MAC over the same fields with "maker", and only then lets
+its queued frames go (until then they wait: the connection is *gated*). The acceptor reads
+nothing from the connection but those 32 bytes of MAC until they verified. Binding both
+nonces and both ranks makes every MAC good for one connection only: a hello replayed from a
+capture is refused at once (the acceptor remembers the last 4096 nonces it answered), and
+one replayed with a fresh nonce cannot produce the maker's MAC for the acceptor's new nonce.
+A hello without the flag to an authenticated rank, one with it to a rank without a key, a
+wrong MAC and a replay are refused: the connection is closed unread and a warning on the
+``pg_tcp`` logger names the claimed rank and the remote address. A maker whose acceptor
+fails to prove itself loses that peer (``PeerFailureError``: "did not prove it holds the
+job's key"). An authenticated hello for a live rank that already has its connection is
+then refused as a second claim (below). The secret never travels; TCP is not encrypted.
+
 **One connection per pair.** Before connecting, a rank takes the connections
 already waiting in its listener. If both ranks of a pair still connect at the same
 moment, the lower rank's connection wins: the higher rank answers it with SWITCH,
@@ -58,7 +76,7 @@ receiver's expectation: sequence number, opcode, dtype, size and the op's
 argument, which travels in ``tag``), and control frames: ARRIVED (I am blocked in
 collective #seq, this opcode and argument), ABORT (collective #seq failed here,
 the payload says why), BYE (I shut down cleanly; nothing follows), RETIRE
-(nothing more on this connection; see above). Because every collective frame says
+(nothing more on this connection; see above), ABORTED (I aborted; nothing follows). Because every collective frame says
 what it is, ranks that call different things get
 :class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's
 bytes as data.
@@ -139,7 +157,12 @@ argument. A request that passes its deadline raises
 :class:`~pg_core.errors.CollectiveTimeout` naming the op, the sequence number and
 the ranks not heard from (the ARRIVED frames tell each rank who else reached the
 collective). ``abort`` (any thread) fails everything pending with
-:class:`~pg_core.errors.GroupClosedError` and closes.
+:class:`~pg_core.errors.GroupClosedError` and closes; before closing it writes ABORTED on
+every connection a peer reads from it, as far as the kernel takes it at once (it never
+waits for a peer), so a peer blocked in a receive from it or in a collective raises
+:class:`~pg_core.errors.PeerFailureError` saying "rank N aborted" rather than taking it for
+a crash. A connection whose last frame is half written gets no ABORTED: its peer sees it
+close (a crash, to it).
 
 **Threads and locks.** One lock (``_lock``) guards all shared state: queues,
 request completion, peer and connection status and socket *writes* (sends are
@@ -204,8 +227,9 @@ _log = logging.getLogger("pg_tcp")
 HEADER: Final = struct.Struct("<HBBB3xqQQ")  # magic, kind, opcode, dtype, tag, seq, nbytes
 HEADER_SIZE: Final = HEADER.size  # 32
 MAGIC: Final = 0x5054  # "TP"
-#: 2: connections made on first use (hello flags, RETIRE); 3: the CROSSED answer; 4: authenticated hellos
-PROTOCOL_VERSION: Final = 4
+#: 2: connections made on first use (hello flags, RETIRE); 3: the CROSSED answer; 4: authenticated hellos;
+#: 5: the ABORTED goodbye
+PROTOCOL_VERSION: Final = 5
 HELLO_MAGIC: Final = b"pg-tcp\x00\x01"
 
 # kinds
@@ -216,6 +240,7 @@ ARRIVED: Final = 4  # control: "I am blocked in collective #seq", with its opcod
 ABORT: Final = 5  # control: "collective #seq failed here"; opcode = error kind, payload = reason
 BYE: Final = 6  # control: clean shutdown, nothing follows; opcode/payload: why its collectives stopped, if they did
 RETIRE: Final = 7  # control: nothing more from me on this connection (my frames continue on my other one)
+ABORTED: Final = 8  # control: I aborted, nothing follows; payload: why, if it says
 
 #: The peer of a tensor receive from any source, until a message is matched to it (then its sender).
 ANY: Final = -1
@@ -1686,7 +1711,7 @@ class Transport:
         peer = conn.peer
         assert peer is not None
         magic, kind, opcode, dtype, tag, seq, nbytes = HEADER.unpack_from(conn.hdr)
-        if magic != MAGIC or not TENSOR <= kind <= RETIRE:
+        if magic != MAGIC or not TENSOR <= kind <= ABORTED:
             with self._lock:
                 self._lose_peer(
                     peer, f"rank {peer.rank} sent a malformed frame (magic {magic:#x}, kind {kind})", crashed=True
@@ -1699,7 +1724,7 @@ class Transport:
                 with self._lock:
                     self._refuse_frame(conn, f"a control frame of {nbytes} bytes (at most {_MAX_CONTROL_BYTES})")
                 return False
-            if kind in (ABORT, BYE):
+            if kind in (ABORT, BYE, ABORTED):
                 reason = conn.target = bytearray(nbytes)
                 conn.dest = memoryview(reason)
             return True
@@ -1814,6 +1839,11 @@ class Transport:
                 return
             if kind == RETIRE:
                 self._retired(conn)
+                return
+            if kind == ABORTED:  # it failed whatever it was in; it finishes no collective
+                said = bytes(target).decode(errors="replace") if target is not None else ""
+                conn.ended = conn.quiet = True
+                self._lose_peer(peer, f"rank {peer.rank} aborted" + (f" ({said})" if said else ""), crashed=True)
                 return
             if target is None:
                 return  # discarded
@@ -2166,6 +2196,8 @@ class Transport:
         with self._lock:
             if self._closed == "aborted":
                 return
+            if self._closed is None:  # (a rank shutting down said BYE, or is saying it)
+                self._say_aborted()
             self._closed = "aborted"
             doomed = [r for q in self._posted.values() for r in q] + list(self._async) + list(self._pending_coll)
             for peer in self._peers:
@@ -2181,6 +2213,35 @@ class Transport:
             self._cond.notify_all()
         self._settle()
         self._close("aborted")
+
+    def _say_aborted(self) -> None:
+        """Tell every peer this rank aborted: an ABORTED frame on each connection a peer reads
+        from it, written only as far as the kernel takes it now (abort never waits for a peer).
+        A connection whose handshake has not ended, or whose frame half on the wire the kernel
+        will not take the rest of now, gets none: that peer sees the connection close. Under
+        the lock."""
+        goodbye = HEADER.pack(MAGIC, ABORTED, 0, 0, 0, 0, 0)
+        for peer in self._live_peers():
+            conn = peer.send
+            assert conn is not None
+            if conn.gated or conn.dead or conn.send_error is not None:
+                continue
+            head = conn.outq[0] if conn.outq else None
+            with contextlib.suppress(OSError):  # BlockingIOError among them: then it goes without
+                if head is not None and (head.kind == 0 or head.sent > 0):  # a hello, or a frame begun
+                    while head.sent < head.total:
+                        sent = conn.sock.sendmsg(head.pending())
+                        if sent == 0:
+                            break
+                        head.sent += sent
+                    if head.sent < head.total:
+                        continue
+                    conn.outq.popleft()
+                    self._complete(head, None)
+                    head = conn.outq[0] if conn.outq else None
+                    if head is not None and head.kind == 0:  # a raw hello behind it: too many to finish now
+                        continue
+                conn.sock.send(goodbye)
 
     def _close(self, how: str) -> None:
         with self._lock:
