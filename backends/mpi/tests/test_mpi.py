@@ -486,12 +486,12 @@ def sends_reuse_finished_buffers(ctx: RankContext) -> list[float] | dict[str, An
         backend = group._dispatch.instance(torch.device("cpu")).backend
         for value in (1.0, 2.0, 3.0):
             group.send(torch.full((n,), value), 1, tag=3)
-        in_flight = {payload.data_ptr() for _, payload, _ in backend._sends}
+        in_flight = {e.payload.data_ptr() for e in backend._sends}
         group.send(torch.ones(1), 1, tag=4)
         group.recv(torch.empty(1), 1, tag=4)  # rank 1 holds all three
         group.send(torch.full((n,), 4.0), 1, tag=3)
         kept = backend._spares._kept
-        used = {b.data_ptr() for b in kept} | {p.data_ptr() for _, p, _ in backend._sends if p.numel() >= n}
+        used = {b.data_ptr() for b in kept} | {e.payload.data_ptr() for e in backend._sends if len(e.payload) >= n}
         out = {"in_flight": len(in_flight), "no_new_buffer": used == in_flight}
         group.barrier()
     out["kept_after_shutdown"] = len(backend._spares)
@@ -511,7 +511,8 @@ def test_a_collective_that_a_rank_never_joins_times_out(pools: Pools) -> None:
 
 def receive_timeout_then_in_step(ctx: RankContext) -> str:
     """Rank 0's receive from rank 1 times out (rank 1 has sent nothing yet); rank 1 then sends,
-    and rank 0's next receive gets that message: the timed-out receive was withdrawn."""
+    and rank 0's next receive gets that message: the timed-out receive was withdrawn, and its
+    tensor is never written."""
     with _group(ctx) as group:
         group.barrier()  # the backend formed on both ranks
         if ctx.rank == 1:
@@ -520,13 +521,15 @@ def receive_timeout_then_in_step(ctx: RankContext) -> str:
             group.barrier()
             return ""
         start = time.monotonic()
+        timed_out = torch.full((3,), -1.0)
         with pytest.raises(CollectiveTimeout, match=r"recv from rank 1 .*not complete after 0.5 s") as err:
-            group.recv(torch.empty(3), 1, timeout=0.5)
+            group.recv(timed_out, 1, timeout=0.5)
         assert time.monotonic() - start >= 0.45 and err.value.peers == (1,)
         ctx.store.set("timed-out", "1")
         got = torch.empty(3)
         group.recv(got, 1)
         group.barrier()
+        assert timed_out.tolist() == [-1.0] * 3  # never written into after its timeout
         return str(got.tolist())
 
 

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import math
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import torch
-from pg_core.errors import BackendUnavailableError
+from pg_core.errors import BackendUnavailableError, CollectiveTimeout
 from pg_core.ops import RedOpType
 
 __all__ = [
@@ -38,6 +40,9 @@ __all__ = [
 
 #: Where launchers give the number of the job's ranks on this node: MPICH's Hydra, Open MPI.
 _LOCAL_RANKS_ENV: Final = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+#: Where launchers give the number of the job's ranks: MPICH's Hydra, Open MPI, PMIx.
+_WORLD_SIZE_ENV: Final = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 #: cgroup v2's CPU limit of this process's container ("max" or "<quota> <period>" in microseconds).
 _CPU_MAX: Final = Path("/sys/fs/cgroup/cpu.max")
@@ -152,14 +157,73 @@ def _level_name(mpi: Any, level: int) -> str:
     return next((f"MPI_{n}" for n in names if getattr(mpi, n) == level), str(level))
 
 
-def initialized_mpi() -> Any:
-    """``mpi4py.MPI``, with MPI initialised (``MPI_THREAD_MULTIPLE``) if it was not. Raises
-    :class:`~pg_core.errors.BackendUnavailableError` if the library gives less."""
+class _Initialising:
+    r"""``MPI_Init_thread`` running in a thread of its own, so that whoever needs MPI waits for
+    it against a deadline: MPICH's ``MPI_Init`` returns only once every rank of the job has
+    called it (Hydra's PMI exchange), so a rank that starts late holds up the others' first
+    group without any timeout of theirs. One per process, as MPI is.
+
+    The call goes through ``ctypes`` to the library mpi4py loaded (a foreign call releases
+    the GIL; mpi4py's ``MPI.Init_thread`` holds it, which would stop every thread of the
+    process, the waiting one included, until the last rank starts). mpi4py takes an MPI
+    initialised by someone else as it is; what its own initialisation adds for pg-mpi is the
+    error handler, so ``MPI_ERRORS_RETURN`` is set on ``MPI_COMM_WORLD`` and ``MPI_COMM_SELF``
+    here (errors become ``MPI.Exception``\ s; the groups' communicators inherit it)."""
+
+    def __init__(self, mpi: Any) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.started = time.monotonic()
+        threading.Thread(target=self._run, args=(mpi,), name="pg-mpi-init", daemon=True).start()
+
+    def _run(self, mpi: Any) -> None:
+        try:
+            init_thread = ctypes.CDLL(mpi.__file__).MPI_Init_thread  # (found among the module's libraries)
+            provided = ctypes.c_int(-1)
+            code = init_thread(None, None, ctypes.c_int(mpi.THREAD_MULTIPLE), ctypes.byref(provided))
+            if code != 0:
+                raise RuntimeError(f"MPI_Init_thread returned error code {code}")
+            for comm in (mpi.COMM_WORLD, mpi.COMM_SELF):
+                comm.Set_errhandler(mpi.ERRORS_RETURN)
+            atexit.register(_exit_after_uncaught_exception, mpi)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+#: The initialisation this process started, once one did (MPI is one per process).
+_initialising: list[_Initialising] = []
+
+
+def initialized_mpi(deadline: float | None = None, who: str = "pg-mpi") -> Any:
+    """``mpi4py.MPI``, with MPI initialised (``MPI_THREAD_MULTIPLE``) if it was not, waiting
+    for the initialisation until ``deadline`` (``time.monotonic()``; ``None``: no bound).
+    Raises :class:`~pg_core.errors.CollectiveTimeout` past the deadline (the initialisation
+    goes on, and the next caller waits for it again), and
+    :class:`~pg_core.errors.BackendUnavailableError` if the library gives less than
+    ``MPI_THREAD_MULTIPLE``. ``who`` names the caller in the timeout's message."""
     mpi = load_mpi()
     with _INIT_LOCK:
-        if not mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Init_thread(mpi.THREAD_MULTIPLE)
-            atexit.register(_exit_after_uncaught_exception, mpi)
+        if not _initialising and not mpi.Is_initialized() and not mpi.Is_finalized():
+            _initialising.append(_Initialising(mpi))
+        starting = _initialising[0] if _initialising else None
+    if starting is not None:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        if not starting.done.wait(left):
+            size = next((os.environ[k] for k in _WORLD_SIZE_ENV if os.environ.get(k, "").isdigit()), "all")
+            raise CollectiveTimeout(
+                f"{who}: MPI_Init has not returned {time.monotonic() - starting.started:.1f} s after this "
+                f"process called it: MPICH's MPI_Init waits until every rank of the MPI job ({size} ranks, "
+                "started by one mpiexec) has called it, and some have not yet (a rank that starts late, or "
+                "that never uses pg-mpi or mpi4py). The initialisation goes on; start every rank's first "
+                "mpi group within the timeout, or give the group a longer timeout",
+                op="MPI_Init",
+            )
+        if starting.error is not None:
+            raise BackendUnavailableError(
+                f"Backend 'mpi' cannot run here: MPI_Init_thread failed: {starting.error}"
+            ) from starting.error
     problem = thread_level_problem(mpi)
     if problem is None and mpi.Query_thread() < mpi.THREAD_MULTIPLE:
         problem = (

@@ -55,6 +55,7 @@ collectives, as after any collective failure.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -79,7 +80,7 @@ from pg_core.store import wait_for
 from pg_core.work import Work
 
 from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, ranks_share_cpus, user_op, wrong_integer_ops
-from .plugin import HOW_TO_LAUNCH
+from .plugin import HOW_TO_LAUNCH, MAX_TAG
 
 __all__ = ["MPIBackend"]
 
@@ -111,6 +112,25 @@ _yield: Final[Callable[[], None]] = getattr(os, "sched_yield", lambda: time.slee
 #: copy is the faster (1 MiB: 83 against 127 us; 64 MiB: 21 against 40 ms).
 _BYTEARRAY_COPY: Final = 256 << 10
 
+#: The default of the option ``max_send_copy_bytes``: how many bytes of copied messages
+#: (``send``, ``send_bytes``) may wait for their receivers at once; a send beyond it waits for
+#: earlier ones to be received. ``isend`` copies nothing (MPI reads the tensor).
+_SEND_COPY_BUDGET: Final = 256 << 20
+
+#: How long withdrawing a receive that timed out may wait for MPI to finish with it: one that
+#: MPI had already matched is being written and completes; past this, the error says so.
+_WITHDRAW_S: Final = 5.0
+
+#: How long a rank that gave up on a collective drives its notices to the others (see
+#: ``MPIBackend._give_up``): eager messages, delivered within microseconds by a live peer.
+_NOTICE_S: Final = 1.0
+
+#: After this long without a collective, a rank probes for notices up to this many times
+#: before its next (see ``MPIBackend._noticed``): messages that queued meanwhile are taken in
+#: one per probe.
+_IDLE_S: Final = 1e-3
+_IDLE_PROBES: Final = 64
+
 #: Environment variables that name a launcher's job (where it sets one); Hydra sets none.
 _JOB_ENV: Final = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID", "SLURM_STEP_ID")
 
@@ -126,7 +146,11 @@ class MPIBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx, self.rank, self.size = ctx, ctx.rank, ctx.size
-        self._mpi = initialized_mpi()
+        #: forming (MPI's initialisation, the store exchange, the handshake) ends by this
+        deadline = time.monotonic() + ctx.timeout
+        self._mpi = initialized_mpi(deadline, f"Backend 'mpi' of group {ctx.group_name!r} rank {ctx.rank}")
+        #: bytes of copied messages a send may leave in flight (option ``max_send_copy_bytes``)
+        self._copy_budget = _byte_option(ctx, "max_send_copy_bytes", _SEND_COPY_BUDGET)
         #: whether a wait yields the CPU before each test of its request (see :data:`_YIELD_S`)
         self._yield_each = ranks_share_cpus()
         #: (integer dtype, MPI op name) that this MPI does not wrap around as torch does: torch reduces them
@@ -140,8 +164,9 @@ class MPIBackend(Backend):
         #: of microseconds); only a loop that leaves after a close wakes the closer.
         self._polling: list[None] = []
         self._idle = threading.Condition(self._lock)
-        #: sends in flight: (request, the message's own buffer, destination)
-        self._sends: list[tuple[Any, bytearray | torch.Tensor, int]] = []
+        #: sends in flight, and how many of their bytes are copies (held against the budget)
+        self._sends: list[_Send] = []
+        self._copied = 0
         #: finished sends' buffers, for the next sends above ``_BYTEARRAY_COPY`` to copy into
         #: (a fresh 64 MiB tensor costs its page faults: pg_core.buffers)
         self._spares = SpareBuffers()
@@ -150,8 +175,23 @@ class MPIBackend(Backend):
         self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
         split_from = getattr(ctx, "split_from", None)  # (a BackendContext of pg-core before 1.6 has none)
         self._comm: Any = (
-            _form(ctx, self._mpi, self._wait_until) if split_from is None else _adopt(ctx, self._mpi, split_from)
+            _form(ctx, self._mpi, self._wait_until, deadline)
+            if split_from is None
+            else _adopt(ctx, self._mpi, split_from)
         )
+        #: collectives this rank posted on the communicator (the core hands them over one at a time)
+        self._seq = 0
+        #: when this rank's last collective completed (``time.monotonic()``)
+        self._active = 0.0
+        #: the tag of the notices a rank sends the others when it gives up on a collective: above
+        #: every tag the core uses (``MAX_TAG``), where the library's bound leaves room (MPICH's does)
+        tag_ub = int(self._mpi.COMM_WORLD.Get_attr(self._mpi.TAG_UB))
+        self._notice_tag: int | None = MAX_TAG + 1 if tag_ub > MAX_TAG else None
+        #: peer -> the first collective it gave up on (after its timeout), from its notices
+        self._gave_up: dict[int, int] = {}
+        #: operations that timed out but that MPI may still complete (a collective cannot be
+        #: cancelled): their requests and the buffers MPI reads and writes, kept until shutdown
+        self._abandoned: list[tuple[Any, object]] = []
 
     @property
     def comm(self) -> Any:
@@ -168,7 +208,7 @@ class MPIBackend(Backend):
         mpi = self._mpi
         self._polling.append(None)
         try:
-            made = self._check("split").Split(mpi.UNDEFINED if color is None else color, rank)
+            made = self._posting("split")[0].Split(mpi.UNDEFINED if color is None else color, rank)
         except mpi.Exception as exc:
             raise self._error(exc, "split") from exc
         finally:
@@ -268,13 +308,82 @@ class MPIBackend(Backend):
         who = f"rank {', '.join(map(str, peers))}" if peers else "the other ranks (MPI does not say which)"
         return CollectiveTimeout(f"{what}: not complete after {timeout:g} s; waiting for {who}", op=what, peers=peers)
 
-    def _finish(self, request: Any, what: str, timeout: float, peers: Sequence[int] = ()) -> None:
-        """Wait for ``request`` at most ``timeout`` seconds, in pg-core's errors."""
-        try:
-            if not self._wait_until(request.Test, time.monotonic() + timeout):
-                raise self._timeout(what, timeout, peers)
-        except self._mpi.Exception as exc:
-            raise self._error(exc, what, peers) from exc
+    # -- collectives given up on -----------------------------------------------------------
+    def _posting(self, what: str) -> tuple[Any, int]:
+        """The communicator and the number of the collective about to be posted on it, unless a
+        peer already gave up on that collective (see :meth:`_give_up`): then this rank's call
+        would complete against the peer's abandoned one (MPI matches collectives by order
+        alone), and it is refused with ``CollectiveTimeout`` naming that peer."""
+        comm = self._check(what)
+        self._seq += 1
+        tag = self._notice_tag
+        if self._gave_up or (tag is not None and self._noticed(comm)):
+            self._refuse_abandoned(comm, what, self._seq)
+        return comm, self._seq
+
+    def _noticed(self, comm: Any) -> bool:
+        """Whether a notice (a peer gave up on a collective) waits on ``comm``. MPICH's
+        ``MPI_Iprobe`` looks before it progresses, and each progress takes in about one message
+        that arrived while this process made no MPI call: two probes (0.2-0.4 us each) while
+        collectives follow each other, up to :data:`_IDLE_PROBES` after a pause of
+        :data:`_IDLE_S` (a rank coming late to a collective comes after a pause)."""
+        any_source, tag = self._mpi.ANY_SOURCE, self._notice_tag
+        probes = _IDLE_PROBES if time.monotonic() - self._active > _IDLE_S else 2
+        return any(comm.Iprobe(any_source, tag) for _ in range(probes))
+
+    def _refuse_abandoned(self, comm: Any, what: str, seq: int) -> None:
+        """Take the peers' notices in, then raise if one gave up on collective ``seq`` or an
+        earlier one (a peer that gave up on a later one has passed this one: it may complete)."""
+        mpi, tag = self._mpi, self._notice_tag
+        status = mpi.Status()
+        misses = 0
+        while tag is not None and misses < _IDLE_PROBES:  # (the others' notices, queued behind other messages)
+            message = comm.Improbe(mpi.ANY_SOURCE, tag, status)
+            if message is None:
+                misses += 1
+                continue
+            misses = 0
+            note = bytearray(8)
+            message.Recv([note, mpi.BYTE])
+            peer, given_up = int(status.Get_source()), int.from_bytes(note, "big")
+            self._gave_up[peer] = min(self._gave_up.get(peer, given_up), given_up)
+        late = sorted(p for p, n in self._gave_up.items() if n <= seq)
+        if late:
+            first = min(self._gave_up[p] for p in late)
+            raise CollectiveTimeout(
+                f"{what}: group rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} gave up on this "
+                f"group's collective #{first} on backend 'mpi' (after its timeout) before this rank's call #{seq} "
+                "came; MPI would complete this call against the abandoned one, so it is refused. The group's "
+                "collectives cannot go on: form a new group (new_group or a new ProcessGroup)",
+                op=what,
+                peers=late,
+            )
+
+    def _give_up(self, request: Any, keep: object, seq: int) -> None:
+        """Collective ``seq`` timed out here. MPI cannot cancel it, so its request and buffers
+        stay with this backend (nothing MPI may still read or write is freed), and every other
+        rank is told (a notice on the communicator, tag above the core's), so that a rank
+        that comes to it late is refused instead of completing against it."""
+        with self._lock:
+            self._abandoned.append((request, keep))
+        comm, tag = self._comm, self._notice_tag
+        if tag is None or comm is None or self._closed is not None:
+            return
+        note = bytearray(seq.to_bytes(8, "big"))
+        notices = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            try:
+                notices.append(comm.Isend([note, self._mpi.BYTE], peer, tag))
+            except self._mpi.Exception:
+                continue  # (the peer's failure shows in its own operations)
+        # delivered before this returns (MPICH moves even a small message only inside MPI
+        # calls, and the caller may not make another): at most a second
+        with contextlib.suppress(self._mpi.Exception, GroupClosedError):
+            self._wait_until(lambda: bool(self._mpi.Request.Testall(notices)), time.monotonic() + _NOTICE_S)
+        with self._lock:
+            self._sends.extend(_Send(r, note, -1) for r in notices if r)
 
     def _work(
         self,
@@ -282,13 +391,14 @@ class MPIBackend(Backend):
         what: str,
         timeout: float,
         *,
+        seq: int,
         then: Callable[[], None] | None = None,
-        peers: Sequence[int] = (),
         keep: object = None,
     ) -> Work:
-        """A :class:`Work` that completes with ``request`` (then runs ``then``), failing with
-        ``CollectiveTimeout`` ``timeout`` seconds after now. ``keep`` is held until it completes
-        (the buffers MPI reads and writes)."""
+        """A :class:`Work` that completes with collective ``seq``'s ``request`` (then runs
+        ``then``), failing with ``CollectiveTimeout`` ``timeout`` seconds after now (the
+        collective given up on: :meth:`_give_up`). ``keep`` is held until it completes (the
+        buffers MPI reads and writes)."""
         deadline = time.monotonic() + timeout
         testing = threading.Lock()  # MPI_Test of one request from one thread at a time
         held = [keep]
@@ -305,12 +415,14 @@ class MPIBackend(Backend):
                     done = self._wait_until(request.Test, min(deadline, time.monotonic() + budget))
                 if not done:
                     if time.monotonic() >= deadline:
-                        work.set_exception(self._timeout(what, timeout, peers))
+                        self._give_up(request, keep, seq)
+                        work.set_exception(self._timeout(what, timeout))
                     return
+                self._active = time.monotonic()
                 if then is not None:
                     then()
             except BaseException as exc:
-                work.set_exception(self._error(exc, what, peers))
+                work.set_exception(self._error(exc, what))
             else:
                 work.set_result(None)
             finally:
@@ -332,14 +444,21 @@ class MPIBackend(Backend):
     ) -> Work | None:
         """Post a non-blocking collective (``post(comm)`` returns MPI's request); wait for it, or
         with ``async_op`` return its work."""
-        comm = self._check(what)
+        comm, seq = self._posting(what)
         try:
             request = post(comm)
         except self._mpi.Exception as exc:
             raise self._error(exc, what) from exc
         if async_op:
-            return self._work(request, what, timeout, then=then, keep=keep)
-        self._finish(request, what, timeout)
+            return self._work(request, what, timeout, seq=seq, then=then, keep=keep)
+        try:
+            done = self._wait_until(request.Test, time.monotonic() + timeout)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what) from exc
+        if not done:
+            self._give_up(request, keep, seq)
+            raise self._timeout(what, timeout)
+        self._active = time.monotonic()
         if then is not None:
             then()
         return None
@@ -420,17 +539,21 @@ class MPIBackend(Backend):
         mpi = self._mpi
         mpi_op, mpi_type, in_place = getattr(mpi, OP_NAMES[op.type]), getattr(mpi, TYPE_NAMES[dtype]), mpi.IN_PLACE
         address, itemsize = mpi.buffer.fromaddress, dtype.itemsize  # (a buffer of the tensor's memory, made in C)
-        check, poll, error = self._check, self._poll, self._error
+        posting, poll, error, tag, noticed = self._posting, self._poll, self._error, self._notice_tag, self._noticed
 
         def run(tensor: torch.Tensor) -> None:
             comm = self._comm
-            if self._closed is not None:
-                check("all_reduce")  # raises
+            if self._closed is not None or self._gave_up or (tag is not None and noticed(comm)):
+                comm, _ = posting("all_reduce")  # the full check: raises, or counts the call
+            else:
+                self._seq += 1
             try:
                 buf = address(tensor.data_ptr(), tensor.numel() * itemsize)
                 request = comm.Iallreduce(in_place, [buf, mpi_type], mpi_op)
                 if not request.Test() and not poll(request.Test, time.monotonic() + timeout):
+                    self._give_up(request, tensor, self._seq)
                     raise self._timeout("all_reduce", timeout)
+                self._active = time.monotonic()
             except mpi.Exception as exc:
                 raise error(exc, "all_reduce") from exc
 
@@ -648,19 +771,66 @@ class MPIBackend(Backend):
     # -- point to point -------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
         """The tensor copied into a buffer of the message's own, posted with ``MPI_Isend``;
-        returns at once (MPI_Bsend's semantics: the send never waits for its receiver)."""
+        returns at once (MPI_Bsend's semantics: the send never waits for its receiver), unless
+        the copies of earlier sends still in flight fill ``max_send_copy_bytes``: then it
+        waits for them first (:meth:`_reserve`)."""
         nbytes = tensor.numel() * tensor.element_size()
+        what = f"send to rank {dst} (tag {tag})"
+        self._reserve(nbytes, what, timeout)
         if nbytes <= _BYTEARRAY_COPY:
-            self._post(bytearray(self._memory(tensor)), dst, tag, "send")
+            self._post(bytearray(self._memory(tensor)), dst, tag, what, nbytes)
             return
         payload = self._spare(nbytes)
         payload[:nbytes].copy_(_flat_bytes(tensor))
-        self._post(payload, dst, tag, "send", nbytes)
+        self._post(payload, dst, tag, what, nbytes)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """The message is MPI's (in a buffer of its own) when this returns: the work is done."""
-        self.send(tensor, dst, tag, timeout=timeout)
-        return Work.completed("isend")
+        """``MPI_Isend`` from the tensor's own memory, without a copy: the work completes when
+        MPI is done with the tensor (for a large message, once the receiver has taken it), and
+        holds the tensor until then, as does this backend if the work is dropped. Past
+        ``timeout`` the work fails with ``CollectiveTimeout``; the message stays posted (MPI
+        takes no send back), so the tensor must still not be modified."""
+        what = f"isend to rank {dst} (tag {tag})"
+        comm = self._check(what, [dst])
+        try:
+            request = comm.Isend(self._bytes(tensor), dst, tag)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [dst]) from exc
+        entry = _Send(request, tensor, dst, testing=threading.Lock())
+        with self._lock:
+            self._sends.append(entry)
+        deadline = time.monotonic() + timeout
+
+        def drive(work: Work, budget: float) -> None:
+            testing = entry.testing
+            assert testing is not None
+            if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
+                return
+            try:
+                if work._done:
+                    return
+                if budget <= 0:
+                    done = request.Test()
+                else:
+                    done = self._wait_until(request.Test, min(deadline, time.monotonic() + budget))
+                if done:
+                    work.set_result(None)
+                elif time.monotonic() >= deadline:
+                    work.set_exception(
+                        CollectiveTimeout(
+                            f"{what}: rank {dst} has not taken the message after {timeout:g} s; it stays posted "
+                            "(MPI takes no send back): do not modify the tensor until rank "
+                            f"{dst} receives it or the group is shut down",
+                            op="isend",
+                            peers=[dst],
+                        )
+                    )
+            except BaseException as exc:
+                work.set_exception(self._error(exc, what, [dst]))
+            finally:
+                testing.release()
+
+        return Work("isend", driver=drive)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         """:meth:`irecv` and its wait, in this thread, without the work."""
@@ -680,8 +850,7 @@ class MPIBackend(Backend):
         try:
             request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
             if not request.Test(status) and not self._poll(lambda: request.Test(status), time.monotonic() + timeout):
-                self._cancel(request)
-                raise self._timeout(_receiving(src, tag), timeout, peers)
+                self._withdraw(request, status, tensor, what=_receiving(src, tag), timeout=timeout, peers=peers)
         except self._mpi.Exception as exc:
             raise self._received_error(exc, tensor, _sender(src, status), tag) from exc
         return self._check_count(status, tensor, tag)
@@ -690,7 +859,8 @@ class MPIBackend(Backend):
         """``MPI_Irecv`` into the tensor's memory, posted now (so receives on one stream match
         messages in the order they were called), tested when the work is waited for or polled.
         A message of another size is refused with ``CollectiveMismatchError`` (it was received,
-        so the stream stays in step); past ``timeout`` the receive is cancelled."""
+        so the stream stays in step); past ``timeout`` the receive is withdrawn
+        (:meth:`_withdraw`)."""
         return self._irecv(tensor, src, tag, timeout)
 
     def irecv_anysource(self, tensor: torch.Tensor, tag: int, *, timeout: float) -> Work:
@@ -719,13 +889,12 @@ class MPIBackend(Backend):
                         done = request.Test(status)
                     else:
                         done = self._wait_until(lambda: request.Test(status), min(deadline, time.monotonic() + budget))
+                    if not done:
+                        if time.monotonic() < deadline:
+                            return
+                        self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers)
                 except self._mpi.Exception as exc:
                     raise self._received_error(exc, tensor, _sender(src, status), tag) from None
-                if not done:
-                    if time.monotonic() >= deadline:
-                        self._cancel(request)
-                        work.set_exception(self._timeout(what, timeout, peers))
-                    return
                 sender = self._check_count(status, tensor, tag)
             except BaseException as exc:
                 work.set_exception(self._error(exc, what, peers))
@@ -735,6 +904,34 @@ class MPIBackend(Backend):
                 testing.release()
 
         return Work("recv", driver=drive)
+
+    def _withdraw(
+        self, request: Any, status: Any, tensor: torch.Tensor, *, what: str, timeout: float, peers: Sequence[int]
+    ) -> None:
+        """A receive timed out: cancel it (``MPI_Cancel``) and wait for MPI to finish with it, so
+        that nothing is written into ``tensor`` once this returns. Returns normally where the
+        message came after all (MPI had matched it: the receive is complete and ``status``
+        says so); raises ``CollectiveTimeout`` where the receive was withdrawn, or where MPI
+        did not let go of it within :data:`_WITHDRAW_S` (then the tensor is kept, and the error
+        says that MPI may still write into it)."""
+        request.Cancel()
+        try:
+            finished = self._wait_until(lambda: request.Test(status), time.monotonic() + _WITHDRAW_S)
+        except GroupClosedError:
+            finished = False
+        if finished and not status.Is_cancelled():
+            return  # received after all: not a timeout
+        if finished:
+            raise self._timeout(what, timeout, peers)
+        with self._lock:
+            self._abandoned.append((request, tensor))
+        raise CollectiveTimeout(
+            f"{what}: not complete after {timeout:g} s, and MPI had already matched the message and did not "
+            f"let go of the receive within {_WITHDRAW_S:g} s more: the tensor may still be written; do not "
+            "reuse it",
+            op=what,
+            peers=peers,
+        )
 
     def _peers(self, src: int | None) -> list[int]:
         """The ranks a receive waits for: ``src``, or every other rank for any source."""
@@ -767,24 +964,50 @@ class MPIBackend(Backend):
             peers=self._peers(src),
         )
 
-    def _cancel(self, request: Any) -> None:
-        """Withdraw a receive that timed out (``MPI_Cancel``), unless it completed meanwhile."""
-        try:
-            request.Cancel()
-            self._wait_until(request.Test, time.monotonic() + 1.0)
-        except (self._mpi.Exception, GroupClosedError):
-            pass
-
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
         """The message's parts copied into one buffer of its own, posted with ``MPI_Isend``;
-        returns at once."""
+        returns at once, unless the budget of copies in flight is full (as :meth:`send`)."""
         views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
-        payload = bytearray(sum(v.nbytes for v in views))
+        nbytes = sum(v.nbytes for v in views)
+        what = f"send_bytes to rank {dst} (tag {tag})"
+        self._reserve(nbytes, what, timeout)
+        payload = bytearray(nbytes)
         offset = 0
         for view in views:
             payload[offset : offset + view.nbytes] = view
             offset += view.nbytes
-        self._post(payload, dst, tag, "send_bytes")
+        self._post(payload, dst, tag, what, nbytes)
+
+    def _reserve(self, nbytes: int, what: str, timeout: float) -> None:
+        """Count ``nbytes`` of a copy against ``max_send_copy_bytes``, first waiting (at most
+        ``timeout``) for earlier sends to be received where they fill it. A message larger
+        than the budget goes alone."""
+
+        def room() -> bool:
+            with self._lock:
+                if self._copied and self._copied + nbytes > self._copy_budget:
+                    return False
+                self._copied += nbytes
+                return True
+
+        if room():
+            return
+
+        def reaped() -> bool:
+            self._reap()
+            return room()
+
+        if not self._wait_until(reaped, time.monotonic() + timeout):
+            waiting = sorted({e.dst for e in list(self._sends) if e.copied})
+            raise CollectiveTimeout(
+                f"{what}: {self._copied} bytes of earlier sends to rank{'s' if len(waiting) > 1 else ''} "
+                f"{', '.join(map(str, waiting))} still wait for their receivers after {timeout:g} s, and pg-mpi "
+                f"holds at most max_send_copy_bytes={self._copy_budget} bytes of copied messages in flight "
+                f"(this one is {nbytes}): receive them, or give the group's 'mpi' backend a larger "
+                "max_send_copy_bytes option",
+                op=what,
+                peers=waiting,
+            )
 
     def _spare(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` for a send to copy into, the finished sends' first."""
@@ -792,22 +1015,22 @@ class MPIBackend(Backend):
             self._reap()
         return self._spares.take(nbytes)
 
-    def _post(
-        self, payload: bytearray | torch.Tensor, dst: int, tag: int, what: str, nbytes: int | None = None
-    ) -> None:
-        """``MPI_Isend`` of a message's own buffer (its first ``nbytes`` where given), kept
+    def _post(self, payload: bytearray | torch.Tensor, dst: int, tag: int, what: str, nbytes: int) -> None:
+        """``MPI_Isend`` of a copy's first ``nbytes`` (reserved by :meth:`_reserve`), kept
         until MPI is done with it (a later MPI call completes it; ``shutdown`` waits for it)."""
-        comm = self._check(what, [dst])
-        if isinstance(payload, bytearray):
-            buf = [payload, self._mpi.BYTE]
-        else:
-            buf = self._bytes(payload if nbytes is None else payload[:nbytes])
         try:
-            request = comm.Isend(buf, dst, tag)
-        except self._mpi.Exception as exc:
-            raise self._error(exc, what, [dst]) from exc
+            comm = self._check(what, [dst])
+            buf = [payload, self._mpi.BYTE] if isinstance(payload, bytearray) else self._bytes(payload[:nbytes])
+            try:
+                request = comm.Isend(buf, dst, tag)
+            except self._mpi.Exception as exc:
+                raise self._error(exc, what, [dst]) from exc
+        except BaseException:
+            with self._lock:
+                self._copied -= nbytes
+            raise
         with self._lock:
-            self._sends.append((request, payload, dst))
+            self._sends.append(_Send(request, payload, dst, copied=nbytes, spare=isinstance(payload, torch.Tensor)))
         self._reap()
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
@@ -815,7 +1038,15 @@ class MPIBackend(Backend):
         what = f"recv_bytes from rank {src} (tag {tag})"
         message, nbytes = self._probe(src, tag, deadline, timeout, what)
         buffer = bytearray(nbytes)
-        self._receive(message, [buffer, nbytes, self._mpi.BYTE], deadline, what, src)
+        try:
+            request = message.Irecv([buffer, nbytes, self._mpi.BYTE])
+            done = self._wait_until(request.Test, deadline)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [src]) from exc
+        if not done:  # matched, so not cancellable: the buffer stays with MPI
+            with self._lock:
+                self._abandoned.append((request, buffer))
+            raise self._timeout(what, timeout, [src])
         return buffer
 
     def _probe(self, src: int, tag: int, deadline: float, timeout: float, what: str) -> tuple[Any, int]:
@@ -838,30 +1069,35 @@ class MPIBackend(Backend):
             raise self._error(exc, what, [src]) from exc
         return found[0], status.Get_count(self._mpi.BYTE)
 
-    def _receive(self, message: Any, buf: list[Any], deadline: float, what: str, src: int) -> None:
-        try:
-            request = message.Irecv(buf)
-        except self._mpi.Exception as exc:
-            raise self._error(exc, what, [src]) from exc
-        self._finish(request, what, max(deadline - time.monotonic(), 0.0), [src])
-
     def _reap(self) -> None:
-        """Drop the sends that completed; record a failed one for its peer."""
+        """Drop the sends that completed, releasing their copies' share of the budget; record
+        a failed one for its peer. A send whose work is being waited for is left to it."""
         with self._lock:
             pending, self._sends = self._sends, []
-        left, spare = [], []
-        for request, payload, dst in pending:
+        left, spare, freed = [], [], 0
+        for entry in pending:
+            if entry.testing is not None and not entry.testing.acquire(blocking=False):
+                left.append(entry)
+                continue
             try:
-                if not request.Test():
-                    left.append((request, payload, dst))
-                elif isinstance(payload, torch.Tensor):
-                    spare.append(payload)
+                if not entry.request.Test():
+                    left.append(entry)
+                    continue
+                if entry.spare:
+                    spare.append(entry.payload)
             except self._mpi.Exception as exc:
+                dst = entry.dst
                 self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", [dst]))
+            finally:
+                if entry.testing is not None:
+                    entry.testing.release()
+            freed += entry.copied
         with self._lock:
             self._sends[:0] = left
+            self._copied -= freed
             if self._closed is None:
                 for buffer in spare:
+                    assert isinstance(buffer, torch.Tensor)
                     self._spares.give(buffer)
 
     def _sent(self) -> bool:
@@ -894,11 +1130,46 @@ class MPIBackend(Backend):
             comm, self._comm = self._comm, None
             ops, self._user_ops = list(self._user_ops.values()), {}
             self._sends.clear()
+            self._copied = 0
             self._spares.clear()
         if comm is not None and not self._mpi.Is_finalized():
             comm.Free()
             for op in ops:
                 op.Free()
+
+
+class _Send:
+    """A send in flight: its request, the buffer MPI reads (the message's copy, or the
+    tensor of an ``isend``), its destination, how many of its bytes are a copy held against
+    the budget, whether the buffer goes back to the spare buffers once sent, and, for an
+    ``isend``, the lock its work holds while testing the request (MPI lets one thread test
+    a request at a time)."""
+
+    __slots__ = ("copied", "dst", "payload", "request", "spare", "testing")
+
+    def __init__(
+        self,
+        request: Any,
+        payload: bytearray | torch.Tensor,
+        dst: int,
+        *,
+        copied: int = 0,
+        spare: bool = False,
+        testing: threading.Lock | None = None,
+    ) -> None:
+        self.request, self.payload, self.dst = request, payload, dst
+        self.copied, self.spare, self.testing = copied, spare, testing
+
+
+def _byte_option(ctx: BackendContext, name: str, default: int) -> int:
+    """The backend option ``name``: a positive number of bytes (else ``ValueError`` saying so)."""
+    value = ctx.options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"Backend 'mpi' of group {ctx.group_name!r}: option {name}={value!r} is not a number of bytes: "
+            f"pass a positive int (the default is {default})"
+        )
+    return value
 
 
 def _receiving(src: int | None, tag: int) -> str:
@@ -933,14 +1204,18 @@ def _job_id() -> str:
     return "/".join(f"{k}={os.environ[k]}" for k in _JOB_ENV if k in os.environ)
 
 
-def _form(ctx: BackendContext, mpi: Any, wait_until: Callable[[Callable[[], bool], float], bool]) -> Any:
-    """The group's communicator over exactly its members (see the module docstring)."""
+def _form(
+    ctx: BackendContext, mpi: Any, wait_until: Callable[[Callable[[], bool], float], bool], deadline: float
+) -> Any:
+    """The group's communicator over exactly its members (see the module docstring), the
+    store exchange and the handshake done by ``deadline``."""
     world = mpi.COMM_WORLD
     name = f"group {ctx.group_name!r}"
     me = {"world_rank": world.Get_rank(), "world_size": world.Get_size(), "job": _job_id()}
     ctx.store.set(f"member/{ctx.rank}", json.dumps(me))
     keys = [f"member/{r}" for r in range(ctx.size)]
-    wait_for(ctx.store, keys, ctx.timeout, what=f"{name} rank {ctx.rank}: the MPI ranks of its members")
+    left = max(deadline - time.monotonic(), 1e-3)
+    wait_for(ctx.store, keys, left, what=f"{name} rank {ctx.rank}: the MPI ranks of its members")
     members = [json.loads(ctx.store.get(k)) for k in keys]
     worlds = {(m["world_size"], m["job"]) for m in members}
     ranks = [int(m["world_rank"]) for m in members]
@@ -955,7 +1230,7 @@ def _form(ctx: BackendContext, mpi: Any, wait_until: Callable[[Callable[[], bool
     digest = hashlib.sha256(ctx.group_uid.encode()).digest()
     tag = int.from_bytes(digest[:8], "big") % (int(world.Get_attr(mpi.TAG_UB)) + 1)
     if ctx.size > 1:
-        _handshake(ctx, mpi, ranks, token=digest[:16], tag=tag, wait_until=wait_until, name=name)
+        _handshake(ctx, mpi, ranks, token=digest[:16], tag=tag, wait_until=wait_until, name=name, deadline=deadline)
     world_group = world.Get_group()
     members_group = world_group.Incl(ranks)
     try:
@@ -993,6 +1268,7 @@ def _handshake(
     tag: int,
     wait_until: Callable[[Callable[[], bool], float], bool],
     name: str,
+    deadline: float,
 ) -> None:
     """Each member sends ``token`` to the next member's world rank and receives it from the
     previous one's, within the group's timeout: proof that the world ranks in the store are
@@ -1004,7 +1280,7 @@ def _handshake(
     send = world.Isend([token, len(token), mpi.BYTE], after, tag)
     recv = world.Irecv([got, len(got), mpi.BYTE], before, tag)
     requests = [send, recv]
-    if not wait_until(lambda: bool(mpi.Request.Testall(requests)), time.monotonic() + ctx.timeout):
+    if not wait_until(lambda: bool(mpi.Request.Testall(requests)), deadline):
         recv.Cancel()
         recv.Wait()
         send.Free()

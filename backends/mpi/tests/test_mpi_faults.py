@@ -1,0 +1,226 @@
+"""pg-mpi's promises where MPI itself promises little, across real processes under ``mpiexec``:
+a rank that starts late holds nobody past the group's timeout (MPICH's ``MPI_Init`` waits for
+every rank of the job), a collective given up on after its timeout is never completed by a
+rank that comes to it late (MPI cannot cancel a collective, and matches them by order alone),
+and point to point holds a bounded number of bytes for receivers that are slow (an ``isend``
+sends from the tensor itself; copying sends wait once ``max_send_copy_bytes`` are in flight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, cast
+
+import pytest
+import torch
+from pg_core import ProcessGroup
+from pg_core.errors import CollectiveTimeout
+from pg_core.launchers import launch_command
+from pg_core.store import wait_for
+from pg_core.testing.pool import RankContext, RankPool
+from pg_core.testing.rank import run_warm_up
+
+if TYPE_CHECKING:
+    from pg_mpi.backend import MPIBackend
+
+pytestmark = pytest.mark.requires_backend("mpi")
+
+Pools = Callable[[int], RankPool]
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Pools]:
+    made: dict[int, RankPool] = {}
+
+    def get(n: int) -> RankPool:
+        if n not in made:
+            made[n] = RankPool(n, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
+        return made[n]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+# -- start-up: MPI_Init waits for every rank of the job; pg-mpi waits for it only until the timeout ----
+
+LATE_START = r"""
+import json, os, sys, time
+from datetime import timedelta
+import torch
+from pg_core import ProcessGroup
+from pg_core.store import wait_for
+from torch.distributed import TCPStore
+rank, timeout = int(os.environ["PMI_RANK"]), float(sys.argv[2])
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=60))
+if rank == 2:  # starts (and so initialises MPI) only once the others have given up on it
+    wait_for(store, ["done/0", "done/1"], 60)
+start = time.monotonic()
+try:
+    ProcessGroup(store, rank, 3, backends="mpi", timeout=timeout).all_reduce(torch.ones(1))
+    out = {"rank": rank, "error": None}
+except Exception as exc:
+    out = {"rank": rank, "error": type(exc).__name__, "text": " ".join(str(exc).split())}
+out["seconds"] = time.monotonic() - start
+store.set(f"done/{rank}", "1")
+print("RESULT", json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_starts_late_holds_the_others_no_longer_than_their_timeout() -> None:
+    """Rank 2 of 3 calls MPI_Init only after ranks 0 and 1 have raised: without a bound, their
+    first operation would wait inside MPI_Init for as long as rank 2 takes."""
+    from torch.distributed import TCPStore
+
+    timeout = 3.0
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    job = subprocess.run(
+        launch_command("mpiexec", 3, [sys.executable, "-c", LATE_START, str(store.port), str(timeout)]),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    results = {
+        r["rank"]: r
+        for r in (json.loads(line.split(" ", 1)[1]) for line in job.stdout.splitlines() if line.startswith("RESULT"))
+    }
+    assert sorted(results) == [0, 1, 2], (job.stdout, job.stderr)
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["error"] == "CollectiveTimeout", got
+        # (the core sees in the store that rank 2 never joined, and says so in place of pg-mpi's
+        # "MPI_Init has not returned ...: MPICH's MPI_Init waits until every rank ... has called it")
+        assert "rank 2 of 3 never joined" in got["text"], got
+        assert timeout - 0.1 <= got["seconds"] <= timeout + 2.0, got
+    assert results[2]["error"] == "CollectiveTimeout", results[2]  # the others never set their world ranks
+    assert job.returncode == 0, job.stderr
+
+
+# -- a collective given up on is never completed against ---------------------------------------------
+
+
+def late_rank(ctx: RankContext) -> dict[str, Any]:
+    """Ranks 0 and 1 time out in an all_reduce (the prepared form: the group's second) that
+    rank 2 calls only afterwards; rank 2's call must not complete against theirs, nothing is
+    written into their tensors after their timeout, and new groups of the same processes work."""
+    out: dict[str, Any] = {}
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=1.5, name="given-up")
+    first = torch.ones(2)
+    group.all_reduce(first)  # all three: the next call of this kind is the prepared one
+    mine = torch.full((2,), float(ctx.rank + 1))
+    if ctx.rank < 2:
+        try:
+            group.all_reduce(mine)
+        except CollectiveTimeout:
+            out["timed_out"] = True
+        # (what MPI's algorithm wrote before the timeout, the two ranks' partial sum, stays: the
+        # tensor's contents are undefined after a timeout, but nothing is written afterwards)
+        at_timeout = mine.tolist()
+        ctx.store.set(f"gave-up/{ctx.rank}", "1")
+        wait_for(ctx.store, ["late-done"], 60)
+        out["untouched"] = mine.tolist() == at_timeout
+    else:
+        wait_for(ctx.store, ["gave-up/0", "gave-up/1"], 60)
+        start = time.monotonic()
+        try:
+            group.all_reduce(mine)
+            out["completed"] = mine.tolist()
+        except CollectiveTimeout as exc:
+            out["refused"] = " ".join(str(exc).split())
+            out["peers"] = list(exc.peers)
+        out["seconds"] = time.monotonic() - start
+        ctx.store.set("late-done", "1")
+    group.abort()
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=30, name="after") as again:
+        t = torch.full((2,), float(ctx.rank + 1))
+        again.all_reduce(t)
+        out["new_group"] = t.tolist()
+        if ctx.rank < 2:
+            pair = again.new_group([0, 1])
+            assert pair is not None
+            p = torch.ones(1)
+            pair.all_reduce(p)
+            out["pair"] = p.item()
+            pair.shutdown()
+        again.barrier()
+    return out
+
+
+def test_a_collective_others_gave_up_on_is_refused_to_the_rank_that_comes_late(pools: Pools) -> None:
+    r0, r1, r2 = pools(3).run(late_rank, timeout=120)
+    for r in (r0, r1):
+        assert r == {"timed_out": True, "untouched": True, "new_group": [6.0, 6.0], "pair": 2.0}, r
+    assert "completed" not in r2, r2
+    assert "gave up on this group's collective #2" in r2["refused"] and r2["peers"] == [0, 1], r2
+    assert r2["seconds"] < 1.0 and r2["new_group"] == [6.0, 6.0], r2
+
+
+# -- flow control: what a slow receiver costs the sender -----------------------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def slow_receiver(ctx: RankContext, count: int, budget: int) -> dict[str, Any]:
+    """Rank 0 sends ``count`` x 64 MiB to rank 1, which receives only once told: first as
+    ``isend``\\ s of one tensor (nothing copied; no work completes before rank 1 receives),
+    then as blocking ``send``\\ s (copies: at most ``budget`` bytes of them in flight)."""
+    size = 64 * MiB
+    options = {"mpi": {"max_send_copy_bytes": budget}}
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=60, options=options) as group:
+        group.barrier()  # the backend and MPI's shared memory are set up
+        if ctx.rank == 1:
+            got = torch.empty(size, dtype=torch.uint8)
+            sums = []
+            for key in ("posted", "filled"):
+                wait_for(ctx.store, [key], 120)
+                for _ in range(count):
+                    group.recv(got, 0)
+                    sums.append(int(got[:: 1 << 16].sum()))
+            group.barrier()
+            return {"sums": sums}
+        backend = cast("MPIBackend", group._dispatch.instance(torch.device("cpu")).backend)
+        data = torch.full((size,), 3, dtype=torch.uint8)
+        before = _rss()
+        works = [group.isend(data, 1) for _ in range(count)]
+        posted = _rss()
+        pending_before_receiver = not any(w.is_completed() for w in works)
+        ctx.store.set("posted", "1")
+        for w in works:
+            w.wait()
+        out: dict[str, Any] = {"isend_growth": posted - before, "pending": pending_before_receiver}
+        before, peak, in_flight = _rss(), 0, 0
+        for i in range(count):
+            group.send(data, 1)
+            peak, in_flight = max(peak, _rss()), max(in_flight, backend._copied)
+            if (i + 1) * size >= budget:
+                ctx.store.set("filled", "1")
+        out.update(send_growth=peak - before, copied_in_flight=in_flight)
+        group.barrier()
+        return out
+
+
+@pytest.mark.timeout(300)
+def test_sends_to_a_slow_receiver_hold_at_most_the_budget(pools: Pools) -> None:
+    """2 GiB in 64 MiB messages to a receiver that takes them only later: the isends copy
+    nothing and none completes early; the blocking sends hold at most 128 MiB of copies."""
+    count, budget = 32, 128 * MiB
+    sender, receiver = pools(2).run(slow_receiver, count, budget, timeout=240)
+    assert receiver["sums"] == [3 * 1024] * (2 * count)
+    assert sender["pending"], sender
+    assert sender["isend_growth"] < 16 * MiB, sender
+    assert sender["copied_in_flight"] <= budget, sender
+    assert sender["send_growth"] <= budget + 64 * MiB, sender
