@@ -54,7 +54,7 @@ from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
 from .waiting import Ticket, Waiters
-from .watch import PeerWatch
+from .watch import DIED, PeerWatch
 
 __all__ = ["GlooBackend"]
 
@@ -196,7 +196,7 @@ class GlooBackend(C10dBackend):
         gone = self._watch.gone
         lost = [p for p in peers if p in gone]
         if lost:
-            raise PeerFailureError(f"{what}: {_who(lost, gone)}", peers=lost)
+            raise PeerFailureError(f"{what}: {_who(lost, gone)}", peers=_blamed(lost, gone))
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
         """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
@@ -212,7 +212,7 @@ class GlooBackend(C10dBackend):
         gone = self._watch.wait_gone(0.5) if any(words in text for words in _PEER_GONE) else {}
         lost = [p for p in (peers or self._everyone) if p in gone] or sorted(gone)
         if lost:  # the watch knows who, and how: Gloo's text names a socket address
-            return PeerFailureError(f"{what}: {_who(lost, gone)} (Gloo: {text})", peers=lost)
+            return PeerFailureError(f"{what}: {_who(lost, gone)} (Gloo: {text})", peers=_blamed(lost, gone))
         if "Application timeout caused pair closure" in text:
             self._broken = self._broken or "Gloo closed its connections after a timeout"
             return PeerFailureError(
@@ -512,6 +512,7 @@ class GlooBackend(C10dBackend):
     ) -> None:
         """Gloo's sends of a message (``payload`` a slice of ``spare`` where given, which goes
         back to the spare buffers once Gloo is done with it)."""
+        self._watch.check(dst)  # a peer that died a moment ago: raise now, not lose the message
         pg = self._ready(what, [dst])
         deadline = time.monotonic() + timeout
         try:
@@ -699,7 +700,14 @@ def _let_go(holder: list[Any]) -> None:
 
 
 def _who(lost: Sequence[int], gone: dict[int, str]) -> str:
-    return "; ".join(f"rank {p} {gone[p]}" for p in lost)
+    """The peers gone, the dead first (a peer that aborted after a death is its consequence)."""
+    return "; ".join(f"rank {p} {gone[p]}" for p in sorted(lost, key=lambda p: gone[p] != DIED))
+
+
+def _blamed(lost: Sequence[int], gone: dict[int, str]) -> list[int]:
+    """Whom an error names (its ``peers``, which ``shrink()`` leaves out): the peers that died,
+    or if none did, those that aborted or shut down."""
+    return [p for p in lost if gone[p] == DIED] or list(lost)
 
 
 def _budget(value: Any) -> int:

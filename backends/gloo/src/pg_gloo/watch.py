@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import select
 import selectors
 import socket
 import struct
@@ -66,6 +67,7 @@ class PeerWatch:
         self.gone: dict[int, str] = {}
         self._rank, self._uid, self._key = rank, uid, auth_key
         self._peers: dict[socket.socket, int] = {}
+        self._by_rank: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -117,6 +119,7 @@ class PeerWatch:
                 self._peers[conn] = admitted
         for conn in self._peers:
             conn.settimeout(None)
+        self._by_rank = {peer: conn for conn, peer in self._peers.items()}
 
     def _admit(self, conn: socket.socket, token: bytes, waiting: set[int], within: float) -> int | None:
         """The rank a new connection proves it is, or None."""
@@ -158,6 +161,25 @@ class PeerWatch:
                         how = _WORDS.get(word, DIED)
                         self.gone.setdefault(peer, how)
 
+    def check(self, peer: int) -> None:
+        """Look now (one ``poll``) whether ``peer`` has left, rather than when the watch's thread
+        gets to it: a send to a rank that died a moment ago must fail, not be lost."""
+        if peer in self.gone:
+            return
+        with self._lock:
+            conn = self._by_rank.get(peer)
+        if conn is None:
+            return
+        try:
+            readable = _poll_in(conn)
+            word = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) if readable else None
+        except BlockingIOError:
+            return
+        except OSError:
+            word = b""
+        if word is not None:
+            self.gone.setdefault(peer, _WORDS.get(word, DIED))
+
     def wait_gone(self, within: float) -> dict[int, str]:
         """``gone``, waiting up to ``within`` seconds for a first peer to be seen gone (Gloo may
         notice a closed connection a moment before this thread does)."""
@@ -170,7 +192,7 @@ class PeerWatch:
         """Tell every peer still connected this rank's last word (``b"A"`` or ``b"S"``), then
         release the thread and the sockets. Idempotent."""
         with self._lock:
-            peers, self._peers = self._peers, {}
+            peers, self._peers, self._by_rank = self._peers, {}, {}
         for conn in peers:
             try:
                 conn.sendall(word)
@@ -192,6 +214,12 @@ class PeerWatch:
             conn.close()
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _poll_in(conn: socket.socket) -> bool:
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _family(host: str) -> socket.AddressFamily:

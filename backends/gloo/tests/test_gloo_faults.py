@@ -1,0 +1,173 @@
+"""pg-gloo's faults across real processes: a blocked operation that another thread aborts or
+Ctrl-C interrupts, a receive that failed and is never written into afterwards, and sends that
+hold a bounded number of copied bytes while their receiver is slow.
+
+Torch's Gloo cannot wake a thread waiting in it (not for ``abort()``, not for a signal), so an
+abort leaves Gloo's own threads in the aborted operation until Gloo's timeout: the tests that
+abort give the group a short timeout and skip the pool's leak check, which would count them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from pg_core import ProcessGroup
+from pg_core.errors import CollectiveTimeout, GroupClosedError, PGError
+from pg_core.store import wait_for
+from pg_core.testing.pool import RankContext, RankPool
+from pg_gloo.backend import GlooBackend
+
+pytestmark = pytest.mark.requires_backend("gloo")
+
+Pools = Callable[[int], RankPool]
+
+
+def _waiting(thread: int) -> None:
+    """Return once ``thread`` waits for Gloo (its stack is in pg-gloo's wait), bounded."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread)
+        while frame is not None:
+            if frame.f_code.co_name == "_until":
+                return
+            frame = frame.f_back
+        time.sleep(0.002)
+    raise AssertionError("the operation never started waiting")
+
+
+def interrupted_then_sent_to(ctx: RankContext, op: str, how: str) -> dict[str, Any] | None:
+    """Rank 0 blocks in ``op`` (rank 1 does not take part); ``how`` stops it: ``abort`` from
+    another thread, ``sigint`` (Ctrl-C) to the process, or the call's own ``timeout``. Then
+    rank 1 sends, and rank 0 checks the tensor it was receiving into kept its value."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=8)
+    group.barrier()  # Gloo's connections are up on both ranks
+    if ctx.rank == 1:
+        wait_for(ctx.store, ["stopped"], 30)
+        try:
+            group.send(torch.full((4,), 7.0), 0)
+            group.shutdown()  # waits for the send: it fails, or reaches a receive
+        except PGError:
+            group.abort()
+        ctx.store.set("sent", "1")
+        return None
+    into = torch.zeros(4)
+    stopper: threading.Timer | None = None
+    if how != "timeout":
+        main = threading.main_thread().ident
+        assert main is not None
+
+        def stop() -> None:
+            _waiting(main)
+            stopped_at.append(time.monotonic())
+            if how == "abort":
+                group.abort()
+            else:
+                signal.pthread_kill(main, signal.SIGINT)
+
+        stopper = threading.Timer(0.0, stop)
+    stopped_at: list[float] = []
+    raised: BaseException | None = None
+    if stopper is not None:
+        stopper.start()
+    try:
+        if op == "recv":
+            group.recv(into, 1, timeout=0.5 if how == "timeout" else None)
+        else:
+            group.all_reduce(into, timeout=0.5 if how == "timeout" else None)
+    except BaseException as exc:  # KeyboardInterrupt too
+        raised = exc
+    ended = time.monotonic()
+    if stopper is not None:
+        stopper.join()
+    group.abort()
+    ctx.store.set("stopped", "1")
+    wait_for(ctx.store, ["sent"], 30)
+    return {
+        "raised": type(raised).__name__,
+        "said": str(raised),
+        "seconds": ended - stopped_at[0] if stopped_at else None,
+        "kept": into.tolist(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("op", "how", "error"),
+    [
+        ("recv", "abort", GroupClosedError),
+        ("all_reduce", "abort", GroupClosedError),
+        ("recv", "sigint", KeyboardInterrupt),
+        ("all_reduce", "sigint", KeyboardInterrupt),
+        ("recv", "timeout", CollectiveTimeout),
+    ],
+)
+def test_a_blocked_operation_is_interrupted_and_its_tensor_never_written_after(
+    rank_pools: Pools, op: str, how: str, error: type[BaseException]
+) -> None:
+    got, _ = rank_pools(2).run(interrupted_then_sent_to, op, how, timeout=60, check_leaks=False)
+    assert got["raised"] == error.__name__, got
+    if got["seconds"] is not None:
+        assert got["seconds"] < 1.0, got  # not at the group's 8 s timeout
+    assert got["kept"] == [0.0] * 4  # rank 1's later send never landed in it
+
+
+def slow_receiver(ctx: RankContext, total: int, piece: int, budget: int) -> dict[str, int]:
+    """Rank 0 isends ``total`` bytes in pieces of ``piece`` from one tensor, reusing it; rank 1
+    starts receiving only once rank 0 holds the budget's worth of copies (then the next isend
+    waits): rank 0's resident memory grows by at most the budget."""
+    options = {"gloo": {"max_buffered_send_bytes": budget}}
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=60, options=options) as group:
+        t = torch.zeros(piece // 4)
+        group.barrier()  # the backend is formed on both ranks
+        if ctx.rank == 1:
+            wait_for(ctx.store, ["full"], 60)
+            for i in range(total // piece):
+                group.recv(t, 0)
+                assert float(t[0]) == i and float(t[-1]) == i
+            group.barrier()
+            return {}
+        backend = group._dispatch.instance(torch.device("cpu")).backend
+        assert isinstance(backend, GlooBackend)
+        before, peak = _rss(), 0
+        started = time.monotonic()
+
+        def send_all() -> None:
+            nonlocal peak
+            works = []
+            for i in range(total // piece):
+                t.fill_(float(i))
+                works.append(group.isend(t, 1))
+                peak = max(peak, _rss())
+            for work in works:
+                work.wait()
+
+        sender = threading.Thread(target=send_all)
+        sender.start()
+        deadline = time.monotonic() + 60
+        while backend._buffered + piece <= budget and time.monotonic() < deadline:
+            time.sleep(0.005)  # polling (bounded) until the sender holds the budget's worth
+        held = backend._buffered
+        ctx.store.set("full", "1")
+        sender.join()
+        group.barrier()
+        return {"before": before, "peak": peak, "held": held, "seconds": int(time.monotonic() - started)}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_isend_to_a_slow_receiver_holds_at_most_the_budget(rank_pools: Pools) -> None:
+    total, piece, budget = 2 << 30, 64 << 20, 256 << 20
+    sender, _ = rank_pools(2).run(slow_receiver, total, piece, budget, timeout=240)
+    assert budget - piece < sender["held"] <= budget, sender  # the sender held copies up to the budget, then waited
+    growth = sender["peak"] - sender["before"]
+    assert growth < budget + (96 << 20), sender  # the budget, and the piece being copied, not 2 GiB
