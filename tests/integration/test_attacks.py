@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -129,7 +129,7 @@ class Held(Store):
         return self.inner.multi_get(keys)
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
-        self.inner.multi_set(keys, values)
+        cast(Any, self.inner).multi_set(keys, values)
 
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(key)
@@ -240,7 +240,7 @@ def poisoned_backend_key(ctx: RankContext, backend: str, which: str, reader: int
     store: Store = ctx.store
     if ctx.rank == reader:
         outsider = stranger(ctx)
-        outsider.set(key, b"\xff\xfe not an address \x00" * 4)
+        cast(Any, outsider).set(key, b"\xff\xfe not an address \x00" * 4)  # torch takes bytes
         ctx.store.set("planted", "1")
     else:
         ctx.store.wait(["planted"])
