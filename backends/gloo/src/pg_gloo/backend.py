@@ -53,7 +53,7 @@ from pg_core.store import advertise_address
 from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
-from .waiting import Ticket, Waiters
+from .waiting import Waiters
 from .watch import DIED, PeerWatch
 
 __all__ = ["GlooBackend"]
@@ -88,6 +88,9 @@ _REAP_S: Final = 0.05
 #: How often a wait looks up from its event for an abort, a peer gone or its deadline; and
 #: how long past the operation's timeout it still waits for Gloo's own timeout to fire first.
 _SLICE_S: Final = 0.1
+_SLICE: Final = timeout_delta(_SLICE_S)
+#: what torch says when a wait with a timeout expires before a collective's work is done
+_SLICE_EXPIRED: Final = "Operation timed out!"
 _GRACE_S: Final = 2.0
 
 #: The default bound on bytes copied by sends whose receiver has not taken them yet
@@ -223,17 +226,19 @@ class GlooBackend(C10dBackend):
         return exc
 
     # -- waiting: never inside Gloo, so that abort, a peer's death and Ctrl-C reach the caller (pg_gloo.waiting) --
-    def _until(self, done: threading.Event, what: str, timeout: float, peers: Sequence[int]) -> None:
-        """Wait for ``done`` in slices of ``_SLICE_S``, raising between them if this backend was
-        aborted, a peer in ``peers`` is gone, or ``timeout`` (plus Gloo's grace) has passed.
-        Whatever stops the wait early (those, or ``KeyboardInterrupt``) leaves Gloo's operation
-        posted: for a collective, or anything but a receive from a peer that is gone, Gloo's
-        connections are closed first, so nothing is written into the caller's tensors afterwards."""
-        if done.wait(_SLICE_S):
+    def _until(self, waited: Callable[[float], bool], what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait in slices (``waited(seconds)`` waits at most that long and says whether the
+        operation is done), raising between them if this backend was aborted, a peer in ``peers``
+        is gone, or ``timeout`` (plus Gloo's grace) has passed. Whatever stops the wait early
+        (those, or ``KeyboardInterrupt``) leaves Gloo's operation posted: unless every peer it
+        needs is gone, Gloo's connections are closed first, so nothing is written into the
+        caller's tensors afterwards."""
+        if waited(_SLICE_S):
             return
         deadline = time.monotonic() + timeout + _GRACE_S
+        done = False
         try:
-            while not done.wait(_SLICE_S):
+            while not (done := waited(_SLICE_S)):
                 try:
                     self._alarm(what, peers)
                 except PeerFailureError as exc:
@@ -249,7 +254,7 @@ class GlooBackend(C10dBackend):
                         peers=peers,
                     )
         except BaseException:
-            if not done.is_set() and not self._aborted:
+            if not done and not self._aborted:
                 self._cut(f"{what} was interrupted in rank {self.rank}")  # KeyboardInterrupt, say
             raise
 
@@ -264,29 +269,28 @@ class GlooBackend(C10dBackend):
                 pg.abort()
 
     def _finish(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
-        """Wait for Gloo's ``work`` (see :meth:`_until`), then raise its error as pg-core's."""
-        error: BaseException | None = None
-        if work.is_completed():
-            waited = False
-        else:
+        """Wait for a collective's Gloo ``work`` (see :meth:`_until`), then raise its error as
+        pg-core's. A collective's work can be waited for in slices in C++ (a wait that expires
+        raises, and leaves the operation as it was), which costs nothing over one wait."""
+
+        def waited(seconds: float) -> bool:
             try:
-                future = work.get_future()
-            except RuntimeError:  # point to point, reduce-scatter: no future, a waiter thread waits
-                ticket = self._waiters.start(work, timeout_delta(timeout))
-                self._until(ticket.done, what, timeout, peers)
-                error, waited = ticket.error, True  # (a point-to-point work's wait() waits again)
-            else:
-                done = threading.Event()
-                future.add_done_callback(lambda _: done.set())
-                self._until(done, what, timeout, peers)
-                waited = False
-        if not waited:
-            try:
-                work.wait()
+                work.wait(_SLICE if seconds == _SLICE_S else timeout_delta(seconds))
             except RuntimeError as exc:
-                error = exc
-        if error is not None:
-            raise self._error(error, what, timeout, peers) from error
+                if work.is_completed() or str(exc) != _SLICE_EXPIRED:
+                    raise self._error(exc, what, timeout, peers) from exc
+                return False
+            return True
+
+        self._until(waited, what, timeout, peers)
+
+    def _received(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait for a point-to-point Gloo ``work``: a waiter thread waits in Gloo (a receive's
+        wait cannot be sliced: one that expires closes every connection), the caller in slices."""
+        ticket = self._waiters.start(work, timeout_delta(timeout))
+        self._until(ticket.done.wait, what, timeout, peers)
+        if ticket.error is not None:
+            raise self._error(ticket.error, what, timeout, peers) from ticket.error
 
     def _wait(
         self,
@@ -298,55 +302,50 @@ class GlooBackend(C10dBackend):
         bounded: bool = False,
         async_op: bool = False,
     ) -> Work | None:
-        """Post an operation and wait for it as :meth:`_finish` does (``bounded``: point to
-        point, whose peers are given); with ``async_op``, return a work for it instead."""
+        """Post an operation and wait for it (``bounded``: point to point, whose peers are
+        given); with ``async_op``, return a work for it instead."""
         try:
             work = post()
         except RuntimeError as exc:
             raise self._error(exc, what, timeout, peers) from exc
         if async_op:
             return self._launched(work, what, timeout, peers)
-        self._finish(work, what, timeout, peers if bounded else self._everyone)
+        if bounded:
+            self._received(work, what, timeout, peers)
+        else:
+            self._finish(work, what, timeout, self._everyone)
         return None
 
     def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
-        """Gloo's work as pg-core's, driven by whoever waits on it or polls it: its completion
-        comes through its future (or a waiter thread), and each slice of a wait looks for an
+        """A collective's Gloo work as pg-core's, driven by whoever waits on it or polls it: each
+        slice of a wait is Gloo's own (see :meth:`_finish`), and between slices it looks for an
         abort, a peer gone and the deadline, as a blocking call does."""
-        ticket: Ticket | None = None
-        try:
-            future = torch_work.get_future()
-        except RuntimeError:
-            ticket = self._waiters.start(torch_work, timeout_delta(timeout))
-            done = ticket.done
-        else:
-            done = threading.Event()
-            future.add_done_callback(lambda _: done.set())
         deadline = time.monotonic() + timeout + _GRACE_S
         needs = peers or self._everyone
 
         def drive(work: Work, budget: float) -> None:
-            if not done.wait(min(max(budget, 0.0), _SLICE_S)):
+            try:
+                if budget > 0:
+                    torch_work.wait(_SLICE if budget >= _SLICE_S else timeout_delta(budget))
+                elif not torch_work.is_completed():
+                    return
+                else:
+                    torch_work.wait()
+            except RuntimeError as exc:
+                if torch_work.is_completed() or str(exc) != _SLICE_EXPIRED:
+                    work.set_exception(self._error(exc, what, timeout, needs))
+                    return
                 try:
                     self._alarm(what, needs)
                     if time.monotonic() > deadline:
-                        self._cut(f"{what} did not end within {timeout:g} s")
                         raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=needs)
-                except (PeerFailureError, CollectiveTimeout, GroupClosedError) as exc:
-                    if not isinstance(exc, GroupClosedError):
-                        self._cut(f"{what} failed: {exc}")
-                    work.set_exception(exc)
+                except (PeerFailureError, CollectiveTimeout) as failed:
+                    self._cut(f"{what} failed: {failed}")
+                    work.set_exception(failed)
+                except GroupClosedError as closed:
+                    work.set_exception(closed)
                 return
-            error = ticket.error if ticket is not None else None
-            if ticket is None:
-                try:
-                    torch_work.wait()
-                except RuntimeError as exc:
-                    error = exc
-            if error is None:
-                work.set_result(None)
-            else:
-                work.set_exception(self._error(error, what, timeout, needs))
+            work.set_result(None)
 
         return Work(what, driver=drive)
 
@@ -365,6 +364,12 @@ class GlooBackend(C10dBackend):
                 work = pg.allreduce([tensor], opts)
             except RuntimeError as exc:
                 raise error(exc, "all_reduce", timeout) from exc
+            try:
+                work.wait(_SLICE)  # the first slice, inline: most calls end in it
+                return
+            except RuntimeError as exc:
+                if work.is_completed() or str(exc) != _SLICE_EXPIRED:
+                    raise error(exc, "all_reduce", timeout, everyone) from exc
             finish(work, "all_reduce", timeout, everyone)
 
         return run
