@@ -1,5 +1,7 @@
 """pg-tcp against peers that lie: oversized frame headers, a second claim of a live rank,
-and a send to a rank that was just killed.
+a send to a rank that was just killed, and in an authenticated job strangers without the
+key, a replayed captured hello and a key holder's second claim of a live rank. (The attacks
+on the store and on objects, on every backend, are tests/integration/test_attacks.py.)
 
 Every test runs real processes over loopback sockets (the workspace's ``rank_pools``).
 A stranger is a pool rank that builds no backend: it reads the victim's address from the
@@ -24,7 +26,7 @@ from pg_core.auth import AuthKey
 from pg_core.backend import BackendContext
 from pg_core.errors import PeerFailureError, PGError
 from pg_core.ops import ReduceOp
-from pg_core.store import PrefixStore
+from pg_core.store import AuthenticatedStore, PrefixStore
 from pg_core.testing.pool import RankContext, RankPool
 from pg_tcp.backend import TCPBackend
 from pg_tcp.transport import (
@@ -379,8 +381,6 @@ def strangers_without_the_key(ctx: RankContext) -> list[str] | None:
     job = dataclasses.replace(ctx, size=size)
     records = _Records()
     logging.getLogger("pg_tcp").addHandler(records)
-    from pg_core.store import AuthenticatedStore
-
     authed = AuthenticatedStore(ctx.store, key)
     job = dataclasses.replace(job, store=authed)
     b = make_backend(job, name, timeout=30.0, auth_key=key)
@@ -410,3 +410,85 @@ def test_strangers_without_the_key_are_refused(rank_pools: Pools) -> None:
     assert "not authenticated" in logged
     assert "wrong MAC" in logged
     assert "replayed hello" in logged
+
+
+# -- 5. an authenticated job: a captured hello replayed, a key holder claiming a live rank ----------
+
+
+def read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def replay_and_second_claim(ctx: RankContext) -> list[str] | None:
+    """Ranks 0-2 form an authenticated group; rank 3 is not a member. It replays to rank 2
+    the hello (and proof) rank 0 sent when it connected to rank 2, captured; then, holding
+    the key (a process of the job that is not rank 2), completes the handshake with rank 0
+    as rank 2, which is connected, and sends a frame. Both are refused and logged; the
+    group's messages and collectives go on."""
+    name, size, key = "authed-claim", 3, AuthKey("the job's secret")
+    uid = f"{name}-{ctx.job}".encode()
+    if ctx.rank == 3:
+        ctx.store.wait([f"{name}/captured"])
+        captured = bytes.fromhex(ctx.store.get(f"{name}/captured").decode())
+        seen: list[str] = []
+        address = AuthenticatedStore(ctx.store, key).get(f"{name}/cpu/tcp/addr/2").decode()
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # the replay, to rank 2
+            sock.sendall(captured + header(BYTES, 4) + b"EVIL")
+            seen.append("closed" if wait_closed(sock, 10.0) else "open")
+        address = AuthenticatedStore(ctx.store, key).get(f"{name}/cpu/tcp/addr/0").decode()
+        host, _, port = address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # rank 2's second claim, to rank 0
+            mine = os.urandom(32)
+            sock.sendall(_HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 2, _AUTH, len(uid)) + uid + mine)
+            _, _, rank, flags, length = _HELLO.unpack(read_exactly(sock, _HELLO.size))
+            answer = read_exactly(sock, length + 64)
+            theirs, proof = answer[length : length + 32], answer[length + 32 :]
+            version, ranks = PROTOCOL_VERSION.to_bytes(2, "little"), (2).to_bytes(4, "little") + bytes(4)
+            assert rank == 0 and flags & _AUTH
+            assert proof == key.mac(b"pg-tcp", version, uid, ranks, mine, theirs, b"acceptor")  # rank 0 is real
+            sock.sendall(key.mac(b"pg-tcp", version, uid, ranks, mine, theirs, b"maker") + header(BYTES, 4) + b"EVIL")
+            seen.append("closed" if wait_closed(sock, 10.0) else "open")
+        ctx.store.set(f"{name}/stranger", ",".join(seen))
+        return seen
+    job = dataclasses.replace(ctx, size=size, store=AuthenticatedStore(ctx.store, key))
+    records = _Records()
+    logging.getLogger("pg_tcp").addHandler(records)
+    b = make_backend(job, name, timeout=30.0, auth_key=key)
+    try:
+        t = torch.full((3,), float(ctx.rank))
+        b.all_reduce(t, ReduceOp.SUM, timeout=30.0)  # every pair connected: rank 0 made its connection to rank 2
+        if ctx.rank == 0:
+            transport = b._transport
+            peer = transport._peers[2]
+            assert peer is not None and peer.send is not None and peer.send.initiated
+            conn = peer.send
+            hello_bytes = transport._hello(_AUTH) + conn.nonces[0]
+            proof = transport._mac(conn, 0, 2, b"maker")
+            ctx.store.set(f"{name}/captured", (hello_bytes + proof).hex())
+        if ctx.rank == 1:
+            ctx.store.wait([f"{name}/stranger"])
+            b.send_bytes(b"to 0", 0, 0, timeout=30.0)
+            b.send_bytes(b"to 2", 2, 0, timeout=30.0)
+        else:  # rank 0 and rank 2 drive their connections while they wait: the stranger's are read and refused
+            assert bytes(b.recv_bytes(1, 0, timeout=60.0)) == f"to {ctx.rank}".encode()
+        t = torch.full((3,), float(ctx.rank + 1))
+        b.all_reduce(t, ReduceOp.SUM, timeout=30.0)
+        assert t.tolist() == [6.0] * 3
+        return records.messages
+    finally:
+        logging.getLogger("pg_tcp").removeHandler(records)
+        b.shutdown()
+
+
+def test_a_replayed_hello_and_a_key_holders_second_claim_are_refused(rank_pools: Pools) -> None:
+    results = rank_pools(4).run(replay_and_second_claim, timeout=120)
+    assert results[3] == ["closed", "closed"]
+    assert any("replayed hello" in m and "rank 0" in m for m in results[2] or []), results[2]
+    assert any("second claim" in m and "rank 2" in m for m in results[0] or []), results[0]
