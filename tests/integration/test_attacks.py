@@ -279,18 +279,6 @@ def test_a_poisoned_backend_key_is_an_authentication_error_and_no_crash(
     assert pool.run(pid) == pids  # no segfault, no SIGABRT: the same processes
 
 
-@pytest.mark.requires_backend("gloo")
-@pytest.mark.xfail(
-    strict=True,
-    reason="pg-gloo bug (issue 30 item 7): when the peer left during formation, Gloo's 'Connect timeout' "
-    "RuntimeError escapes pg_gloo's constructor raw (its _error recognises 'Timed out'/'timed out' only)",
-)
-def test_a_gloo_rank_whose_peer_left_during_formation_gets_a_pg_core_error(rank_pools: Pools) -> None:
-    results = rank_pools(2).run(poisoned_backend_key, "gloo", "gloo/0/1", 0, timeout=90)
-    cls, _, message, pg = results[1]
-    assert pg, f"{cls}: {message}"
-
-
 # -- a member sends a malicious pickle to ranks that load restricted -----------------------
 
 
