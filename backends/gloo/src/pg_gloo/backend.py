@@ -6,8 +6,21 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 
 * **Collectives are Gloo's own** (:class:`pg_core.c10d.C10dBackend`), each with the call's
   timeout in its options: a blocking one waited for in the calling thread, an asynchronous
-  one launched there, Gloo's work becoming the user's (no thread per operation). A dtype Gloo cannot move (``int16``, complex, in
-  the copying collectives) travels as its bytes, which is exact.
+  one launched there, Gloo's work becoming the user's (no thread per operation). A dtype Gloo
+  cannot move (``int16``, complex, in the copying collectives) travels as its bytes, which is
+  exact.
+* **Waits that can be interrupted** (:mod:`pg_gloo.waiting`). Nothing wakes a thread waiting
+  in Gloo but the operation's end or Gloo's timeout, so no caller waits there for longer than
+  ``_SLICE_S``: a collective's work is waited for in slices of torch's ``Work.wait(timeout)``
+  (an expired slice leaves a collective as it was), a receive by a waiter thread (a receive's
+  expired wait closes every connection). Between slices a wait raises for ``abort()``
+  (:class:`~pg_core.errors.GroupClosedError`), a peer gone, its deadline; Ctrl-C arrives with
+  the slice's end. A wait that stops early closes Gloo's connections first (unless every peer
+  it needs is gone), so a tensor is never written after its operation failed.
+* **Who left, and how** (:mod:`pg_gloo.watch`): one idle connection to every peer, on which a
+  rank says ``aborted`` or ``shut down`` as it goes; one that ends without a word is a rank
+  that died. Errors name the group rank from it (Gloo's name a socket address), and a send
+  looks at it first, so a send to a rank that died a moment ago raises instead of being lost.
 * **Point to point.** Gloo's ``send`` completes only once the receiver has posted its
   receive, and a receive whose buffer is smaller than the message aborts the whole
   process (``op.preamble.length <= op.nbytes``); a larger buffer takes the message and
@@ -22,15 +35,22 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   (the contract's "send never waits for its receiver"); one reaper thread per backend waits
   for Gloo's sends in order and releases their buffers (torch's Gloo send work says it is
   complete only from inside ``wait()``, so a thread must wait); the sends reach it in
-  batches (``_REAP_SENDS``), not with a wake-up each.
+  batches (``_REAP_SENDS``), not with a wake-up each. The copies waiting for their receivers
+  are bounded (``max_buffered_send_bytes``, default 256 MiB): past it, a send (or ``isend``)
+  waits for earlier ones to be received. Gloo itself would send from the caller's tensor, but
+  only when the receiver is there: the copy is what lets ``send`` return at once.
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
   says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
   not claim it and the core runs a batch one call after another, in order.
 * **Errors are pg-core's.** Gloo's timeout becomes
   :class:`~pg_core.errors.CollectiveTimeout`; a closed or reset connection,
-  :class:`~pg_core.errors.PeerFailureError`. Gloo closes its connections on a timeout
-  (both sides see it), so after one this backend refuses everything at once with a
-  ``PeerFailureError`` that says so: form a new group.
+  :class:`~pg_core.errors.PeerFailureError` naming the rank (from the watch). Gloo closes its
+  connections on a timeout (both sides see it), so after one this backend refuses everything
+  at once with a ``PeerFailureError`` that says so: form a new group.
+* **Abort** closes Gloo's connections, then every wait raises. Gloo's own threads stay in the
+  operations they ran until those reach Gloo's timeout (nothing else wakes them), and the
+  Gloo object's destructor joins them: it is let go in a thread of its own, so ``abort()``
+  returns at once.
 """
 
 from __future__ import annotations

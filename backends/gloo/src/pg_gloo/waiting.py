@@ -3,13 +3,13 @@
 Torch's Gloo ``Work.wait()`` blocks in C++ until the operation ends or Gloo's own timeout
 passes, and nothing else wakes it: not ``ProcessGroupGloo.abort()`` or ``shutdown()`` from
 another thread, not Ctrl-C (Python runs a signal handler only once the main thread is back
-in the interpreter), and a wait with a shorter timeout cannot be used as a slice, since a
-Gloo wait that times out closes every connection of the group (all measured, torch 2.13).
-So pg-gloo never waits in Gloo in the caller's thread: a collective's completion comes
-through its future (a callback that sets an event), a point-to-point receive's (whose work
-has no future, and says it is complete only from inside ``wait()``) from a :class:`Waiters`
-thread that sits in Gloo's wait for it. The caller waits on the event in slices, and between
-slices looks at what else may have happened: an abort, a peer gone, a deadline passed.
+in the interpreter). A collective's work can be waited for in slices: a ``wait(timeout)``
+that expires raises and leaves the operation as it was, so pg-gloo waits for collectives that
+way in the caller's thread. A point-to-point work cannot: its ``wait(timeout)`` that expires
+closes every connection of the group (all measured, torch 2.13). So a point-to-point work (no future; it says it is complete only from inside ``wait()``) is waited
+for by a :class:`Waiters` thread that sits in Gloo's wait, while the caller waits for that
+thread's :class:`Ticket` in slices, between which it looks at what else may have happened: an
+abort, a peer gone, a deadline passed.
 """
 
 from __future__ import annotations
