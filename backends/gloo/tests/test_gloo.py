@@ -22,7 +22,7 @@ from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, NotSuppor
 from pg_core.ops import RedOpType, ReduceOp
 from pg_core.store import HashStore, PrefixStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
-from pg_gloo.backend import _HEAD, _INLINE, _message
+from pg_gloo.messages import _HEAD, _INLINE, _message
 from pg_gloo.plugin import CAPABILITIES, MAX_TAG
 
 pytestmark = pytest.mark.requires_backend("gloo")

@@ -11,7 +11,7 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   exact.
 * **Waits that can be interrupted** (:mod:`pg_gloo.waiting`). Nothing wakes a thread waiting
   in Gloo but the operation's end or Gloo's timeout, so no caller waits there for longer than
-  ``_SLICE_S``: a collective's work is waited for in slices of torch's ``Work.wait(timeout)``
+  ``SLICE_S``: a collective's work is waited for in slices of torch's ``Work.wait(timeout)``
   (an expired slice leaves a collective as it was), a receive by a waiter thread (a receive's
   expired wait closes every connection). Between slices a wait raises for ``abort()``
   (:class:`~pg_core.errors.GroupClosedError`), a peer gone, its deadline; Ctrl-C arrives with
@@ -56,66 +56,26 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 from __future__ import annotations
 
 import queue
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
-from pg_core.backend import BackendContext, tensor_bytes
+from pg_core.backend import BackendContext
 from pg_core.buffers import SpareBuffers
 from pg_core.c10d import C10dBackend, first_line, flat_bytes, timeout_delta
-from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
-from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError
+from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
 from pg_core.ops import ReduceOp
 from pg_core.store import advertise_address
 from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
-from .waiting import Waiters
+from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent, buffered_send_budget
+from .waiting import SLICE, SLICE_EXPIRED, SlicedWaits, Waiters
 from .watch import DIED, PeerWatch
 
 __all__ = ["GlooBackend"]
-
-#: The header's dtype field for a ``send_bytes`` message.
-_BYTES: Final = -1
-
-#: A message's first Gloo message starts with this header: the payload's size and dtype
-#: code, two little-endian int64.
-_HEADER: Final = struct.Struct("<qq")
-_HEAD: Final = _HEADER.size
-#: The largest payload that travels in the first Gloo message, right after the header; a
-#: larger one is a second Gloo message. The receiver posts its first receive before it knows
-#: the message (Gloo aborts the process on a message larger than its receive), so each
-#: receive takes a buffer of ``_HEAD + _INLINE`` bytes: untouched memory but for the bytes
-#: that arrive. One message, not two, because a Gloo message sent before its receive is
-#: posted waits for it, and with the reaper thread waiting on the send the second message
-#: of a pair took 1-2 ms to arrive (16 KiB to 256 KiB ping-pong, ranks pinned to cores:
-#: medians of 1.1-1.9 ms one way as two messages against 70-130 us as one).
-_INLINE: Final = 4 << 20
-
-#: Sends handed to the reaper thread together: a batch goes when it holds this many sends or
-#: this many bytes, or a payload sent after its header (its buffer is large, and goes back to
-#: the spare buffers at once), and when the reaper wakes on its own, every ``_REAP_S`` seconds
-#: while sends are waiting (so a failed send is recorded within that). Waking the reaper for
-#: every send cost a 4-byte ping-pong 82 of its 228 us one way (2 ranks on 2 cores, 4000
-#: iterations in 20 interleaved rounds).
-_REAP_SENDS: Final = 64
-_REAP_BYTES: Final = 16 << 20
-_REAP_S: Final = 0.05
-
-#: How often a wait looks up from its event for an abort, a peer gone or its deadline; and
-#: how long past the operation's timeout it still waits for Gloo's own timeout to fire first.
-_SLICE_S: Final = 0.1
-_SLICE: Final = timeout_delta(_SLICE_S)
-#: what torch says when a wait with a timeout expires before a collective's work is done
-_SLICE_EXPIRED: Final = "Operation timed out!"
-_GRACE_S: Final = 2.0
-
-#: The default bound on bytes copied by sends whose receiver has not taken them yet
-#: (``options={"gloo": {"max_buffered_send_bytes": N}}``): past it, a send waits for earlier ones.
-MAX_BUFFERED_SEND_BYTES: Final = 256 << 20
 
 #: Gloo's words for a connection that is gone (its pair.cc messages).
 _PEER_GONE: Final = (
@@ -129,12 +89,7 @@ _PEER_GONE: Final = (
 )
 
 
-#: A send in flight: Gloo's work, the buffer it sends, destination, deadline, and the spare
-#: buffer that one is part of (or None).
-_Sent = tuple[Any, torch.Tensor, int, float, "torch.Tensor | None"]
-
-
-class GlooBackend(C10dBackend):
+class GlooBackend(SlicedWaits, Messages, C10dBackend):
     """One ``ProcessGroupGloo`` per group formation and device type."""
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -145,9 +100,9 @@ class GlooBackend(C10dBackend):
         #: receiver has the message), destination, deadline and the spare buffer it is part of, if
         #: any: gathered in ``_unreaped`` (under ``_lock``), handed to the reaper thread in batches
         #: (see ``_REAP_SENDS``), which waits for them in order
-        self._unreaped: list[_Sent] = []
+        self._unreaped: list[Sent] = []
         self._unreaped_bytes = 0
-        self._sends: queue.SimpleQueue[list[_Sent] | None] = queue.SimpleQueue()
+        self._sends: queue.SimpleQueue[list[Sent] | None] = queue.SimpleQueue()
         #: buffers of finished messages, for the next ones: large sends' payloads and receives'
         #: first buffers (a fresh tensor of megabytes costs its page faults: pg_core.buffers)
         self._spares = SpareBuffers()
@@ -162,7 +117,7 @@ class GlooBackend(C10dBackend):
         #: bytes of sends copied and not yet taken by their receivers, bounded by ``_budget``
         self._buffered = 0
         self._buffered_cond = threading.Condition(self._lock)
-        self._budget = _budget(ctx.options.get("max_buffered_send_bytes", MAX_BUFFERED_SEND_BYTES))
+        self._budget = buffered_send_budget(ctx.options.get("max_buffered_send_bytes", MAX_BUFFERED_SEND_BYTES))
         self._everyone = tuple(r for r in range(ctx.size) if r != ctx.rank)
         self._waiters = Waiters(ctx.group_name)
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -245,130 +200,6 @@ class GlooBackend(C10dBackend):
             return PeerFailureError(f"{what}: a peer closed its Gloo connection ({text})", peers=peers)
         return exc
 
-    # -- waiting: never inside Gloo, so that abort, a peer's death and Ctrl-C reach the caller (pg_gloo.waiting) --
-    def _until(self, waited: Callable[[float], bool], what: str, timeout: float, peers: Sequence[int]) -> None:
-        """Wait in slices (``waited(seconds)`` waits at most that long and says whether the
-        operation is done), raising between them if this backend was aborted, a peer in ``peers``
-        is gone, or ``timeout`` (plus Gloo's grace) has passed. Whatever stops the wait early
-        (those, or ``KeyboardInterrupt``) leaves Gloo's operation posted: unless every peer it
-        needs is gone, Gloo's connections are closed first, so nothing is written into the
-        caller's tensors afterwards."""
-        if waited(_SLICE_S):
-            return
-        deadline = time.monotonic() + timeout + _GRACE_S
-        done = False
-        try:
-            while not (done := waited(_SLICE_S)):
-                try:
-                    self._alarm(what, peers)
-                except PeerFailureError as exc:
-                    if set(exc.peers) != set(peers):  # some peer it needs is alive, and may still write
-                        self._cut(f"{what} failed: {exc}")
-                    raise
-                if time.monotonic() > deadline:
-                    self._cut(f"{what} did not end within {timeout:g} s")
-                    raise CollectiveTimeout(
-                        f"{what}: not done after {timeout:g} s, and Gloo's own timeout did not fire; "
-                        "its connections are closed: form a new group",
-                        op=what,
-                        peers=peers,
-                    )
-        except BaseException:
-            if not done and not self._aborted:
-                self._cut(f"{what} was interrupted in rank {self.rank}")  # KeyboardInterrupt, say
-            raise
-
-    def _cut(self, why: str) -> None:
-        """Close Gloo's connections now (the operations in flight can then write nothing more)
-        and refuse everything after, saying ``why``."""
-        with self._closing:
-            if self._broken is None:
-                self._broken = why
-            pg = self._pg
-            if pg is not None:
-                pg.abort()
-
-    def _finish(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
-        """Wait for a collective's Gloo ``work`` (see :meth:`_until`), then raise its error as
-        pg-core's. A collective's work can be waited for in slices in C++ (a wait that expires
-        raises, and leaves the operation as it was), which costs nothing over one wait."""
-
-        def waited(seconds: float) -> bool:
-            try:
-                work.wait(_SLICE if seconds == _SLICE_S else timeout_delta(seconds))
-            except RuntimeError as exc:
-                if work.is_completed() or str(exc) != _SLICE_EXPIRED:
-                    raise self._error(exc, what, timeout, peers) from exc
-                return False
-            return True
-
-        self._until(waited, what, timeout, peers)
-
-    def _received(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
-        """Wait for a point-to-point Gloo ``work``: a waiter thread waits in Gloo (a receive's
-        wait cannot be sliced: one that expires closes every connection), the caller in slices."""
-        ticket = self._waiters.start(work, timeout_delta(timeout))
-        self._until(ticket.done.wait, what, timeout, peers)
-        if ticket.error is not None:
-            raise self._error(ticket.error, what, timeout, peers) from ticket.error
-
-    def _wait(
-        self,
-        post: Callable[[], Any],
-        what: str,
-        timeout: float,
-        peers: Sequence[int] = (),
-        *,
-        bounded: bool = False,
-        async_op: bool = False,
-    ) -> Work | None:
-        """Post an operation and wait for it (``bounded``: point to point, whose peers are
-        given); with ``async_op``, return a work for it instead."""
-        try:
-            work = post()
-        except RuntimeError as exc:
-            raise self._error(exc, what, timeout, peers) from exc
-        if async_op:
-            return self._launched(work, what, timeout, peers)
-        if bounded:
-            self._received(work, what, timeout, peers)
-        else:
-            self._finish(work, what, timeout, self._everyone)
-        return None
-
-    def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
-        """A collective's Gloo work as pg-core's, driven by whoever waits on it or polls it: each
-        slice of a wait is Gloo's own (see :meth:`_finish`), and between slices it looks for an
-        abort, a peer gone and the deadline, as a blocking call does."""
-        deadline = time.monotonic() + timeout + _GRACE_S
-        needs = peers or self._everyone
-
-        def drive(work: Work, budget: float) -> None:
-            try:
-                if budget > 0:
-                    torch_work.wait(_SLICE if budget >= _SLICE_S else timeout_delta(budget))
-                elif not torch_work.is_completed():
-                    return
-                else:
-                    torch_work.wait()
-            except RuntimeError as exc:
-                if torch_work.is_completed() or str(exc) != _SLICE_EXPIRED:
-                    work.set_exception(self._error(exc, what, timeout, needs))
-                    return
-                try:
-                    self._alarm(what, needs)
-                    if time.monotonic() > deadline:
-                        raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=needs)
-                except (PeerFailureError, CollectiveTimeout) as failed:
-                    self._cut(f"{what} failed: {failed}")
-                    work.set_exception(failed)
-                except GroupClosedError as closed:
-                    work.set_exception(closed)
-                return
-            work.set_result(None)
-
-        return Work(what, driver=drive)
-
     def prepared_all_reduce(
         self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
     ) -> Callable[[torch.Tensor], None] | None:
@@ -385,10 +216,10 @@ class GlooBackend(C10dBackend):
             except RuntimeError as exc:
                 raise error(exc, "all_reduce", timeout) from exc
             try:
-                work.wait(_SLICE)  # the first slice, inline: most calls end in it
+                work.wait(SLICE)  # the first slice, inline: most calls end in it
                 return
             except RuntimeError as exc:
-                if work.is_completed() or str(exc) != _SLICE_EXPIRED:
+                if work.is_completed() or str(exc) != SLICE_EXPIRED:
                     raise error(exc, "all_reduce", timeout, everyone) from exc
             finish(work, "all_reduce", timeout, everyone)
 
@@ -466,208 +297,6 @@ class GlooBackend(C10dBackend):
             return None
         return then(work, copy_out)
 
-    # -- point to point: header and payload in one Gloo message (a large payload after it), on the caller's tag --
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        code = dtype_code(tensor.dtype)
-        assert code is not None  # the core passes declared dtypes only
-        nbytes = tensor.numel() * tensor.element_size()
-        self._room(nbytes, dst, timeout, "send")
-        if nbytes <= _INLINE:  # (cpu: the only device pg-gloo declares point to point for)
-            self._post(_message(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
-        else:
-            spare = self._spares.take(nbytes)
-            payload = spare[:nbytes]
-            payload.copy_(flat_bytes(tensor))
-            self._post(_message(nbytes, code), payload, dst, tag, timeout=timeout, what="send", spare=spare)
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """The message is Gloo's (in a buffer of its own) when this returns: the work is done."""
-        self.send(tensor, dst, tag, timeout=timeout)
-        return Work.completed("isend")
-
-    def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
-        views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
-        nbytes = sum(v.nbytes for v in views)
-        self._room(nbytes, dst, timeout, "send_bytes")
-        inline = nbytes <= _INLINE
-        first = torch.empty(_HEAD + nbytes if inline else _HEAD, dtype=torch.uint8)
-        _HEADER.pack_into(tensor_bytes(first), 0, nbytes, _BYTES)
-        spare = None if inline else self._spares.take(nbytes)
-        payload = None if spare is None else spare[:nbytes]
-        target, offset = (tensor_bytes(first), _HEAD) if payload is None else (tensor_bytes(payload), 0)
-        for view in views:
-            target[offset : offset + view.nbytes] = view
-            offset += view.nbytes
-        self._post(first, payload, dst, tag, timeout=timeout, what="send_bytes", spare=spare)
-
-    def _room(self, nbytes: int, dst: int, timeout: float, what: str) -> None:
-        """Wait until a copy of ``nbytes`` more fits in the budget of buffered sends (alone, any
-        size fits), handing the sends gathered so far to the reaper first, so that it frees them
-        as their receivers take them. Interruptible as every wait; bounded by ``timeout``."""
-        with self._lock:
-            if self._buffered == 0 or self._buffered + nbytes <= self._budget:
-                return
-            batch = self._take_unreaped()
-        if batch:
-            self._sends.put(batch)
-        deadline = time.monotonic() + timeout
-        with self._buffered_cond:
-            while self._buffered and self._buffered + nbytes > self._budget:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CollectiveTimeout(
-                        f"{what} to rank {dst}: {self._buffered} bytes of earlier sends were not taken by their "
-                        f"receivers within {timeout:g} s (max_buffered_send_bytes={self._budget})",
-                        op=what,
-                        peers=[dst],
-                    )
-                self._buffered_cond.wait(min(left, _SLICE_S))
-                self._alarm(what, [dst])
-
-    def _post(
-        self,
-        first: torch.Tensor,
-        payload: torch.Tensor | None,
-        dst: int,
-        tag: int,
-        *,
-        timeout: float,
-        what: str,
-        spare: torch.Tensor | None = None,
-    ) -> None:
-        """Gloo's sends of a message (``payload`` a slice of ``spare`` where given, which goes
-        back to the spare buffers once Gloo is done with it)."""
-        self._watch.check(dst)  # a peer that died a moment ago: raise now, not lose the message
-        pg = self._ready(what, [dst])
-        deadline = time.monotonic() + timeout
-        try:
-            works = [(pg.send([first], dst, tag), (first,))]
-            if payload is not None:
-                works.append((pg.send([payload], dst, tag), (payload,)))
-        except RuntimeError as exc:
-            raise self._error(exc, what, timeout, [dst]) from exc
-        batch = None
-        with self._lock:
-            if self._reaper is None:
-                self._reaper = threading.Thread(
-                    target=self._reap, name=f"pg-gloo-{self.ctx.group_name}-sends", daemon=True
-                )
-                self._reaper.start()
-            for work, buffer in works:
-                self._unreaped.append((work, buffer[0], dst, deadline, spare if buffer[0] is payload else None))
-                self._unreaped_bytes += buffer[0].numel()
-                self._buffered += buffer[0].numel()
-            if payload is not None or len(self._unreaped) >= _REAP_SENDS or self._unreaped_bytes >= _REAP_BYTES:
-                batch = self._take_unreaped()
-        if batch:
-            self._sends.put(batch)
-
-    def _take_unreaped(self) -> list[_Sent]:
-        """The sends gathered so far, for the reaper (the caller holds ``_lock``)."""
-        batch, self._unreaped, self._unreaped_bytes = self._unreaped, [], 0
-        return batch
-
-    def _reap(self) -> None:
-        """Wait for Gloo's sends in order, batch by batch, and drop their buffers; a failure
-        is recorded for the destination's next operation. (A thread must: torch's Gloo send work
-        tells it is complete only from inside ``wait()``, so nothing could poll it.) Every
-        ``_REAP_S`` seconds that sends are waiting in ``_unreaped``, it takes them itself."""
-        while True:
-            try:
-                batch = self._sends.get(timeout=_REAP_S if self._unreaped else 1.0)
-            except queue.Empty:
-                with self._lock:
-                    batch = self._take_unreaped()
-            if batch is None:
-                return
-            while batch:
-                self._reaped(batch.pop(0))
-            del batch
-
-    def _reaped(self, sent: _Sent) -> None:
-        """Wait for one send (to its deadline); give its spare buffer back, or record its failure."""
-        work, buffer, dst, deadline, spare = sent
-        try:
-            work.wait(timeout_delta(max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError as exc:
-            self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", 0.0, [dst]))
-        else:
-            if spare is not None:
-                self._spares.give(spare)
-        with self._buffered_cond:
-            self._buffered -= buffer.numel()
-            self._buffered_cond.notify_all()
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        nbytes, code, first, view = self._first(src, tag, timeout, "recv")
-        want = tensor.numel() * tensor.element_size()
-        if nbytes != want or code != dtype_code(tensor.dtype):
-            self._spares.give(first)
-            self._discard(nbytes, src, tag, deadline, "recv")
-            sent = "a send_bytes message" if code == _BYTES else _describe(nbytes, code)
-            raise CollectiveMismatchError(
-                f"recv from rank {src} (tag {tag}): the message is {sent}, the receiving tensor "
-                f"{_describe(want, dtype_code(tensor.dtype))}",
-                peers=[src],
-            )
-        if nbytes <= _INLINE:
-            tensor_bytes(tensor)[:] = view[_HEAD : _HEAD + nbytes]
-            self._spares.give(first)  # (view, of its memory, is used up)
-            return
-        self._spares.give(first)
-        pg = self.c10d
-        self._wait(
-            lambda: pg.recv([flat_bytes(tensor)], src, tag),
-            "recv",
-            deadline - time.monotonic(),
-            [src],
-            bounded=True,
-        )
-
-    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
-        deadline = time.monotonic() + timeout
-        nbytes, code, first, view = self._first(src, tag, timeout, "recv_bytes")
-        if code != _BYTES:
-            self._spares.give(first)
-            self._discard(nbytes, src, tag, deadline, "recv_bytes")
-            raise CollectiveMismatchError(
-                f"recv_bytes from rank {src} (tag {tag}): the message is {_describe(nbytes, code)} sent with send, "
-                "not send_bytes",
-                peers=[src],
-            )
-        if nbytes <= _INLINE:
-            message = bytearray(view[_HEAD : _HEAD + nbytes])
-            self._spares.give(first)  # (view, of its memory, is used up)
-            return message
-        self._spares.give(first)
-        buffer = bytearray(nbytes)
-        pg = self.c10d
-        target = torch.frombuffer(buffer, dtype=torch.uint8)
-        self._wait(lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True)
-        return buffer
-
-    def _first(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
-        """The next message's first Gloo message from ``src`` on ``tag``: the payload's size,
-        its dtype code, the buffer it arrived in (a spare one: give it back once ``view`` is used
-        up) and a view of that buffer's bytes (which does not keep it alive). If the receive
-        fails, the buffer is not kept (Gloo may still write to it)."""
-        pg = self._ready(what, [src])
-        first = self._spares.take(_HEAD + _INLINE)
-        head = first if first.numel() == _HEAD + _INLINE else first[: _HEAD + _INLINE]
-        self._wait(lambda: pg.recv([head], src, tag), what, timeout, [src], bounded=True)
-        view = tensor_bytes(first)
-        nbytes, code = _HEADER.unpack_from(view)
-        return nbytes, code, first, view
-
-    def _discard(self, nbytes: int, src: int, tag: int, deadline: float, what: str) -> None:
-        """Receive a refused message's payload, so the next receive on its stream reads the next message."""
-        if nbytes > _INLINE:
-            scratch = torch.empty(nbytes, dtype=torch.uint8)
-            self._wait(
-                lambda: self.c10d.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
-            )
-
     # -- life ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._broken is not None:  # Gloo's connections are closed: nothing to drain
@@ -681,7 +310,7 @@ class GlooBackend(C10dBackend):
 
     def abort(self, word: bytes = b"A") -> None:
         """Close Gloo's connections now, then make every wait raise: operations blocked in other
-        threads get :class:`~pg_core.errors.GroupClosedError` within ``_SLICE_S``, and the peers
+        threads get :class:`~pg_core.errors.GroupClosedError` within ``SLICE_S``, and the peers
         are told (their errors say this rank aborted). Gloo's own threads still sit in the
         operations they were running until those reach Gloo's timeout (nothing else wakes them);
         the Gloo object is let go in a thread of its own, whose end waits for them."""
@@ -733,30 +362,3 @@ def _blamed(lost: Sequence[int], gone: dict[int, str]) -> list[int]:
     """Whom an error names (its ``peers``, which ``shrink()`` leaves out): the peers that died,
     or if none did, those that aborted or shut down."""
     return [p for p in lost if gone[p] == DIED] or list(lost)
-
-
-def _budget(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"pg-gloo option max_buffered_send_bytes={value!r}: give a non-negative number of bytes "
-            f"(default {MAX_BUFFERED_SEND_BYTES}); sends past it wait until earlier ones are received"
-        )
-    return value
-
-
-def _describe(nbytes: int, code: int | None) -> str:
-    dtype = dtype_from_code(code) if code is not None and code > 0 else None
-    if dtype is None:
-        return f"{nbytes} bytes"
-    size = torch.empty((), dtype=dtype).element_size()
-    return f"{nbytes // size} x {dtype_name(dtype)} ({nbytes} bytes)"
-
-
-def _message(nbytes: int, code: int, payload: memoryview | None = None) -> torch.Tensor:
-    """A message's first Gloo message: the header, then ``payload`` if given (it fits)."""
-    first = torch.empty(_HEAD + (0 if payload is None else nbytes), dtype=torch.uint8)
-    view = tensor_bytes(first)
-    _HEADER.pack_into(view, 0, nbytes, code)
-    if payload is not None:
-        view[_HEAD:] = payload
-    return first

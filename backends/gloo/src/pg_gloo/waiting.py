@@ -16,10 +16,24 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
-__all__ = ["Ticket", "Waiters"]
+from pg_core.c10d import timeout_delta
+from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
+from pg_core.work import Work
+
+__all__ = ["SLICE_S", "SlicedWaits", "Ticket", "Waiters"]
+
+#: How often a wait looks up from its event for an abort, a peer gone or its deadline; and
+#: how long past the operation's timeout it still waits for Gloo's own timeout to fire first.
+SLICE_S: Final = 0.1
+SLICE: Final = timeout_delta(SLICE_S)
+#: what torch says when a wait with a timeout expires before a collective's work is done
+SLICE_EXPIRED: Final = "Operation timed out!"
+GRACE_S: Final = 2.0
 
 
 class Ticket:
@@ -84,3 +98,145 @@ class Waiters:
             idle, self._idle = self._idle, []
         for inbox in idle:
             inbox.put(None)
+
+
+class SlicedWaits:
+    """How :class:`~pg_gloo.backend.GlooBackend` waits for Gloo (see the module docstring);
+    the backend holds the state, and says in ``_alarm`` what stops a wait."""
+
+    rank: int
+    _pg: Any
+    _broken: str | None
+    _aborted: bool
+    _closing: threading.Lock
+    _waiters: Waiters
+    _everyone: tuple[int, ...]
+
+    if TYPE_CHECKING:
+
+        def _alarm(self, what: str, peers: Sequence[int]) -> None: ...
+
+        def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException: ...
+
+    def _until(self, waited: Callable[[float], bool], what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait in slices (``waited(seconds)`` waits at most that long and says whether the
+        operation is done), raising between them if this backend was aborted, a peer in ``peers``
+        is gone, or ``timeout`` (plus Gloo's grace) has passed. Whatever stops the wait early
+        (those, or ``KeyboardInterrupt``) leaves Gloo's operation posted: unless every peer it
+        needs is gone, Gloo's connections are closed first, so nothing is written into the
+        caller's tensors afterwards."""
+        if waited(SLICE_S):
+            return
+        deadline = time.monotonic() + timeout + GRACE_S
+        done = False
+        try:
+            while not (done := waited(SLICE_S)):
+                try:
+                    self._alarm(what, peers)
+                except PeerFailureError as exc:
+                    if set(exc.peers) != set(peers):  # some peer it needs is alive, and may still write
+                        self._cut(f"{what} failed: {exc}")
+                    raise
+                if time.monotonic() > deadline:
+                    self._cut(f"{what} did not end within {timeout:g} s")
+                    raise CollectiveTimeout(
+                        f"{what}: not done after {timeout:g} s, and Gloo's own timeout did not fire; "
+                        "its connections are closed: form a new group",
+                        op=what,
+                        peers=peers,
+                    )
+        except BaseException:
+            if not done and not self._aborted:
+                self._cut(f"{what} was interrupted in rank {self.rank}")  # KeyboardInterrupt, say
+            raise
+
+    def _cut(self, why: str) -> None:
+        """Close Gloo's connections now (the operations in flight can then write nothing more)
+        and refuse everything after, saying ``why``."""
+        with self._closing:
+            if self._broken is None:
+                self._broken = why
+            pg = self._pg
+            if pg is not None:
+                pg.abort()
+
+    def _finish(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait for a collective's Gloo ``work`` (see :meth:`_until`), then raise its error as
+        pg-core's. A collective's work can be waited for in slices in C++ (a wait that expires
+        raises, and leaves the operation as it was), which costs nothing over one wait."""
+
+        def waited(seconds: float) -> bool:
+            try:
+                work.wait(SLICE if seconds == SLICE_S else timeout_delta(seconds))
+            except RuntimeError as exc:
+                if work.is_completed() or str(exc) != SLICE_EXPIRED:
+                    raise self._error(exc, what, timeout, peers) from exc
+                return False
+            return True
+
+        self._until(waited, what, timeout, peers)
+
+    def _received(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
+        """Wait for a point-to-point Gloo ``work``: a waiter thread waits in Gloo (a receive's
+        wait cannot be sliced: one that expires closes every connection), the caller in slices."""
+        ticket = self._waiters.start(work, timeout_delta(timeout))
+        self._until(ticket.done.wait, what, timeout, peers)
+        if ticket.error is not None:
+            raise self._error(ticket.error, what, timeout, peers) from ticket.error
+
+    def _wait(
+        self,
+        post: Callable[[], Any],
+        what: str,
+        timeout: float,
+        peers: Sequence[int] = (),
+        *,
+        bounded: bool = False,
+        async_op: bool = False,
+    ) -> Work | None:
+        """Post an operation and wait for it (``bounded``: point to point, whose peers are
+        given); with ``async_op``, return a work for it instead."""
+        try:
+            work = post()
+        except RuntimeError as exc:
+            raise self._error(exc, what, timeout, peers) from exc
+        if async_op:
+            return self._launched(work, what, timeout, peers)
+        if bounded:
+            self._received(work, what, timeout, peers)
+        else:
+            self._finish(work, what, timeout, self._everyone)
+        return None
+
+    def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
+        """A collective's Gloo work as pg-core's, driven by whoever waits on it or polls it: each
+        slice of a wait is Gloo's own (see :meth:`_finish`), and between slices it looks for an
+        abort, a peer gone and the deadline, as a blocking call does."""
+        deadline = time.monotonic() + timeout + GRACE_S
+        needs = peers or self._everyone
+
+        def drive(work: Work, budget: float) -> None:
+            try:
+                if budget > 0:
+                    torch_work.wait(SLICE if budget >= SLICE_S else timeout_delta(budget))
+                elif not torch_work.is_completed():
+                    return
+                else:
+                    torch_work.wait()
+            except RuntimeError as exc:
+                if torch_work.is_completed() or str(exc) != SLICE_EXPIRED:
+                    work.set_exception(self._error(exc, what, timeout, needs))
+                    return
+                try:
+                    self._alarm(what, needs)
+                    if time.monotonic() > deadline:
+                        raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=needs)
+                except (PeerFailureError, CollectiveTimeout) as failed:
+                    self._cut(f"{what} failed: {failed}")
+                    work.set_exception(failed)
+                except GroupClosedError as closed:
+                    work.set_exception(closed)
+                return
+            work.set_result(None)
+
+        return Work(what, driver=drive)
