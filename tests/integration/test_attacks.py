@@ -177,31 +177,18 @@ def test_without_a_key_a_stranger_joins_and_runs_code_and_with_one_it_is_refused
 
 
 @pytest.mark.requires_backend("tcp")
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug (issue 30 item 7): a process without the key that forms a group on an authenticated job's "
-    "store meets membership.join's raw .decode() of a MACed value (UnicodeDecodeError), not a pg-core error",
-)
 def test_a_process_without_the_key_gets_a_pg_core_error_from_an_authenticated_store(
     rank_pools: Pools, tmp_path: Path
 ) -> None:
-    _, rank1 = rank_pools(2).run(stranger_joins, True, str(tmp_path / "unused"), timeout=60)
-    assert not rank1["joined"], rank1
-    assert rank1["pg"], rank1
-
-
-@pytest.mark.requires_backend("tcp")
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug (issue 30): membership takes a group for full on the joined counter and the existence of "
-    "'full', which a stranger without the key can write; the keyed rank forms and fails only at its first "
-    "operation's timeout (CollectiveTimeout), instead of an AuthenticationError naming the key at formation",
-)
-def test_a_stranger_that_fills_a_group_is_an_authentication_error_at_formation(
-    rank_pools: Pools, tmp_path: Path
-) -> None:
-    rank0, _ = rank_pools(2).run(stranger_joins, True, str(tmp_path / "unused"), timeout=60)
-    assert rank0.get("error") == "AuthenticationError", rank0
+    """The stranger reads the keyed rank's values (``MAC || payload``) as it forms: an
+    AuthenticationError naming the key, not a raw UnicodeDecodeError. The keyed rank formed
+    first, without waiting; its first operation times out waiting for a member that is not
+    there, and the timeout says that rank's place was claimed without the job's key."""
+    rank0, rank1 = rank_pools(2).run(stranger_joins, True, str(tmp_path / "unused"), timeout=60)
+    assert not rank1["joined"] and rank1["error"] == "AuthenticationError", rank1
+    assert "PG_CORE_AUTH_KEY" in rank1["message"], rank1
+    assert rank0["error"] == "CollectiveTimeout", rank0
+    assert "rank 1 of group 'join-1': the place was claimed by a process without this job's key" in rank0["message"]
 
 
 # -- a stranger poisons the store -----------------------------------------------------------

@@ -27,7 +27,7 @@ from .auth import AuthKey, resolve_key
 from .check import Checker, check_mode
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
 from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends, unavailable
-from .errors import CollectiveTimeout, NotSupportedError, PluginError, warn_user
+from .errors import CollectiveTimeout, NotSupportedError, PeerFailureError, PluginError, warn_user
 from .executor import Executor
 from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave, never_joined
@@ -1320,15 +1320,19 @@ class ProcessGroup:
         async_op: bool,
         timeout: float | timedelta | None,
     ) -> Any:
-        return self._objects.recv(
-            op,
-            kind,
-            src=src,
-            tag=tag,
-            device=self._supported.target(device_arg(device)),
-            async_op=async_op,
-            timeout=self._seconds(timeout),
-        )
+        try:
+            return self._objects.recv(
+                op,
+                kind,
+                src=src,
+                tag=tag,
+                device=self._supported.target(device_arg(device)),
+                async_op=async_op,
+                timeout=self._seconds(timeout),
+            )
+        except (CollectiveTimeout, PeerFailureError) as exc:
+            self._tracer.point_to_point_failed(exc)
+            raise
 
     def _seconds(self, timeout: float | timedelta | None) -> float:
         return self._timeout if timeout is None else seconds(timeout, self._timeout)

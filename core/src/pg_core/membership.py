@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .backend import BackendSpec
 from .dispatch import describe, message_device
-from .errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError, warn_user
+from .errors import AuthenticationError, CollectiveMismatchError, CollectiveTimeout, PeerFailureError, warn_user
 from .store import Store, _poll, guarded, wait_any, wait_for
 
 if TYPE_CHECKING:
@@ -82,6 +82,21 @@ class Membership:
         return f"{self.namespace}/{self.key}/{self.generation}"
 
 
+def _text(key: str, value: bytes) -> str:
+    """A value pg-core wrote as text, read back from ``key``. Bytes that are not text were not
+    written by a pg-core process that shares this one's view of the job: most often a member of
+    an authenticated job wrote them (``MAC || payload``) and this process has no key."""
+    try:
+        return bytes(value).decode()
+    except UnicodeDecodeError:
+        raise AuthenticationError(
+            f"store key {key!r} holds {len(value)} bytes that are not a value this process can read: a member of an "
+            "authenticated job wrote it (give this process the job's PG_CORE_AUTH_KEY), or someone wrote garbage "
+            "to the store",
+            key=key,
+        ) from None
+
+
 def join(store: Store, namespace: str, key: str, rank: int | None, size: int) -> Membership:
     """Take a place in the current generation of ``key``: rank ``rank``, or the next in
     arrival order when ``rank`` is ``None``. Never waits for other members."""
@@ -103,13 +118,13 @@ def join(store: Store, namespace: str, key: str, rank: int | None, size: int) ->
     if rank is None:
         rank = joined - 1
     token = f"{_this_process()}{uuid.uuid4().hex}"
-    claimed = store.compare_set(f"{gen}/rank/{rank}", "", token).decode()
+    claimed = _text(f"{gen}/rank/{rank}", store.compare_set(f"{gen}/rank/{rank}", "", token))
     if claimed != token:
         raise ValueError(
             f"group {key!r} (generation {generation}) already has a rank {rank} ({claimed}); each member must "
             "pass a distinct rank, and two groups alive at once need distinct names"
         )
-    sizes = store.compare_set(f"{gen}/size", "", str(size)).decode()
+    sizes = _text(f"{gen}/size", store.compare_set(f"{gen}/size", "", str(size)))
     if sizes != str(size):
         raise ValueError(f"group {key!r}: other members passed size={sizes}, this one size={size}")
     return Membership(namespace, key, generation, rank, size, joined)
@@ -177,7 +192,7 @@ def never_joined(group_store: Store, size: int, name: str) -> Callable[[Collecti
         except Exception:  # the store is gone or failing: the backend's account stands
             return False
         if not missing:
-            return False
+            return _impostors(group_store, size, name, exc)
         ranks = ", ".join(map(str, missing))
         which = f"rank {ranks}" if len(missing) == 1 else f"ranks {ranks}"
         where = f"{exc.op} (collective #{exc.seq})" if exc.op and exc.seq is not None else (exc.op or "the operation")
@@ -190,6 +205,31 @@ def never_joined(group_store: Store, size: int, name: str) -> Callable[[Collecti
         return True
 
     return explain
+
+
+def _impostors(group_store: Store, size: int, name: str, exc: CollectiveTimeout) -> bool:
+    """Whether some rank's place was claimed with a value that fails the job's MAC (a process
+    without the key, on an authenticated job's store): then that, not the backend's account,
+    is why the operation timed out, and ``exc`` says so."""
+    fake: dict[int, str] = {}
+    for r in range(size):
+        try:
+            group_store.get(f"rank/{r}")
+        except AuthenticationError as failed:
+            fake[r] = failed.key or f"rank/{r}"
+        except Exception:  # the store is gone or failing: the backend's account stands
+            return False
+    if not fake:
+        return False
+    ranks = ", ".join(map(str, fake))
+    exc.args = (
+        f"{'rank' if len(fake) == 1 else 'ranks'} {ranks} of group {name!r}: the place was claimed by a process "
+        f"without this job's key ({', '.join(repr(k) for k in fake.values())} fails its MAC), so "
+        f"{exc.op or 'the operation'} timed out waiting for a member that is not there: a stranger on the store, "
+        "or a member started without PG_CORE_AUTH_KEY",
+    )
+    exc.peers = tuple(fake)
+    return True
 
 
 def leave(group_store: Store, rank: int) -> None:
@@ -205,7 +245,7 @@ def await_leaving(group_store: Store, size: int, timeout: float, what: str) -> l
 
     def elsewhere(rank: int) -> bool:
         claimed = f"rank/{rank}"
-        return not group_store.check([claimed]) or not group_store.get(claimed).decode().startswith(here)
+        return not group_store.check([claimed]) or not _text(claimed, group_store.get(claimed)).startswith(here)
 
     keys = [f"left/{r}" for r in range(size) if elsewhere(r)]
     if not keys:
@@ -238,10 +278,10 @@ def survivors(
 
     def decided() -> str | None:
         if store.check([decision]):
-            return store.get(decision).decode()
+            return _text(decision, store.get(decision))
         for r in range(size):
             if r not in named and store.check([f"{base}/here/{r}"]):
-                said = store.get(f"{base}/here/{r}").decode()
+                said = _text(f"{base}/here/{r}", store.get(f"{base}/here/{r}"))
                 named[r] = {int(x) for x in said.split(",") if x.isdigit()}
         out = set().union(*named.values()) - named.keys()
         missing = [r for r in range(size) if r not in named and r not in out]
@@ -253,7 +293,7 @@ def survivors(
     if found is None:  # the deadline: whoever has not arrived is gone
         decided()
         found = ",".join(map(str, sorted(named)))
-    agreed = store.compare_set(decision, "", found).decode() or found
+    agreed = _text(decision, store.compare_set(decision, "", found)) or found
     members = [int(r) for r in agreed.split(",") if r]
     if rank not in members:
         raise PeerFailureError(
@@ -312,7 +352,16 @@ def form(
     m = join(store, namespace, key, rank, size)
     mine = f"{int(check)} {describe(specs)}"
     proposal = f"{uuid.uuid4().hex[:16]} {m.rank} {mine}"  # backend and device names have no spaces
-    token, first, theirs = store.compare_set(f"{m.prefix}/formation", "", proposal).decode().split(" ", 2)
+    record = _text(f"{m.prefix}/formation", store.compare_set(f"{m.prefix}/formation", "", proposal))
+    try:
+        token, first, theirs = record.split(" ", 2)
+        int(first)
+    except ValueError:
+        raise AuthenticationError(
+            f"store key {m.prefix + '/formation'!r} holds {record[:60]!r}, not a formation record pg-core wrote: "
+            "someone else wrote to this group's keys (run the job with PG_CORE_AUTH_KEY to refuse them)",
+            key=f"{m.prefix}/formation",
+        ) from None
     uid = f"{key}#{m.generation}-{token}"
     if theirs != mine:
         store.set(f"{m.prefix}/closed", "1")

@@ -429,6 +429,8 @@ class Tracer:
         collective hear where it is, and dump."""
         if not isinstance(exc, (CollectiveTimeout, PeerFailureError)):
             return
+        if isinstance(exc, CollectiveTimeout) and self._joined is not None:
+            self._joined(exc)  # the peer never joined (or a stranger holds its place): that is the cause
         with contextlib.suppress(Exception):
             self._publish(self._head(exc, current=None))
         self._dump()
