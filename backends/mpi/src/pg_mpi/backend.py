@@ -16,8 +16,11 @@ in practice it returns at once, because the core calls it right after the split'
 ``all_gather_object``, in which every member of the parent was just heard from (only a
 member dying in between leaves the others waiting, as in ``MPI_Comm_create_group``). A
 communicator no subgroup took (its formation failed) is freed (:meth:`MPIBackend.release_split`).
-MPI is initialised (``MPI_THREAD_MULTIPLE``) by the first group that needs it; ``shutdown``
-and ``abort`` free the communicator, however it was made; mpi4py finalises MPI at exit.
+MPI is initialised (``MPI_THREAD_MULTIPLE``) by the first group that needs it, in a thread of
+its own waited for until the group's timeout (MPICH's ``MPI_Init`` waits for every rank of the
+job: :func:`~pg_mpi._mpi.initialized_mpi`); the initialisation, the store exchange and the
+handshake share one deadline. ``shutdown`` and ``abort`` free the communicator, however it was
+made; mpi4py finalises MPI at exit.
 
 **Operations** are MPI's own, on the tensors' memory (no copy) where the call's buffers are
 one tensor each: ``Iallreduce``, ``Ibcast``, ``Ireduce``, ``Iallgather``,
@@ -35,22 +38,29 @@ group size, ``PREMUL_SUM`` the input times the factor summed by MPI; ``float16``
 do integer sums and products where the MPI library's do not wrap around as torch's do (Open
 MPI's AVX sums of 8- and 16-bit integers saturate; see :func:`~pg_mpi._mpi.wrong_integer_ops`).
 
-**Point to point.** A send never waits for its receiver (the contract's rule): ``send``,
-``isend`` and ``send_bytes`` copy the message once into a buffer of its own (for a tensor
-above 256 KiB, one a finished send left: :mod:`pg_core.buffers`) and post it with
-``MPI_Isend`` (``MPI_Bsend``'s semantics); the request completes in a later MPI call of this
-process, and ``shutdown`` waits for the ones still in flight. A receive is zero-copy and
+**Point to point.** ``isend`` is ``MPI_Isend`` from the tensor's memory (no copy): its work
+completes when MPI is done with the tensor, and this backend holds the tensor until then. A
+blocking send never waits for its receiver (the contract's rule): ``send`` and
+``send_bytes`` copy the message once into a buffer of its own (for a tensor above 256 KiB,
+one a finished send left: :mod:`pg_core.buffers`) and post it with ``MPI_Isend``
+(``MPI_Bsend``'s semantics), but at most the option ``max_send_copy_bytes`` (256 MiB) of such
+copies are in flight at once: beyond it, a send first waits (at most its timeout) for
+earlier ones to be received. The requests complete in later MPI calls of this process, and
+``shutdown`` waits for the ones still in flight. A receive is zero-copy and
 matches its message first (``MPI_Improbe``), so a message of the wrong size is drained and
 refused with :class:`~pg_core.errors.CollectiveMismatchError` instead of MPI's truncation
 error, and ``recv_bytes`` receives a message of unknown size with one receive; ``irecv``
 progresses when its work is waited for or polled. A receive from any source is the same
 receive from ``MPI_ANY_SOURCE``, returning the sender's rank.
 
-**Faults.** MPI reports no peer's death to the others: a survivor's operation ends at its
-timeout with ``CollectiveTimeout``, if the launcher lets it live (MPICH's Hydra kills the
-whole job when one rank dies, unless started with ``-disable-auto-cleanup``). After a
-collective times out its request stays with MPI; the core refuses the group's later
-collectives, as after any collective failure.
+**Faults.** MPI reports no peer's death to the others, and MPICH's Hydra ends the job when a
+rank dies (with ``-disable-auto-cleanup`` too, as measured: the README's Faults); a survivor
+that lives on sees its operation end at its timeout with ``CollectiveTimeout``. A collective
+that times out stays with MPI (it cannot be cancelled): its request and buffers are kept, and
+the rank tells the others (a notice above the core's tags), so that a rank that comes to that
+collective late is refused instead of completing against it (:meth:`MPIBackend._give_up`).
+The core refuses the group's later collectives, as after any collective failure. A receive
+that times out is cancelled and waited for, so nothing is written into its tensor afterwards.
 """
 
 from __future__ import annotations
@@ -324,12 +334,14 @@ class MPIBackend(Backend):
     def _noticed(self, comm: Any) -> bool:
         """Whether a notice (a peer gave up on a collective) waits on ``comm``. MPICH's
         ``MPI_Iprobe`` looks before it progresses, and each progress takes in about one message
-        that arrived while this process made no MPI call: two probes (0.2-0.4 us each) while
-        collectives follow each other, up to :data:`_IDLE_PROBES` after a pause of
-        :data:`_IDLE_S` (a rank coming late to a collective comes after a pause)."""
+        that arrived while this process made no MPI call: one probe (0.2-0.4 us) while
+        collectives follow each other (a notice that came while this rank waited in its last
+        collective was taken in by that wait's polls), up to :data:`_IDLE_PROBES` after a
+        pause of :data:`_IDLE_S` (a rank coming late to a collective comes after a pause)."""
         any_source, tag = self._mpi.ANY_SOURCE, self._notice_tag
-        probes = _IDLE_PROBES if time.monotonic() - self._active > _IDLE_S else 2
-        return any(comm.Iprobe(any_source, tag) for _ in range(probes))
+        if time.monotonic() - self._active <= _IDLE_S:
+            return bool(comm.Iprobe(any_source, tag))
+        return any(comm.Iprobe(any_source, tag) for _ in range(_IDLE_PROBES))
 
     def _refuse_abandoned(self, comm: Any, what: str, seq: int) -> None:
         """Take the peers' notices in, then raise if one gave up on collective ``seq`` or an
