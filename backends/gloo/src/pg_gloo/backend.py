@@ -73,9 +73,14 @@ from torch.distributed import ProcessGroupGloo
 
 from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent, buffered_send_budget
 from .waiting import SLICE, SLICE_EXPIRED, SlicedWaits, Waiters
-from .watch import DIED, PeerWatch
+from .watch import ABORTED, DIED, SHUT_DOWN, PeerWatch
 
 __all__ = ["GlooBackend"]
+
+#: How long a wait gives Gloo to end an operation itself once a peer it needs is seen gone.
+_PATIENCE_S: Final = 1.0
+_ABRUPT: Final = frozenset({DIED, ABORTED})
+_EVERY_WAY: Final = frozenset({DIED, ABORTED, SHUT_DOWN})
 
 #: Gloo's words for a connection that is gone (its pair.cc messages).
 _PEER_GONE: Final = (
@@ -145,22 +150,37 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
             raise
 
     # -- errors -------------------------------------------------------------------------
-    def _ready(self, what: str, peers: Sequence[int] = ()) -> Any:
+    def _ready(self, what: str, peers: Sequence[int] = (), *, receiving: bool = False) -> Any:
         """The Gloo object, or the error this backend's state calls for, before anything is sent
-        (``peers``: whom the operation needs; a collective needs everyone)."""
+        (``peers``: whom the operation needs; a collective needs everyone). A collective needs
+        no peer that died or aborted; a send, no peer gone at all (one that shut down will not
+        receive it); a receive is left to Gloo, which still delivers what a peer sent before it
+        left, and fails at once where nothing is left."""
         pg = self._pg
         if pg is not None and self._broken is None and not self._send_errors and not self._watch.gone:
             return pg  # the common case, first
-        self._alarm(what, peers or self._everyone)
+        if receiving:
+            self._alarm(what, peers, kinds=frozenset())
+        else:
+            self._alarm(what, peers or self._everyone, kinds=_EVERY_WAY if peers else _ABRUPT, patience=0.0)
         for peer in peers:
             failed = self._send_errors.get(peer)
             if failed is not None:
                 raise PeerFailureError(f"{what}: an earlier send to rank {peer} failed: {failed}", peers=[peer])
         return self.c10d
 
-    def _alarm(self, what: str, peers: Sequence[int]) -> None:
-        """Raise what stops an operation that needs ``peers``: this backend aborted or broken,
-        or one of them gone (a peer that died, aborted or shut down)."""
+    def _alarm(
+        self,
+        what: str,
+        peers: Sequence[int],
+        *,
+        kinds: frozenset[str] = frozenset({DIED, ABORTED}),
+        patience: float = _PATIENCE_S,
+    ) -> None:
+        """Raise what stops an operation that needs ``peers``: this backend aborted or broken, or
+        one of them gone in one of ``kinds`` of ways for at least ``patience`` seconds. (A wait
+        gives Gloo that long to end the operation itself: with what a peer sent before it left,
+        or with Gloo's own error; a peer that shut down had finished, so Gloo decides alone.)"""
         if self._aborted:
             raise GroupClosedError(
                 f"{what}: backend 'gloo' of group {self.ctx.group_name!r} was aborted while the operation waited"
@@ -172,8 +192,10 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
                 peers=peers,
             )
         gone = self._watch.gone
-        lost = [p for p in peers if p in gone]
-        if lost:
+        if not gone or not kinds:
+            return
+        lost = [p for p in peers if gone.get(p) in kinds]
+        if lost and (patience <= 0 or time.monotonic() - self._watch.first_seen(lost) >= patience):
             raise PeerFailureError(f"{what}: {_who(lost, gone)}", peers=_blamed(lost, gone))
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:

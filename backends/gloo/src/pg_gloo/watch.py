@@ -65,6 +65,7 @@ class PeerWatch:
         auth_key: AuthKey | None,
     ) -> None:
         self.gone: dict[int, str] = {}
+        self._seen_at: dict[int, float] = {}
         self._rank, self._uid, self._key = rank, uid, auth_key
         self._peers: dict[socket.socket, int] = {}
         self._by_rank: dict[int, socket.socket] = {}
@@ -158,8 +159,16 @@ class PeerWatch:
                     with self._lock:
                         peer = self._peers.get(conn)
                     if peer is not None:
-                        how = _WORDS.get(word, DIED)
-                        self.gone.setdefault(peer, how)
+                        self._seen(peer, _WORDS.get(word, DIED))
+
+    def _seen(self, peer: int, how: str) -> None:
+        if peer not in self.gone:
+            self._seen_at.setdefault(peer, time.monotonic())
+            self.gone.setdefault(peer, how)
+
+    def first_seen(self, peers: list[int]) -> float:
+        """When the first of ``peers`` (all in ``gone``) was seen gone (``time.monotonic()``)."""
+        return min(self._seen_at.get(p, 0.0) for p in peers)
 
     def check(self, peer: int) -> None:
         """Look now (one ``poll``) whether ``peer`` has left, rather than when the watch's thread
@@ -178,7 +187,7 @@ class PeerWatch:
         except OSError:
             word = b""
         if word is not None:
-            self.gone.setdefault(peer, _WORDS.get(word, DIED))
+            self._seen(peer, _WORDS.get(word, DIED))
 
     def wait_gone(self, within: float) -> dict[int, str]:
         """``gone``, waiting up to ``within`` seconds for a first peer to be seen gone (Gloo may
