@@ -789,20 +789,35 @@ class MPIBackend(Backend):
         nbytes = tensor.numel() * tensor.element_size()
         what = f"send to rank {dst} (tag {tag})"
         self._reserve(nbytes, what, timeout)
+        self._copy_and_post(tensor, nbytes, dst, tag, what)
+
+    def _copy_and_post(self, tensor: torch.Tensor, nbytes: int, dst: int, tag: int, what: str) -> None:
+        """Copy the tensor into a buffer of the message's own and post it (``nbytes`` reserved)."""
         if nbytes <= _BYTEARRAY_COPY:
             self._post(bytearray(self._memory(tensor)), dst, tag, what, nbytes)
             return
-        payload = self._spare(nbytes)
-        payload[:nbytes].copy_(_flat_bytes(tensor))
+        try:
+            payload = self._spare(nbytes)
+            payload[:nbytes].copy_(_flat_bytes(tensor))
+        except BaseException:
+            with self._lock:
+                self._copied -= nbytes
+            raise
         self._post(payload, dst, tag, what, nbytes)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """``MPI_Isend`` from the tensor's own memory, without a copy: the work completes when
-        MPI is done with the tensor (for a large message, once the receiver has taken it), and
-        holds the tensor until then, as does this backend if the work is dropped. Past
-        ``timeout`` the work fails with ``CollectiveTimeout``; the message stays posted (MPI
-        takes no send back), so the tensor must still not be modified."""
+        """Within ``max_send_copy_bytes``, :meth:`send`: the message is copied and the work is
+        done at once (a send never waits for its receiver). Beyond it, ``MPI_Isend`` from the
+        tensor's own memory, without a copy: the work completes when MPI is done with the
+        tensor (for a large message, once the receiver has taken it), and holds the tensor
+        until then, as does this backend if the work is dropped. Past ``timeout`` that work
+        fails with ``CollectiveTimeout``; the message stays posted (MPI takes no send back),
+        so the tensor must still not be modified."""
         what = f"isend to rank {dst} (tag {tag})"
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._room(nbytes) or self._reaped_room(nbytes):
+            self._copy_and_post(tensor, nbytes, dst, tag, what)
+            return Work.completed("isend")
         comm = self._check(what, [dst])
         try:
             request = comm.Isend(self._bytes(tensor), dst, tag)
@@ -994,20 +1009,11 @@ class MPIBackend(Backend):
         """Count ``nbytes`` of a copy against ``max_send_copy_bytes``, first waiting (at most
         ``timeout``) for earlier sends to be received where they fill it. A message larger
         than the budget goes alone."""
-
-        def room() -> bool:
-            with self._lock:
-                if self._copied and self._copied + nbytes > self._copy_budget:
-                    return False
-                self._copied += nbytes
-                return True
-
-        if room():
+        if self._room(nbytes):
             return
 
         def reaped() -> bool:
-            self._reap()
-            return room()
+            return self._reaped_room(nbytes)
 
         if not self._wait_until(reaped, time.monotonic() + timeout):
             waiting = sorted({e.dst for e in list(self._sends) if e.copied})
@@ -1020,6 +1026,21 @@ class MPIBackend(Backend):
                 op=what,
                 peers=waiting,
             )
+
+    def _room(self, nbytes: int) -> bool:
+        """Count ``nbytes`` against the budget of copies in flight, if they fit now (or nothing
+        is in flight)."""
+        with self._lock:
+            if self._copied and self._copied + nbytes > self._copy_budget:
+                return False
+            self._copied += nbytes
+            return True
+
+    def _reaped_room(self, nbytes: int) -> bool:
+        """:meth:`_room`, after dropping the sends that completed since the last look."""
+        if self._sends:
+            self._reap()
+        return self._room(nbytes)
 
     def _spare(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` for a send to copy into, the finished sends' first."""
