@@ -215,14 +215,16 @@ def test_a_poisoned_formation_record_is_an_authentication_error_on_every_rank(
     assert pool.run(pid) == pids  # no rank process died
 
 
-def poisoned_backend_key(ctx: RankContext, backend: str, which: str, reader: int) -> tuple[str, str | None, str, bool]:
+def poisoned_backend_key(
+    ctx: RankContext, backend: str, which: str, reader: int, keyed: bool = True
+) -> tuple[str, str | None, str, bool]:
     """A stranger writes a backend's key (``which``, under the group's ``cpu/BACKEND/``) before
     the group forms, and the rank that owns the key writes its own value only once ``reader``
     has read the stranger's: the window a stranger's write lands in, made certain. pg-tcp:
     ``addr/1`` (rank 1's address; rank 0 connects to it). pg-gloo: ``gloo/0/1`` (Gloo's own
     rendezvous value, read in C++; this is the one that segfaulted the reader before values
     were MACed), ``pg-gloo-watch/0`` (pg-gloo's watch address; rank 1 connects to it)."""
-    name = f"poison-{backend}-{which.split('/', maxsplit=1)[0]}"
+    name = f"poison-{backend}-{which.split('/', maxsplit=1)[0]}{'' if keyed else '-nokey'}"
     key = f"pg-core/{name}/0/cpu/{backend}/{which}"
     store: Store = ctx.store
     if ctx.rank == reader:
@@ -233,7 +235,8 @@ def poisoned_backend_key(ctx: RankContext, backend: str, which: str, reader: int
         ctx.store.wait(["planted"])
         store = Held(ctx.store, key, until="read")
     try:
-        with ProcessGroup(store, ctx.rank, 2, backends=backend, name=name, timeout=TIMEOUT, auth_key=KEY) as g:
+        key_arg = KEY if keyed else None
+        with ProcessGroup(store, ctx.rank, 2, backends=backend, name=name, timeout=TIMEOUT, auth_key=key_arg) as g:
             g.all_reduce(torch.ones(1))
         return "formed", None, "", True
     except Exception as exc:  # the test looks at which: a pg-core error, or a raw one
@@ -264,6 +267,29 @@ def test_a_poisoned_backend_key_is_an_authentication_error_and_no_crash(
     cls, _, message, _ = results[1 - reader]
     assert cls != "formed", message  # the owner of the key fails too: its peer left
     assert pool.run(pid) == pids  # no segfault, no SIGABRT: the same processes
+
+
+@pytest.mark.parametrize(
+    ("backend", "which", "reader"),
+    [
+        pytest.param("tcp", "addr/1", 0, marks=pytest.mark.requires_backend("tcp")),
+        pytest.param("gloo", "pg-gloo-watch/0", 1, marks=pytest.mark.requires_backend("gloo")),
+    ],
+)
+def test_without_a_key_a_garbled_backend_key_is_still_a_pg_core_error(
+    rank_pools: Pools, backend: str, which: str, reader: int
+) -> None:
+    """Without a key nothing is verified, but what pg-core's backends parse themselves is
+    checked as it is parsed: a value that is not theirs is a pg-core error naming the key, not
+    a raw ValueError. (Gloo's own values are parsed in C++: without a key, a garbled one is
+    Gloo's business; docs/security.md says what a job without a key trusts.)"""
+    pool = rank_pools(2)
+    pids = pool.run(pid)
+    results = pool.run(poisoned_backend_key, backend, which, reader, False, timeout=90)
+    cls, _, message, is_pg = results[reader]
+    assert is_pg, (cls, message)
+    assert which in message, message
+    assert pool.run(pid) == pids
 
 
 # -- a member sends a malicious pickle to ranks that load restricted -----------------------

@@ -201,7 +201,12 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
         """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
         text = first_line(exc)
-        if "Timed out" in text or "timed out" in text:
+        if "Connect timeout" in text and self._watch.gone:  # forming: a peer left, and the watch knows who
+            lost = sorted(self._watch.gone)
+            return PeerFailureError(
+                f"{what}: {_who(lost, self._watch.gone)} (Gloo: {text})", peers=_blamed(lost, self._watch.gone)
+            )
+        if "Timed out" in text or "timed out" in text or "Connect timeout" in text:
             self._broken = f"{what} timed out after {timeout:g} s"
             return CollectiveTimeout(
                 f"{what}: Gloo gave up after {timeout:g} s ({text}); Gloo closes its connections on a timeout, "

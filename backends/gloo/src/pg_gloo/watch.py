@@ -29,7 +29,7 @@ import time
 from typing import Final
 
 from pg_core.auth import AuthKey
-from pg_core.errors import CollectiveTimeout
+from pg_core.errors import AuthenticationError, CollectiveTimeout, PeerFailureError
 from pg_core.store import Store, wait_for
 
 __all__ = ["ABORTED", "DIED", "SHUT_DOWN", "PeerWatch"]
@@ -94,12 +94,26 @@ class PeerWatch:
             for peer in range(self._rank):
                 key = f"pg-gloo-watch/{peer}"
                 wait_for(store, [key], max(deadline - time.monotonic(), 0.001), what=f"watch of rank {peer}")
-                their_host, port, theirs = store.get(key).decode().split()
-                conn = socket.create_connection(
-                    (their_host, int(port)), timeout=max(deadline - time.monotonic(), 0.001)
-                )
+                said = bytes(store.get(key))
+                try:
+                    their_host, port, theirs = said.decode().split()
+                    address, secret = (their_host, int(port)), bytes.fromhex(theirs)
+                except ValueError:  # UnicodeDecodeError included
+                    raise AuthenticationError(
+                        f"pg-gloo watch: store key {key!r} holds {said[:40]!r}, not the address rank {peer} published: "
+                        "someone else wrote to this group's keys (run the job with PG_CORE_AUTH_KEY to refuse them)",
+                        key=key,
+                    ) from None
+                try:
+                    conn = socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.001))
+                except OSError as exc:
+                    raise PeerFailureError(
+                        f"pg-gloo watch: rank {peer} published {their_host}:{port} but does not accept connections "
+                        f"there ({exc}): it left or died while the group formed",
+                        peers=[peer],
+                    ) from None
                 self._peers[conn] = peer
-                conn.sendall(_HELLO.pack(self._rank, self._proof(peer, self._rank, bytes.fromhex(theirs))))
+                conn.sendall(_HELLO.pack(self._rank, self._proof(peer, self._rank, secret)))
             waiting = set(range(self._rank + 1, size))
             while waiting:
                 left = deadline - time.monotonic()

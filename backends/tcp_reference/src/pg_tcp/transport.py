@@ -195,6 +195,7 @@ import torch
 from pg_core.backend import DTYPES, BackendContext, tensor_bytes
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
 from pg_core.errors import (
+    AuthenticationError,
     BackendUnavailableError,
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -1005,8 +1006,16 @@ class Transport:
                         break
                     except CollectiveTimeout:
                         continue
-            host, _, port = self._store.get(key).decode().rpartition(":")
-            peer.address = (host, int(port))
+            said = bytes(self._store.get(key))
+            try:
+                host, _, port = said.decode().rpartition(":")
+                peer.address = (host, int(port))
+            except ValueError:  # UnicodeDecodeError included
+                raise AuthenticationError(
+                    f"{self.label}: store key {key!r} holds {said[:40]!r}, not the address rank {peer.rank} publishes: "
+                    "someone else wrote to this group's keys (run the job with PG_CORE_AUTH_KEY to refuse them)",
+                    key=key,
+                ) from None
         left = deadline - time.monotonic()
         if left <= 0:
             raise CollectiveTimeout(f"the deadline passed before rank {peer.rank} could be reached")
