@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from pg_core.c10d import timeout_delta
 from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
@@ -132,6 +132,9 @@ class SlicedWaits:
     _closing: threading.Lock
     _waiters: Waiters
     _everyone: tuple[int, ...]
+    _posting: threading.Lock  # the C10dBackend's: held while posting, so no post lands in another thread's batch
+    _batch: tuple[int, Work] | None  # the C10dBackend's: the coalesced batch this thread is posting, if any
+    coalesces: bool
 
     if TYPE_CHECKING:
 
@@ -218,9 +221,17 @@ class SlicedWaits:
         async_op: bool = False,
     ) -> Work | None:
         """Post an operation and wait for it (``bounded``: point to point, whose peers are
-        given); with ``async_op``, return a work for it instead."""
+        given); with ``async_op``, return a work for it instead. Inside this thread's
+        coalesced batch, the base class posts it into torch's batch and returns the batch's work."""
+        batch = self._batch
+        if batch is not None and batch[0] == threading.get_ident():
+            return cast(Any, super())._wait(post, what, timeout, peers, bounded=bounded, async_op=async_op)
         try:
-            work = post()
+            if self.coalesces:  # a batch may be posting on another thread: keep out of it
+                with self._posting:
+                    work = post()
+            else:
+                work = post()
         except RuntimeError as exc:
             raise self._error(exc, what, timeout, peers) from exc
         if async_op:
