@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -46,10 +46,10 @@ from pg_core import ProcessGroup
 from pg_core.errors import ForbiddenObjectError, PGError
 from pg_core.store import Store, store_address
 from pg_core.testing.pool import RankContext, RankPool
-from pg_core.testing.rank import run_warm_up
 from torch.distributed import PrefixStore, TCPStore
 
 Pools = Callable[[int], RankPool]
+PoolFor = Callable[..., RankPool]  # the pool_for fixture (tests/integration/conftest.py)
 
 KEY = "attack-test-secret"
 TIMEOUT = 5.0  # the groups' timeout: a rank whose peer failed formation gives up within it
@@ -59,18 +59,6 @@ BACKENDS = [
     pytest.param("gloo", marks=pytest.mark.requires_backend("gloo")),
     pytest.param("mpi", marks=pytest.mark.requires_backend("mpi")),
 ]
-
-
-@pytest.fixture(scope="module")
-def mpi_pool() -> Iterator[RankPool]:
-    """Two ranks started by ``mpiexec`` (pg-mpi's ranks must be one MPI job), MPI initialised first."""
-    pool = RankPool(2, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-    yield pool
-    pool.close()
-
-
-def pool_for(backend: str, rank_pools: Pools, request: pytest.FixtureRequest) -> RankPool:
-    return request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(2)
 
 
 def pid(ctx: RankContext) -> int:
@@ -203,10 +191,8 @@ def poisoned_formation(ctx: RankContext, backend: str) -> tuple[str, str | None,
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_poisoned_formation_record_is_an_authentication_error_on_every_rank(
-    backend: str, rank_pools: Pools, request: pytest.FixtureRequest
-) -> None:
-    pool = pool_for(backend, rank_pools, request)
+def test_a_poisoned_formation_record_is_an_authentication_error_on_every_rank(backend: str, pool_for: PoolFor) -> None:
+    pool = pool_for(backend)
     pids = pool.run(pid)
     for cls, key, message in pool.run(poisoned_formation, backend, timeout=60):
         assert cls == "AuthenticationError", message
@@ -324,10 +310,10 @@ def malicious_member(ctx: RankContext, backend: str, path: str) -> dict[str, Any
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_malicious_pickle_from_a_member_is_forbidden_when_loading_restricted(
-    backend: str, rank_pools: Pools, request: pytest.FixtureRequest, tmp_path: Path
+    backend: str, pool_for: PoolFor, tmp_path: Path
 ) -> None:
     path = tmp_path / f"pwned-{backend}"
-    results = pool_for(backend, rank_pools, request).run(malicious_member, backend, str(path), timeout=90)
+    results = pool_for(backend).run(malicious_member, backend, str(path), timeout=90)
     receiver = results[1]
     for how in ("recv", "broadcast"):
         name, message = receiver[how]

@@ -7,34 +7,22 @@ returns wrong results; matching programs give the right results, and no process 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from pg_core import CollectiveMismatchError, ProcessGroup, ReduceOp
 from pg_core.testing.pool import RankContext, RankPool
-from pg_core.testing.rank import run_warm_up
 
 Pools = Callable[[int], RankPool]
+PoolFor = Callable[..., RankPool]  # the pool_for fixture (tests/integration/conftest.py)
 
 BACKENDS = [
     pytest.param("tcp", marks=pytest.mark.requires_backend("tcp")),
     pytest.param("gloo", marks=pytest.mark.requires_backend("gloo")),
     pytest.param("mpi", marks=pytest.mark.requires_backend("mpi")),
 ]
-
-
-@pytest.fixture(scope="module")
-def mpi_pool() -> Iterator[RankPool]:
-    """Two ranks started by ``mpiexec`` (pg-mpi's ranks must be one MPI job), MPI initialised first."""
-    pool = RankPool(2, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-    yield pool
-    pool.close()
-
-
-def pool_for(backend: str, rank_pools: Pools, request: pytest.FixtureRequest) -> RankPool:
-    return request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(2)
 
 
 def pid(ctx: RankContext) -> int:
@@ -134,10 +122,8 @@ def mismatching(ctx: RankContext, backend: str, case: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_matching_programs_give_the_right_results_in_check_mode(
-    rank_pools: Pools, request: pytest.FixtureRequest, backend: str
-) -> None:
-    results = pool_for(backend, rank_pools, request).run(matching, backend, timeout=120)
+def test_matching_programs_give_the_right_results_in_check_mode(pool_for: PoolFor, backend: str) -> None:
+    results = pool_for(backend).run(matching, backend, timeout=120)
     for out in results:
         assert out["check"] is True
         assert out["all_reduce"] == [6.0] * 4  # 1 + 2, then 3 + 3
@@ -148,10 +134,8 @@ def test_matching_programs_give_the_right_results_in_check_mode(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_an_asynchronous_collective_returns_before_the_others_check(
-    rank_pools: Pools, request: pytest.FixtureRequest, backend: str
-) -> None:
-    assert pool_for(backend, rank_pools, request).run(async_then_p2p, backend, timeout=120) == [[3.0] * 4] * 2
+def test_an_asynchronous_collective_returns_before_the_others_check(pool_for: PoolFor, backend: str) -> None:
+    assert pool_for(backend).run(async_then_p2p, backend, timeout=120) == [[3.0] * 4] * 2
 
 
 #: what each case's error names, per rank's side
@@ -164,10 +148,8 @@ SIDES = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_mismatch_raises_on_every_rank_naming_both_sides_and_no_process_dies(
-    rank_pools: Pools, request: pytest.FixtureRequest, backend: str
-) -> None:
-    pool = pool_for(backend, rank_pools, request)
+def test_a_mismatch_raises_on_every_rank_naming_both_sides_and_no_process_dies(pool_for: PoolFor, backend: str) -> None:
+    pool = pool_for(backend)
     before = pool.run(pid, timeout=60)
     for case, (side0, side1) in SIDES.items():
         results = pool.run(mismatching, backend, case, timeout=120)

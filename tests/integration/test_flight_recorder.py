@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,9 @@ import torch
 from pg_core import ProcessGroup
 from pg_core.errors import CollectiveTimeout
 from pg_core.testing.pool import RankContext, RankPool
-from pg_core.testing.rank import run_warm_up
 
 Pools = Callable[[int], RankPool]
+PoolFor = Callable[..., RankPool]  # the pool_for fixture (tests/integration/conftest.py)
 
 BACKENDS = [
     pytest.param("tcp", marks=pytest.mark.requires_backend("tcp")),
@@ -32,14 +32,6 @@ BACKENDS = [
 
 #: each operation's timeout: short, the suite's wall time matters
 TIMEOUT = 2.0
-
-
-@pytest.fixture(scope="module")
-def mpi_pool() -> Iterator[RankPool]:
-    """Three ranks started by ``mpiexec`` (pg-mpi's ranks must be one MPI job), MPI initialised first."""
-    pool = RankPool(3, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-    yield pool
-    pool.close()
 
 
 def skipping(ctx: RankContext, backend: str, folder: str) -> dict[str, Any]:
@@ -73,9 +65,9 @@ def skipping(ctx: RankContext, backend: str, folder: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_skipped_collective_is_reported_by_who_is_where_dumped_and_merged(
-    rank_pools: Pools, request: pytest.FixtureRequest, backend: str, tmp_path: Path
+    pool_for: PoolFor, backend: str, tmp_path: Path
 ) -> None:
-    pool = request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(3)
+    pool = pool_for(backend, 3)
     results = pool.run(skipping, backend, str(tmp_path), timeout=120)
     where = (
         "ranks 0, 2 are in all_reduce #3; rank 1 never started #3 (last completed all_reduce #2; in recv from rank 0)"

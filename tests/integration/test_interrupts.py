@@ -10,32 +10,21 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 from pg_core import GroupClosedError, ProcessGroup
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
-from pg_core.testing.rank import run_warm_up
 
 Pools = Callable[[int], RankPool]
+PoolFor = Callable[..., RankPool]  # the pool_for fixture (tests/integration/conftest.py)
 
 BACKENDS = [
     pytest.param("tcp", marks=pytest.mark.requires_backend("tcp")),
     pytest.param("mpi", marks=pytest.mark.requires_backend("mpi")),
 ]
-
-
-@pytest.fixture(scope="module")
-def mpi_pool() -> Iterator[RankPool]:
-    pool = RankPool(2, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-    yield pool
-    pool.close()
-
-
-def pool_for(backend: str, rank_pools: Pools, request: pytest.FixtureRequest) -> RankPool:
-    return request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(2)
 
 
 def interrupted(ctx: RankContext, backend: str, how: str) -> float | None:
@@ -72,8 +61,6 @@ def interrupted(ctx: RankContext, backend: str, how: str) -> float | None:
 
 @pytest.mark.parametrize("how", ["ctrl_c", "abort"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_blocked_receive_is_interrupted_within_a_second(
-    backend: str, how: str, rank_pools: Pools, request: pytest.FixtureRequest
-) -> None:
-    took, _ = pool_for(backend, rank_pools, request).run(interrupted, backend, how, timeout=90)
+def test_a_blocked_receive_is_interrupted_within_a_second(backend: str, how: str, pool_for: PoolFor) -> None:
+    took, _ = pool_for(backend).run(interrupted, backend, how, timeout=90)
     assert took is not None and took < 1.0, took

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -20,10 +20,10 @@ from pg_core.errors import CollectiveTimeout
 from pg_core.interop import _Adapter
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
-from pg_core.testing.rank import run_warm_up
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 Pools = Callable[[int], RankPool]
+PoolFor = Callable[..., RankPool]  # the pool_for fixture (tests/integration/conftest.py)
 
 BACKENDS = [
     pytest.param("gloo", marks=pytest.mark.requires_backend("gloo")),
@@ -188,14 +188,6 @@ def test_torch_irecv_without_src_receives_from_any_source(rank_pools: Pools) -> 
 # -- futures: complete without anyone waiting on the work, on every backend ------------------------
 
 
-@pytest.fixture(scope="module")
-def mpi_pool() -> Iterator[RankPool]:
-    """Two ranks started by ``mpiexec`` (pg-mpi's ranks must be one MPI job), MPI initialised first."""
-    pool = RankPool(2, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-    yield pool
-    pool.close()
-
-
 def future_path(ctx: RankContext, backend: str) -> dict[str, Any]:
     """What torch does with an asynchronous call's work: waits on its future (never on the
     work), chains ``then`` callbacks on it that must run by themselves, and (DDP's comm hook)
@@ -250,10 +242,8 @@ def future_path(ctx: RankContext, backend: str) -> dict[str, Any]:
     "backend",
     [*BACKENDS, pytest.param("mpi", marks=pytest.mark.requires_backend("mpi"))],
 )
-def test_futures_complete_without_a_wait_on_the_work_and_fail_at_the_timeout(
-    rank_pools: Pools, request: pytest.FixtureRequest, backend: str
-) -> None:
-    pool = request.getfixturevalue("mpi_pool") if backend == "mpi" else rank_pools(2)
+def test_futures_complete_without_a_wait_on_the_work_and_fail_at_the_timeout(pool_for: PoolFor, backend: str) -> None:
+    pool = pool_for(backend)
     results = pool.run(future_path, backend, timeout=120)
     for r, got in enumerate(results):
         assert got["adapter"] is (backend != "gloo")
