@@ -151,11 +151,9 @@ class ProcessGroup:
     ) -> None:
         rank, size = _rank_and_size(rank, size)
         check_name(name)
-        checked = check_mode(check, os.environ)
-        loader = messages.loader(objects, os.environ)
         self._attach(
-            _form_top_level(
-                authenticated(store, resolve_key(auth_key, os.environ)),
+            *_form_top_level(
+                store,
                 name,
                 rank,
                 size,
@@ -163,10 +161,10 @@ class ProcessGroup:
                 timeout=timeout,
                 options=options,
                 registry=registry,
-                check=checked,
-            ),
-            checked,
-            loader,
+                check=check,
+                auth_key=auth_key,
+                objects=objects,
+            )
         )
 
     @classmethod
@@ -1663,11 +1661,9 @@ def rendezvous(
         raise TypeError(f"size must be an int, got {size!r}")
     if size < 1:
         raise ValueError(f"size must be >= 1, got {size}")
-    checked = check_mode(check, os.environ)
-    loader = messages.loader(objects, os.environ)
     group = ProcessGroup._of(
-        _form_top_level(
-            authenticated(store, resolve_key(auth_key, os.environ)),
+        *_form_top_level(
+            store,
             name,
             None,
             size,
@@ -1675,10 +1671,10 @@ def rendezvous(
             timeout=timeout,
             options=options,
             registry=registry,
-            check=checked,
-        ),
-        checked,
-        loader,
+            check=check,
+            auth_key=auth_key,
+            objects=objects,
+        )
     )
     try:
         group._objects.endpoint("rendezvous")  # the message backend, created while every member is here
@@ -1726,14 +1722,21 @@ def _form_top_level(
     timeout: float | timedelta | None,
     options: Mapping[str, Mapping[str, Any]] | None,
     registry: Registry | None,
-    check: bool,
-) -> Formation:
+    check: bool | None,
+    auth_key: str | bytes | AuthKey | None,
+    objects: ObjectsArg,
+) -> tuple[Formation, bool, messages.Loader]:
     """A group formed in the store's root namespace: at ``rank``, or (``None``) in arrival
-    order once all ``size`` have arrived, as :func:`rendezvous` does. The backends are
-    resolved before this rank takes a place: a wrong name fails here, not in the others' wait."""
+    order once all ``size`` have arrived, as :func:`rendezvous` does; with its check mode and
+    object loader (``check``, ``auth_key`` and ``objects`` default to this process's
+    environment). Everything local is settled before this rank takes a place (the backends
+    resolved, the variables read): a wrong name fails here, not in the others' wait."""
+    checked = check_mode(check, os.environ)
+    loader = messages.loader(objects, os.environ)
+    key = resolve_key(auth_key, os.environ)
     specs = resolve_backends(backends, registry)
-    return form(
-        store,
+    formation = form(
+        authenticated(store, key),
         ROOT_NAMESPACE,
         name,
         rank,
@@ -1744,5 +1747,6 @@ def _form_top_level(
         options=options or {},
         registry=registry,
         wait=rank is None,
-        check=check,
+        check=checked,
     )
+    return formation, checked, loader
