@@ -2,8 +2,10 @@
 a rank that starts late holds nobody past the group's timeout (MPICH's ``MPI_Init`` waits for
 every rank of the job), a collective given up on after its timeout is never completed by a
 rank that comes to it late (MPI cannot cancel a collective, and matches them by order alone),
-and point to point holds a bounded number of bytes for receivers that are slow (an ``isend``
-sends from the tensor itself; copying sends wait once ``max_send_copy_bytes`` are in flight).
+point to point holds a bounded number of bytes for receivers that are slow (an ``isend``
+sends from the tensor itself; copying sends wait once ``max_send_copy_bytes`` are in flight),
+and a rank that aborts tells the others, whose operations that need it raise
+``PeerFailureError`` ("rank 1 aborted") at once instead of at their timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import pytest
 import torch
 from pg_core import ProcessGroup
-from pg_core.errors import CollectiveTimeout
+from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.launchers import launch_command
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
@@ -228,3 +230,76 @@ def test_sends_to_a_slow_receiver_hold_at_most_the_budget(pools: Pools) -> None:
     assert sender["isend_growth"] <= budget + 16 * MiB, sender
     assert sender["copied_in_flight"] <= budget, sender
     assert sender["send_growth"] <= budget + 64 * MiB, sender
+
+
+# -- a rank that aborts tells the others -----------------------------------------------------------------
+
+
+def _failure(exc: PeerFailureError, at: float) -> dict[str, Any]:
+    return {"text": " ".join(str(exc).split()), "peers": list(exc.peers), "after": time.monotonic() - at}
+
+
+def aborting_rank(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1 aborts while rank 0 is blocked in a recv from it (with an irecv from rank 2
+    posted before) and rank 2 is in an all_reduce: both raise ``PeerFailureError`` naming rank
+    1; rank 0's receive from rank 2 is left alone and completes once rank 2 sends, nothing is
+    written into the withdrawn receive's tensor, and later operations that need rank 1 are
+    refused at once. The group's timeout (30 s) is far beyond what the test allows (2 s)."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=30, name="abort-notice")
+    out: dict[str, Any] = {}
+    group.barrier()  # formed
+    if ctx.rank == 1:
+        wait_for(ctx.store, ["blocked/0", "blocked/2"], 60)
+        ctx.store.set("at", repr(time.monotonic()))  # one host: every rank reads one monotonic clock
+        group.abort()
+        wait_for(ctx.store, ["done/0", "done/2"], 60)
+        return out
+    try:
+        if ctx.rank == 0:
+            from_two = torch.zeros(4)
+            work = group.irecv(from_two, src=2)
+            from_one = torch.full((4,), -1.0)
+            ctx.store.set("blocked/0", "1")
+            try:
+                group.recv(from_one, src=1)
+                out["received"] = from_one.tolist()
+            except PeerFailureError as exc:
+                out["recv"] = _failure(exc, float(ctx.store.get("at")))
+            ctx.store.set("send-now", "1")
+            work.wait()
+            out["from_two"] = from_two.tolist()
+            out["untouched"] = from_one.tolist() == [-1.0] * 4
+            start = time.monotonic()
+            try:
+                group.send(torch.ones(1), 1)
+                out["later_send"] = "sent"
+            except PeerFailureError as exc:
+                out["later_send"] = {"text": " ".join(str(exc).split()), "peers": list(exc.peers)}
+            out["later_seconds"] = time.monotonic() - start
+        else:
+            ctx.store.set("blocked/2", "1")
+            try:
+                group.all_reduce(torch.ones(4))
+                out["reduced"] = True
+            except PeerFailureError as exc:
+                out["all_reduce"] = _failure(exc, float(ctx.store.get("at")))
+            wait_for(ctx.store, ["send-now"], 60)
+            group.send(torch.full((4,), 7.0), 0)
+        group.shutdown()
+    finally:
+        ctx.store.set(f"done/{ctx.rank}", "1")
+    return out
+
+
+def test_a_rank_that_aborts_is_named_by_the_peers_that_wait_for_it(pools: Pools) -> None:
+    r0, _, r2 = pools(3).run(aborting_rank, timeout=120)
+    for got in (r0.get("recv"), r2.get("all_reduce")):
+        assert got is not None, (r0, r2)
+        assert "rank 1 aborted" in got["text"] and got["peers"] == [1], got
+        assert got["after"] < 2.0, got
+    assert r0["recv"]["text"].startswith("recv from rank 1"), r0
+    assert r2["all_reduce"]["text"].startswith("all_reduce"), r2
+    assert r0["from_two"] == [7.0] * 4 and r0["untouched"], r0
+    later = r0["later_send"]
+    assert isinstance(later, dict) and "rank 1 aborted" in later["text"] and later["peers"] == [1], r0
+    assert r0["later_seconds"] < 0.5, r0

@@ -135,6 +135,17 @@ _WITHDRAW_S: Final = 5.0
 #: ``MPIBackend._give_up``): eager messages, delivered within microseconds by a live peer.
 _NOTICE_S: Final = 1.0
 
+#: How long ``abort`` drives its notices to the others (see ``MPIBackend._farewell``): abort
+#: never waits on a peer, and MPICH moves a small message within the MPI calls that post and
+#: test it, so this bound is rarely reached.
+_FAREWELL_S: Final = 5e-2
+
+#: The first byte of an abort notice (a give-up notice is a collective's number, big-endian:
+#: its first byte is never 0xFF); the other seven are the group formation's own (``_abort_note``),
+#: so that a notice left over from an aborted communicator is never taken for one of a later
+#: communicator to which MPI gave the same context.
+_ABORT_MARK: Final = 0xFF
+
 #: After this long without a collective, a rank probes for notices up to this many times
 #: before its next (see ``MPIBackend._noticed``): messages that queued meanwhile are taken in
 #: one per probe.
@@ -183,8 +194,26 @@ class MPIBackend(Backend):
         self._send_errors: dict[int, BaseException] = {}
         #: user-defined MPI_Ops by (dtype, reduce op), made on first use, freed at shutdown
         self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
+        #: the ranks a collective needs besides this one
+        self._others: Final = tuple(r for r in range(self.size) if r != self.rank)
+        #: the tag of the notices a rank sends the others when it gives up on a collective or
+        #: aborts: above every tag the core uses (``MAX_TAG``), where the library's bound leaves
+        #: room (MPICH's does)
+        tag_ub = int(self._mpi.COMM_WORLD.Get_attr(self._mpi.TAG_UB))
+        self._notice_tag: int | None = MAX_TAG + 1 if tag_ub > MAX_TAG else None
+        #: the notice this rank sends when it aborts, and the one it takes a peer's abort by
+        self._abort_note: Final = bytes([_ABORT_MARK]) + hashlib.sha256(ctx.group_uid.encode()).digest()[:7]
+        #: peer -> the first collective it gave up on (after its timeout), from its notices
+        self._gave_up: dict[int, int] = {}
+        #: peers that aborted, from their notices: operations that need them are refused
+        self._aborted_peers: set[int] = set()
+        #: operations that timed out or lost a peer but that MPI may still complete (a collective
+        #: cannot be cancelled), and abort's notices: their requests and the buffers MPI reads
+        #: and writes, kept as long as this backend
+        self._abandoned: list[tuple[Any, object]] = []
+        self._comm: Any = None  # (forming polls, and a poll looks for notices where there is a communicator)
         split_from = getattr(ctx, "split_from", None)  # (a BackendContext of pg-core before 1.6 has none)
-        self._comm: Any = (
+        self._comm = (
             _form(ctx, self._mpi, self._wait_until, deadline)
             if split_from is None
             else _adopt(ctx, self._mpi, split_from)
@@ -193,15 +222,6 @@ class MPIBackend(Backend):
         self._seq = 0
         #: when this rank's last collective completed (``time.monotonic()``)
         self._active = 0.0
-        #: the tag of the notices a rank sends the others when it gives up on a collective: above
-        #: every tag the core uses (``MAX_TAG``), where the library's bound leaves room (MPICH's does)
-        tag_ub = int(self._mpi.COMM_WORLD.Get_attr(self._mpi.TAG_UB))
-        self._notice_tag: int | None = MAX_TAG + 1 if tag_ub > MAX_TAG else None
-        #: peer -> the first collective it gave up on (after its timeout), from its notices
-        self._gave_up: dict[int, int] = {}
-        #: operations that timed out but that MPI may still complete (a collective cannot be
-        #: cancelled): their requests and the buffers MPI reads and writes, kept until shutdown
-        self._abandoned: list[tuple[Any, object]] = []
 
     @property
     def comm(self) -> Any:
@@ -234,17 +254,22 @@ class MPIBackend(Backend):
             handle.Free()
 
     # -- waiting --------------------------------------------------------------------------
-    def _wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
+    def _wait_until(
+        self, ready: Callable[[], bool], deadline: float, *, what: str = "", needs: Sequence[int] = ()
+    ) -> bool:
         """Whether ``ready()`` became true before ``deadline`` passed: tested now, then polled
-        (:meth:`_poll`). Raises ``GroupClosedError`` once aborted."""
-        return ready() or self._poll(ready, deadline)
+        (:meth:`_poll`, with ``what`` and ``needs``). Raises ``GroupClosedError`` once aborted."""
+        return ready() or self._poll(ready, deadline, what=what, needs=needs)
 
-    def _poll(self, ready: Callable[[], bool], deadline: float) -> bool:
+    def _poll(self, ready: Callable[[], bool], deadline: float, *, what: str = "", needs: Sequence[int] = ()) -> bool:
         """Poll ``ready()``, which was just false, until it is true (``True``) or ``deadline``
         passes (``False``): for :data:`_YIELD_S` back to back, with a ``sched_yield`` before
-        each poll where ranks share CPUs, reading the clock and the closed state (and yielding,
-        where they do not) only every :data:`_CHECK_EVERY` polls; after that, naps between
-        polls, doubling to 1 ms. Raises ``GroupClosedError`` once aborted."""
+        each poll where ranks share CPUs, reading the clock and the closed state and looking
+        for the peers' notices (and yielding, where they do not) only every
+        :data:`_CHECK_EVERY` polls; after that, naps between polls, doubling to 1 ms. Raises
+        ``GroupClosedError`` once aborted, and ``PeerFailureError`` (the operation ``what``)
+        once a rank in ``needs``, the ranks the operation waits for, told this one it aborted
+        (:meth:`_listen`; the caller withdraws or keeps what it posted)."""
         self._polling.append(None)
         try:
             naps_from = time.monotonic() + _YIELD_S
@@ -262,6 +287,7 @@ class MPIBackend(Backend):
                     _yield()
                 if self._closed is not None:
                     raise self._closed_error()
+                self._listen(what, needs)
                 now = time.monotonic()
                 if now >= deadline:
                     return False
@@ -271,6 +297,7 @@ class MPIBackend(Backend):
             while not ready():
                 if self._closed is not None:
                     raise self._closed_error()
+                self._listen(what, needs)
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(nap)
@@ -288,10 +315,15 @@ class MPIBackend(Backend):
             with self._lock:
                 self._idle.notify_all()
 
-    def _check(self, what: str, peers: Sequence[int] = ()) -> Any:
-        """The communicator, or the error this backend's state calls for, before anything is posted."""
+    def _check(self, what: str, peers: Sequence[int] = (), *, sending: bool = False) -> Any:
+        """The communicator, or the error this backend's state calls for, before anything is
+        posted. A send to a peer that aborted is refused (one probe for notices first: a send
+        returns at once, so this is its only look); a receive is not, since MPI still delivers
+        what the peer sent before it aborted (its wait raises where nothing came)."""
         if self._closed is not None:
             raise self._closed_error(what)
+        if sending:
+            self._listen(what, peers)
         for peer in peers:
             failed = self._send_errors.get(peer)
             if failed is not None:
@@ -314,6 +346,55 @@ class MPIBackend(Backend):
             return RuntimeError(text)
         return exc
 
+    # -- notices: a peer gave up on a collective, or aborted --------------------------------
+    def _listen(self, what: str, needs: Sequence[int]) -> None:
+        """Take in the notices that have come (one ``MPI_Iprobe``, 0.2-0.4 us, where none has),
+        then raise ``PeerFailureError`` for ``what`` if a rank in ``needs`` aborted."""
+        comm, tag = self._comm, self._notice_tag
+        if comm is not None and tag is not None and comm.Iprobe(self._mpi.ANY_SOURCE, tag):
+            self._take_notices(comm, patience=1)
+        if needs and self._aborted_peers:
+            self._refuse_aborted(what, needs)
+
+    def _take_notices(self, comm: Any, *, patience: int) -> None:
+        """Receive the notices waiting on ``comm`` until ``patience`` probes in a row find none
+        (MPICH takes in about one waiting message per probe), recording who gave up on which
+        collective and who aborted. An abort notice of another formation is dropped."""
+        mpi, tag = self._mpi, self._notice_tag
+        status = mpi.Status()
+        misses = 0
+        while tag is not None and misses < patience:
+            message = comm.Improbe(mpi.ANY_SOURCE, tag, status)
+            if message is None:
+                misses += 1
+                continue
+            misses = 0
+            note = bytearray(8)
+            message.Recv([note, mpi.BYTE])
+            peer = int(status.Get_source())
+            if note[0] == _ABORT_MARK:
+                if note == self._abort_note:
+                    self._aborted_peers.add(peer)
+                continue
+            given_up = int.from_bytes(note, "big")
+            self._gave_up[peer] = min(self._gave_up.get(peer, given_up), given_up)
+
+    def _refuse_aborted(self, what: str, needs: Sequence[int]) -> None:
+        """Raise ``PeerFailureError`` for ``what`` if ranks in ``needs`` aborted (they said so)."""
+        lost = [p for p in needs if p in self._aborted_peers]
+        if lost:
+            raise PeerFailureError(
+                f"{what}: {'; '.join(f'rank {p} aborted' for p in lost)} (backend 'mpi' of group "
+                f"{self.ctx.group_name!r}; {'it' if len(lost) == 1 else 'they'} said so on leaving): the operation "
+                f"cannot complete; form a new group without {'it' if len(lost) == 1 else 'them'} (shrink() this one)",
+                peers=lost,
+            )
+
+    def _keep(self, request: Any, buffers: object) -> None:
+        """Hold an operation MPI may still complete (its request and buffers) as long as this backend."""
+        with self._lock:
+            self._abandoned.append((request, buffers))
+
     def _timeout(self, what: str, timeout: float, peers: Sequence[int] = ()) -> CollectiveTimeout:
         who = f"rank {', '.join(map(str, peers))}" if peers else "the other ranks (MPI does not say which)"
         return CollectiveTimeout(f"{what}: not complete after {timeout:g} s; waiting for {who}", op=what, peers=peers)
@@ -327,7 +408,7 @@ class MPIBackend(Backend):
         comm = self._check(what)
         self._seq += 1
         tag = self._notice_tag
-        if self._gave_up or (tag is not None and self._noticed(comm)):
+        if self._gave_up or self._aborted_peers or (tag is not None and self._noticed(comm)):
             self._refuse_abandoned(comm, what, self._seq)
         return comm, self._seq
 
@@ -344,21 +425,12 @@ class MPIBackend(Backend):
         return any(comm.Iprobe(any_source, tag) for _ in range(_IDLE_PROBES))
 
     def _refuse_abandoned(self, comm: Any, what: str, seq: int) -> None:
-        """Take the peers' notices in, then raise if one gave up on collective ``seq`` or an
-        earlier one (a peer that gave up on a later one has passed this one: it may complete)."""
-        mpi, tag = self._mpi, self._notice_tag
-        status = mpi.Status()
-        misses = 0
-        while tag is not None and misses < _IDLE_PROBES:  # (the others' notices, queued behind other messages)
-            message = comm.Improbe(mpi.ANY_SOURCE, tag, status)
-            if message is None:
-                misses += 1
-                continue
-            misses = 0
-            note = bytearray(8)
-            message.Recv([note, mpi.BYTE])
-            peer, given_up = int(status.Get_source()), int.from_bytes(note, "big")
-            self._gave_up[peer] = min(self._gave_up.get(peer, given_up), given_up)
+        """Take the peers' notices in, then raise ``PeerFailureError`` if one aborted (a
+        collective needs every rank), or ``CollectiveTimeout`` if one gave up on collective
+        ``seq`` or an earlier one (a peer that gave up on a later one has passed this one: it
+        may complete)."""
+        self._take_notices(comm, patience=_IDLE_PROBES)  # (the others' notices, queued behind other messages)
+        self._refuse_aborted(what, self._others)
         late = sorted(p for p, n in self._gave_up.items() if n <= seq)
         if late:
             first = min(self._gave_up[p] for p in late)
@@ -376,8 +448,7 @@ class MPIBackend(Backend):
         stay with this backend (nothing MPI may still read or write is freed), and every other
         rank is told (a notice on the communicator, tag above the core's), so that a rank
         that comes to it late is refused instead of completing against it."""
-        with self._lock:
-            self._abandoned.append((request, keep))
+        self._keep(request, keep)
         comm, tag = self._comm, self._notice_tag
         if tag is None or comm is None or self._closed is not None:
             return
@@ -409,8 +480,9 @@ class MPIBackend(Backend):
     ) -> Work:
         """A :class:`Work` that completes with collective ``seq``'s ``request`` (then runs
         ``then``), failing with ``CollectiveTimeout`` ``timeout`` seconds after now (the
-        collective given up on: :meth:`_give_up`). ``keep`` is held until it completes (the
-        buffers MPI reads and writes)."""
+        collective given up on: :meth:`_give_up`), or with ``PeerFailureError`` once a peer
+        aborted (the collective kept). ``keep`` is held until it completes (the buffers MPI
+        reads and writes)."""
         deadline = time.monotonic() + timeout
         testing = threading.Lock()  # MPI_Test of one request from one thread at a time
         held = [keep]
@@ -423,8 +495,12 @@ class MPIBackend(Backend):
                     return
                 if budget <= 0:
                     done = request.Test()
+                    if not done:
+                        self._listen(what, self._others)
                 else:
-                    done = self._wait_until(request.Test, min(deadline, time.monotonic() + budget))
+                    done = self._wait_until(
+                        request.Test, min(deadline, time.monotonic() + budget), what=what, needs=self._others
+                    )
                 if not done:
                     if time.monotonic() >= deadline:
                         self._give_up(request, keep, seq)
@@ -433,6 +509,9 @@ class MPIBackend(Backend):
                 self._active = time.monotonic()
                 if then is not None:
                     then()
+            except PeerFailureError as exc:
+                self._keep(request, keep)
+                work.set_exception(exc)
             except BaseException as exc:
                 work.set_exception(self._error(exc, what))
             else:
@@ -464,7 +543,10 @@ class MPIBackend(Backend):
         if async_op:
             return self._work(request, what, timeout, seq=seq, then=then, keep=keep)
         try:
-            done = self._wait_until(request.Test, time.monotonic() + timeout)
+            done = self._wait_until(request.Test, time.monotonic() + timeout, what=what, needs=self._others)
+        except PeerFailureError:
+            self._keep(request, keep)
+            raise
         except self._mpi.Exception as exc:
             raise self._error(exc, what) from exc
         if not done:
@@ -552,20 +634,26 @@ class MPIBackend(Backend):
         mpi_op, mpi_type, in_place = getattr(mpi, OP_NAMES[op.type]), getattr(mpi, TYPE_NAMES[dtype]), mpi.IN_PLACE
         address, itemsize = mpi.buffer.fromaddress, dtype.itemsize  # (a buffer of the tensor's memory, made in C)
         posting, poll, error, tag, noticed = self._posting, self._poll, self._error, self._notice_tag, self._noticed
+        aborted, others = self._aborted_peers, self._others
 
         def run(tensor: torch.Tensor) -> None:
             comm = self._comm
-            if self._closed is not None or self._gave_up or (tag is not None and noticed(comm)):
+            if self._closed is not None or self._gave_up or aborted or (tag is not None and noticed(comm)):
                 comm, _ = posting("all_reduce")  # the full check: raises, or counts the call
             else:
                 self._seq += 1
             try:
                 buf = address(tensor.data_ptr(), tensor.numel() * itemsize)
                 request = comm.Iallreduce(in_place, [buf, mpi_type], mpi_op)
-                if not request.Test() and not poll(request.Test, time.monotonic() + timeout):
+                if not request.Test() and not poll(
+                    request.Test, time.monotonic() + timeout, what="all_reduce", needs=others
+                ):
                     self._give_up(request, tensor, self._seq)
                     raise self._timeout("all_reduce", timeout)
                 self._active = time.monotonic()
+            except PeerFailureError:
+                self._keep(request, tensor)
+                raise
             except mpi.Exception as exc:
                 raise error(exc, "all_reduce") from exc
 
@@ -818,7 +906,7 @@ class MPIBackend(Backend):
         if self._room(nbytes) or self._reaped_room(nbytes):
             self._copy_and_post(tensor, nbytes, dst, tag, what)
             return Work.completed("isend")
-        comm = self._check(what, [dst])
+        comm = self._check(what, [dst], sending=True)
         try:
             request = comm.Isend(self._bytes(tensor), dst, tag)
         except self._mpi.Exception as exc:
@@ -838,8 +926,12 @@ class MPIBackend(Backend):
                     return
                 if budget <= 0:
                     done = request.Test()
+                    if not done:
+                        self._listen(what, [dst])
                 else:
-                    done = self._wait_until(request.Test, min(deadline, time.monotonic() + budget))
+                    done = self._wait_until(
+                        request.Test, min(deadline, time.monotonic() + budget), what=what, needs=[dst]
+                    )
                 if done:
                     work.set_result(None)
                 elif time.monotonic() >= deadline:
@@ -852,6 +944,8 @@ class MPIBackend(Backend):
                             peers=[dst],
                         )
                     )
+            except PeerFailureError as exc:  # (the send stays posted: _reap keeps it)
+                work.set_exception(exc)
             except BaseException as exc:
                 work.set_exception(self._error(exc, what, [dst]))
             finally:
@@ -871,13 +965,18 @@ class MPIBackend(Backend):
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float) -> int:
         """A blocking receive from ``src`` (``None``: any source); the sender's rank."""
-        peers = self._peers(src)
+        peers, what = self._peers(src), _receiving(src, tag)
         comm = self._check("recv", () if src is None else peers)
         status = self._mpi.Status()
         try:
             request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
-            if not request.Test(status) and not self._poll(lambda: request.Test(status), time.monotonic() + timeout):
-                self._withdraw(request, status, tensor, what=_receiving(src, tag), timeout=timeout, peers=peers)
+            try:
+                if not request.Test(status) and not self._poll(
+                    lambda: request.Test(status), time.monotonic() + timeout, what=what, needs=peers
+                ):
+                    self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers)
+            except PeerFailureError as exc:
+                self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers, failure=exc)
         except self._mpi.Exception as exc:
             raise self._received_error(exc, tensor, _sender(src, status), tag) from exc
         return self._check_count(status, tensor, tag)
@@ -912,14 +1011,24 @@ class MPIBackend(Backend):
                 if work._done:
                     return
                 try:
-                    if budget <= 0:
-                        done = request.Test(status)
-                    else:
-                        done = self._wait_until(lambda: request.Test(status), min(deadline, time.monotonic() + budget))
-                    if not done:
-                        if time.monotonic() < deadline:
-                            return
-                        self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers)
+                    try:
+                        if budget <= 0:
+                            done = request.Test(status)
+                            if not done:
+                                self._listen(what, peers)
+                        else:
+                            done = self._wait_until(
+                                lambda: request.Test(status),
+                                min(deadline, time.monotonic() + budget),
+                                what=what,
+                                needs=peers,
+                            )
+                        if not done:
+                            if time.monotonic() < deadline:
+                                return
+                            self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers)
+                    except PeerFailureError as exc:
+                        self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers, failure=exc)
                 except self._mpi.Exception as exc:
                     raise self._received_error(exc, tensor, _sender(src, status), tag) from None
                 sender = self._check_count(status, tensor, tag)
@@ -933,14 +1042,23 @@ class MPIBackend(Backend):
         return Work("recv", driver=drive)
 
     def _withdraw(
-        self, request: Any, status: Any, tensor: torch.Tensor, *, what: str, timeout: float, peers: Sequence[int]
+        self,
+        request: Any,
+        status: Any,
+        tensor: torch.Tensor,
+        *,
+        what: str,
+        timeout: float,
+        peers: Sequence[int],
+        failure: PeerFailureError | None = None,
     ) -> None:
-        """A receive timed out: cancel it (``MPI_Cancel``) and wait for MPI to finish with it, so
-        that nothing is written into ``tensor`` once this returns. Returns normally where the
-        message came after all (MPI had matched it: the receive is complete and ``status``
-        says so); raises ``CollectiveTimeout`` where the receive was withdrawn, or where MPI
-        did not let go of it within :data:`_WITHDRAW_S` (then the tensor is kept, and the error
-        says that MPI may still write into it)."""
+        """A receive timed out (or its peer aborted: ``failure``): cancel it (``MPI_Cancel``) and
+        wait for MPI to finish with it, so that nothing is written into ``tensor`` once this
+        returns. Returns normally where the message came after all (MPI had matched it: the
+        receive is complete and ``status`` says so); raises ``CollectiveTimeout`` (or
+        ``failure``) where the receive was withdrawn, or ``CollectiveTimeout`` where MPI did not
+        let go of it within :data:`_WITHDRAW_S` (then the tensor is kept, and the error says
+        that MPI may still write into it)."""
         request.Cancel()
         try:
             finished = self._wait_until(lambda: request.Test(status), time.monotonic() + _WITHDRAW_S)
@@ -949,7 +1067,7 @@ class MPIBackend(Backend):
         if finished and not status.Is_cancelled():
             return  # received after all: not a timeout
         if finished:
-            raise self._timeout(what, timeout, peers)
+            raise failure or self._timeout(what, timeout, peers)
         with self._lock:
             self._abandoned.append((request, tensor))
         raise CollectiveTimeout(
@@ -1052,7 +1170,7 @@ class MPIBackend(Backend):
         """``MPI_Isend`` of a copy's first ``nbytes`` (reserved by :meth:`_reserve`), kept
         until MPI is done with it (a later MPI call completes it; ``shutdown`` waits for it)."""
         try:
-            comm = self._check(what, [dst])
+            comm = self._check(what, [dst], sending=True)
             buf = [payload, self._mpi.BYTE] if isinstance(payload, bytearray) else self._bytes(payload[:nbytes])
             try:
                 request = comm.Isend(buf, dst, tag)
@@ -1073,12 +1191,14 @@ class MPIBackend(Backend):
         buffer = bytearray(nbytes)
         try:
             request = message.Irecv([buffer, nbytes, self._mpi.BYTE])
-            done = self._wait_until(request.Test, deadline)
+            done = self._wait_until(request.Test, deadline, what=what, needs=[src])
+        except PeerFailureError:  # matched, so not cancellable: the buffer stays with MPI
+            self._keep(request, buffer)
+            raise
         except self._mpi.Exception as exc:
             raise self._error(exc, what, [src]) from exc
-        if not done:  # matched, so not cancellable: the buffer stays with MPI
-            with self._lock:
-                self._abandoned.append((request, buffer))
+        if not done:
+            self._keep(request, buffer)
             raise self._timeout(what, timeout, [src])
         return buffer
 
@@ -1096,7 +1216,7 @@ class MPIBackend(Backend):
             return True
 
         try:
-            if not self._wait_until(probe, deadline):
+            if not self._wait_until(probe, deadline, what=what, needs=[src]):
                 raise CollectiveTimeout(f"{what}: no message within {timeout:g} s", op=what, peers=[src])
         except self._mpi.Exception as exc:
             raise self._error(exc, what, [src]) from exc
@@ -1104,7 +1224,10 @@ class MPIBackend(Backend):
 
     def _reap(self) -> None:
         """Drop the sends that completed, releasing their copies' share of the budget; record
-        a failed one for its peer. A send whose work is being waited for is left to it."""
+        a failed one for its peer. A send to a peer that aborted will never be received: it
+        is kept as long as this backend (MPI takes no send back) but no longer counted, so
+        that neither the budget nor ``shutdown`` waits for it. A send whose work is being
+        waited for is left to it."""
         with self._lock:
             pending, self._sends = self._sends, []
         left, spare, freed = [], [], 0
@@ -1114,9 +1237,12 @@ class MPIBackend(Backend):
                 continue
             try:
                 if not entry.request.Test():
-                    left.append(entry)
-                    continue
-                if entry.spare:
+                    if entry.dst in self._aborted_peers:
+                        self._keep(entry.request, entry.payload)
+                    else:
+                        left.append(entry)
+                        continue
+                elif entry.spare:
                     spare.append(entry.payload)
             except self._mpi.Exception as exc:
                 dst = entry.dst
@@ -1151,9 +1277,33 @@ class MPIBackend(Backend):
         self._free("shut down")
 
     def abort(self) -> None:
-        """Refuse everything from now on; polling loops in other threads raise
-        ``GroupClosedError`` within a nap, then the communicator is freed."""
+        """Tell the other ranks (:meth:`_farewell`), refuse everything from now on; polling
+        loops in other threads raise ``GroupClosedError`` within a nap, then the communicator is
+        freed. Never waits on a peer."""
+        self._farewell()
         self._free("aborted")
+
+    def _farewell(self) -> None:
+        """Send every other rank an abort notice (tag above the core's), so that their
+        operations that need this rank raise ``PeerFailureError`` ("rank R aborted") instead of
+        waiting for their timeout. The notices are driven for at most :data:`_FAREWELL_S`
+        (MPICH moves such a small message within the calls that post and test it) and then
+        left with MPI, their requests kept as long as this backend; a peer that has left
+        already never takes its notice in (and a later communicator's never matches it: the
+        notice names this formation)."""
+        mpi, comm, tag = self._mpi, self._comm, self._notice_tag
+        if comm is None or tag is None or self._closed is not None or mpi.Is_finalized():
+            return
+        note = self._abort_note
+        notices = []
+        for peer in self._others:
+            with contextlib.suppress(mpi.Exception):  # (the peer's failure shows in its own operations)
+                notices.append(comm.Isend([note, mpi.BYTE], peer, tag))
+        until = time.monotonic() + _FAREWELL_S
+        with contextlib.suppress(mpi.Exception):
+            while not mpi.Request.Testall(notices) and time.monotonic() < until:
+                _yield()
+        self._keep(notices, note)
 
     def _free(self, how: str) -> None:
         with self._lock:
