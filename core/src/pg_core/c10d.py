@@ -272,13 +272,21 @@ class C10dBackend(Backend):
                 work = post()
             if async_op:
                 return self._launched(work, what, timeout, peers)
+        except RuntimeError as exc:
+            raise self._error(exc, what, timeout, peers) from exc
+        self._await(work, what, timeout, peers, bounded=bounded)
+        return None
+
+    def _await(self, work: Any, what: str, timeout: float, peers: Sequence[int], *, bounded: bool) -> None:
+        """Wait for the torch work of a blocking call that :meth:`_wait` posted, in pg-core's
+        errors. A subclass that waits its own way overrides this alone (pg-gloo waits in slices)."""
+        try:
             if bounded:  # point to point: the work's wait takes the bound (a collective carries it in its options)
                 work.wait(timeout_delta(timeout))
             else:
                 work.wait()
         except RuntimeError as exc:
             raise self._error(exc, what, timeout, peers) from exc
-        return None
 
     def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
         """Torch's work as ours, with no thread of our own. Where the operation completes on the

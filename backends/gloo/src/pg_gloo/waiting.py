@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final
 
 from pg_core.c10d import timeout_delta
 from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
@@ -132,9 +132,6 @@ class SlicedWaits:
     _closing: threading.Lock
     _waiters: Waiters
     _everyone: tuple[int, ...]
-    _posting: threading.Lock  # the C10dBackend's: held while posting, so no post lands in another thread's batch
-    _batch: tuple[int, Work] | None  # the C10dBackend's: the coalesced batch this thread is posting, if any
-    coalesces: bool
 
     if TYPE_CHECKING:
 
@@ -210,37 +207,14 @@ class SlicedWaits:
         if ticket.error is not None:
             raise self._error(ticket.error, what, timeout, peers) from ticket.error
 
-    def _wait(
-        self,
-        post: Callable[[], Any],
-        what: str,
-        timeout: float,
-        peers: Sequence[int] = (),
-        *,
-        bounded: bool = False,
-        async_op: bool = False,
-    ) -> Work | None:
-        """Post an operation and wait for it (``bounded``: point to point, whose peers are
-        given); with ``async_op``, return a work for it instead. Inside this thread's
-        coalesced batch, the base class posts it into torch's batch and returns the batch's work."""
-        batch = self._batch
-        if batch is not None and batch[0] == threading.get_ident():
-            return cast(Any, super())._wait(post, what, timeout, peers, bounded=bounded, async_op=async_op)
-        try:
-            if self.coalesces:  # a batch may be posting on another thread: keep out of it
-                with self._posting:
-                    work = post()
-            else:
-                work = post()
-        except RuntimeError as exc:
-            raise self._error(exc, what, timeout, peers) from exc
-        if async_op:
-            return self._launched(work, what, timeout, peers)
+    def _await(self, work: Any, what: str, timeout: float, peers: Sequence[int], *, bounded: bool) -> None:
+        """Wait for a blocking call's Gloo ``work`` (the base class posted it): a receive or send
+        (``bounded``: point to point, whose peers are given) through a waiter thread, a collective
+        in slices of Gloo's own wait."""
         if bounded:
             self._received(work, what, timeout, peers)
         else:
             self._finish(work, what, timeout, self._everyone)
-        return None
 
     def _launched(self, torch_work: Any, what: str, timeout: float, peers: Sequence[int]) -> Work:
         """A collective's Gloo work as pg-core's, driven by whoever waits on it or polls it: each
