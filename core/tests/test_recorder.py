@@ -180,7 +180,12 @@ def test_a_failed_collective_says_who_is_where_from_the_heads_in_the_store() -> 
     _tracer(store, 1, 4, rec1).point_to_point_failed(CollectiveTimeout("recv timed out"))
     # rank 2 is in broadcast #3
     rec2.tensor_collective(3, "broadcast", torch.ones(1), "cpu")
-    store.set("trace/2", json.dumps({"current": [3, "broadcast"], "completed": [2, "all_reduce"], "p2p": None}))
+    store.set(
+        "trace/2",
+        json.dumps(
+            {"current": [3, "broadcast"], "completed": [2, "all_reduce"], "p2p": None, "wall_ns": time.time_ns()}
+        ),
+    )
     store.set("left/3", "1")  # rank 3 shut down without a word
     tracer = _tracer(store, 0, 4, rec0)
     exc = CollectiveTimeout("all_reduce (collective #3) timed out after 0.4 s", op="all_reduce", seq=3)
@@ -199,6 +204,21 @@ def test_a_failed_collective_says_who_is_where_from_the_heads_in_the_store() -> 
     later = CollectiveMismatchError("another")
     tracer.explain("all_reduce", 4, later)
     assert str(later) == "another"
+
+
+def test_a_head_published_before_the_collective_could_begin_is_not_taken_for_where_a_rank_is() -> None:
+    """Rank 1's head is from a failure long ago (it went on since): not heard from, not "in recv"."""
+    store = HashStore()
+    rec0 = FlightRecorder(8)
+    _ran(rec0, "all_reduce", "all_reduce")
+    an_hour_ago = time.time_ns() - 3600 * 10**9
+    store.set(
+        "trace/1", json.dumps({"current": None, "completed": [1, "all_reduce"], "p2p": None, "wall_ns": an_hour_ago})
+    )
+    tracer = _tracer(store, 0, 2, rec0)
+    exc = CollectiveTimeout("all_reduce (collective #3) timed out after 0.4 s", op="all_reduce", seq=3)
+    tracer.explain("all_reduce", 3, exc)
+    assert "rank 1 is not heard from" in str(exc), str(exc)
 
 
 def test_members_that_never_joined_are_the_whole_story_and_a_store_that_fails_changes_nothing() -> None:

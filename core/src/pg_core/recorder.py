@@ -461,11 +461,16 @@ class Tracer:
         heads: dict[int, dict[str, Any] | None] = {r: None for r in range(self._size)}
         heads[self._rank] = mine
         deadline = time.monotonic() + min(REPORT_WAIT_MAX, self._timeout / 2)
+        # a head published before this collective could have begun (an earlier failure's, after
+        # which that rank went on) says nothing of where the rank is now: not heard from, yet
+        since_ns = time.time_ns() - int((self._timeout + REPORT_WAIT_MAX) * 1e9)
         delay = 0.005
         while True:
             for r in range(self._size):
                 if heads[r] is None:
-                    heads[r] = self._read(r)
+                    head = self._read(r)
+                    fresh = head is not None and isinstance(head.get("wall_ns"), int) and head["wall_ns"] >= since_ns
+                    heads[r] = head if fresh else None
             left = deadline - time.monotonic()
             if all(h is not None for h in heads.values()) or left <= 0:
                 break
