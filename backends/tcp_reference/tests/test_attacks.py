@@ -24,6 +24,7 @@ import pytest
 import torch
 from pg_core.auth import AuthKey
 from pg_core.backend import BackendContext
+from pg_core.dtypes import dtype_code
 from pg_core.errors import PeerFailureError, PGError
 from pg_core.ops import ReduceOp
 from pg_core.store import AuthenticatedStore, PrefixStore
@@ -492,3 +493,49 @@ def test_a_replayed_hello_and_a_key_holders_second_claim_are_refused(rank_pools:
     assert results[3] == ["closed", "closed"]
     assert any("replayed hello" in m and "rank 0" in m for m in results[2] or []), results[2]
     assert any("second claim" in m and "rank 2" in m for m in results[0] or []), results[0]
+
+
+# -- a receive that timed out is never written into afterwards -------------------------------
+
+
+def half_a_frame_then_the_rest(ctx: RankContext) -> tuple[str, int, int] | None:
+    """Rank 1's place is taken by a raw peer that sends a 16 KiB tensor frame for rank 0's
+    posted receive, but only half its payload before rank 0's receive times out, and the
+    other half after: rank 0 reads it (driving progress in another receive) and throws it away."""
+    name = "half-frame"
+    n = 4096
+    if ctx.rank == 1:
+        ctx.store.wait([f"{name}/posted"])
+        with hello(ctx, name, as_rank=1) as sock:
+            code = dtype_code(torch.float32)
+            assert code is not None
+            sock.sendall(header(TENSOR, n * 4, tag=7, dtype=code))
+            sock.sendall(torch.ones(n // 2).numpy().tobytes())
+            ctx.store.wait([f"{name}/timed-out"])
+            sock.sendall(torch.ones(n // 2).numpy().tobytes())
+            ctx.store.set(f"{name}/rest-sent", "1")
+            ctx.store.wait([f"{name}/done"])
+        return None
+    b = make_backend(ctx, name, timeout=30.0)
+    try:
+        t = torch.zeros(n)
+        ctx.store.set(f"{name}/posted", "1")
+        with pytest.raises(PGError) as info:
+            b.recv(t, 1, 7, timeout=1.0)
+        ctx.store.set(f"{name}/timed-out", "1")
+        ctx.store.wait([f"{name}/rest-sent"])
+        with pytest.raises(PGError):  # drives progress: the rest of the frame is read meanwhile
+            b.recv(torch.empty(1), 1, 8, timeout=0.5)
+        return type(info.value).__name__, int(t[: n // 2].count_nonzero()), int(t[n // 2 :].count_nonzero())
+    finally:
+        ctx.store.set(f"{name}/done", "1")
+        b.shutdown()
+
+
+def test_a_receive_that_timed_out_mid_payload_is_not_written_after(rank_pools: Pools) -> None:
+    result = rank_pools(2).run(half_a_frame_then_the_rest, timeout=60)[0]
+    assert result is not None
+    error, first_half, second_half = result
+    assert error == "CollectiveTimeout"
+    assert first_half == 2048  # what arrived before the timeout is there
+    assert second_half == 0  # what arrived after it went nowhere near the tensor
