@@ -61,6 +61,11 @@ the rank tells the others (a notice above the core's tags), so that a rank that 
 collective late is refused instead of completing against it (:meth:`MPIBackend._give_up`).
 The core refuses the group's later collectives, as after any collective failure. A receive
 that times out is cancelled and waited for, so nothing is written into its tensor afterwards.
+A rank that aborts tells the others the same way (:meth:`MPIBackend._farewell`, never waiting
+on a peer); their waits look for notices where they read their own closed state, and an
+operation that needs the aborted rank raises :class:`~pg_core.errors.PeerFailureError`
+("rank R aborted") within a millisecond instead of waiting for its timeout, its receive
+withdrawn or its collective kept as above.
 """
 
 from __future__ import annotations
