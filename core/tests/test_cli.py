@@ -274,7 +274,8 @@ def test_a_wrong_attribute_in_a_file_says_what_the_file_defines(
 def _dumped(folder: Path, rank: int, ops: list[str], failed: str | None) -> None:
     import torch
     from pg_core.errors import CollectiveTimeout
-    from pg_core.recorder import FlightRecorder, head_of, write_dump
+    from pg_core.recorder import FlightRecorder, head_of
+    from pg_core.traces import write_dump
 
     rec = FlightRecorder(8)
     for seq, op in enumerate(ops, start=1):

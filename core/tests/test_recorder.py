@@ -29,14 +29,11 @@ from pg_core.recorder import (
     Tracer,
     buffer_size,
     describe_args,
-    dump_name,
     head_of,
-    load_dump,
-    merge,
     trace_dir,
     where,
-    write_dump,
 )
+from pg_core.traces import dump_name, load_dump, merge, write_dump
 from pg_core.work import Work
 
 

@@ -202,7 +202,7 @@ def _add_trace(subparsers: _Subparsers) -> None:
 def _trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .recorder import load_dump, merge, merged_text
+    from .traces import load_dump, merge, merged_text
 
     folder = Path(args.dir)
     if not folder.is_dir():

@@ -1955,9 +1955,9 @@ class Transport:
             # else its payload is being read right now: the rest of it goes to the scratch buffer,
             # never into the tensor, whose receive fails now (the frame is read to its end: the
             # stream stays in step). The driver reads ``conn.dest`` afresh for every chunk.
-            for conn in self._conns.values():
-                if conn.target is req:
-                    conn.dest, conn.target = None, None
+            for reading in self._conns.values():
+                if reading.target is req:
+                    reading.dest, reading.target = None, None
         elif isinstance(req, Send):
             peer = self._peers[req.peer] if 0 <= req.peer < self.size else None
             if peer is not None and req in peer.backlog:
