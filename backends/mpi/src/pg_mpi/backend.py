@@ -119,6 +119,10 @@ _MAX_NAP: Final = 1e-3
 #: or an abort is seen within a few tens of them.
 _CHECK_EVERY: Final = 16
 
+#: How a wait names its operation in an error: the name, or a callable that makes it (where
+#: making it would cost the call that does not fail).
+_What = str | Callable[[], str]
+
 #: Give the CPU to another runnable process (a rank sharing this core), keeping the GIL free.
 _yield: Final[Callable[[], None]] = getattr(os, "sched_yield", lambda: time.sleep(0))
 
@@ -268,7 +272,7 @@ class MPIBackend(Backend):
         (:meth:`_poll`, with ``what`` and ``needs``). Raises ``GroupClosedError`` once aborted."""
         return ready() or self._poll(ready, deadline, what=what, needs=needs)
 
-    def _poll(self, ready: Callable[[], bool], deadline: float, *, what: str = "", needs: Sequence[int] = ()) -> bool:
+    def _poll(self, ready: Callable[[], bool], deadline: float, *, what: _What = "", needs: Sequence[int] = ()) -> bool:
         """Poll ``ready()``, which was just false, until it is true (``True``) or ``deadline``
         passes (``False``): for :data:`_YIELD_S` back to back, with a ``sched_yield`` before
         each poll where ranks share CPUs, reading the clock and the closed state and looking
@@ -360,7 +364,7 @@ class MPIBackend(Backend):
         return exc
 
     # -- notices: a peer gave up on a collective, or aborted --------------------------------
-    def _listen(self, what: str, needs: Sequence[int]) -> None:
+    def _listen(self, what: _What, needs: Sequence[int]) -> None:
         """Take in the notices that have come (one ``MPI_Iprobe``, 0.2-0.4 us, where none has),
         then raise ``PeerFailureError`` for ``what`` if a rank in ``needs`` aborted."""
         comm, tag = self._comm, self._notice_tag
@@ -392,12 +396,12 @@ class MPIBackend(Backend):
             given_up = int.from_bytes(note, "big")
             self._gave_up[peer] = min(self._gave_up.get(peer, given_up), given_up)
 
-    def _refuse_aborted(self, what: str, needs: Sequence[int]) -> None:
+    def _refuse_aborted(self, what: _What, needs: Sequence[int]) -> None:
         """Raise ``PeerFailureError`` for ``what`` if ranks in ``needs`` aborted (they said so)."""
         lost = [p for p in needs if p in self._aborted_peers]
         if lost:
             raise PeerFailureError(
-                f"{what}: {'; '.join(f'rank {p} aborted' for p in lost)} (backend 'mpi' of group "
+                f"{what if isinstance(what, str) else what()}: {'; '.join(f'rank {p} aborted' for p in lost)} (backend 'mpi' of group "
                 f"{self.ctx.group_name!r}; {'it' if len(lost) == 1 else 'they'} said so on leaving): the operation "
                 f"cannot complete; form a new group without {'it' if len(lost) == 1 else 'them'} (shrink() this one)",
                 peers=lost,
@@ -978,17 +982,21 @@ class MPIBackend(Backend):
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float) -> int:
         """A blocking receive from ``src`` (``None``: any source); the sender's rank."""
-        peers, what = self._peers(src), _receiving(src, tag)
+        peers = self._peers(src)
         comm = self._check("recv", () if src is None else peers)
         status = self._mpi.Status()
         try:
             request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
             try:
                 if not request.Test(status) and not self._poll(
-                    lambda: request.Test(status), time.monotonic() + timeout, what=what, needs=peers
+                    lambda: request.Test(status),
+                    time.monotonic() + timeout,
+                    what=lambda: _receiving(src, tag),  # (named only if it fails: a blocking recv's hot path)
+                    needs=peers,
                 ):
-                    self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers)
+                    self._withdraw(request, status, tensor, what=_receiving(src, tag), timeout=timeout, peers=peers)
             except PeerFailureError as exc:
+                what = _receiving(src, tag)
                 self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers, failure=exc)
         except self._mpi.Exception as exc:
             raise self._received_error(exc, tensor, _sender(src, status), tag) from exc
