@@ -156,7 +156,7 @@ class _Slot:
         self.inputs: _Meta = ()
         self.outputs: _Meta | None = None
         self.peer = -1  # the root of a rooted collective, the peer of a send/recv
-        self.device = ""
+        self.device: str | torch.device = ""  # a point to point operation keeps the device (its .type costs more)
         self.state = ""
         self.error: str | None = None
         self.start = 0
@@ -214,7 +214,7 @@ class FlightRecorder:
         s = self._slots[record % self.capacity]
         s.id, s.seq, s.p2p, s.op, s.peer = record, 0, next(self._p2p_ids), op, peer
         s.inputs = ((tensor.shape, tensor.dtype),)
-        s.outputs, s.device, s.state, s.error, s.end = None, tensor.device.type, STARTED, None, 0
+        s.outputs, s.device, s.state, s.error, s.end = None, tensor.device, STARTED, None, 0  # (.type when shown)
         s.start = time.monotonic_ns()
         return record
 
@@ -265,7 +265,7 @@ def _entry(s: _Slot, epoch_ns: int) -> dict[str, Any]:
         "output_sizes": _shapes(outputs),
         "output_dtypes": [dtype_name(d) for _, d in outputs],
         "root" if not s.p2p else "peer": s.peer if s.peer >= 0 else None,
-        "device": s.device,
+        "device": s.device if isinstance(s.device, str) else s.device.type,
         "state": s.state,
         "error": s.error,
         "start_ns": s.start + epoch_ns,
