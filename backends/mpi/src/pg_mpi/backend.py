@@ -149,11 +149,11 @@ _NOTICE_S: Final = 1.0
 #: test it, so this bound is rarely reached.
 _FAREWELL_S: Final = 5e-2
 
-#: The first byte of an abort notice (a give-up notice is a collective's number, big-endian:
-#: its first byte is never 0xFF); the other seven are the group formation's own (``_abort_note``),
-#: so that a notice left over from an aborted communicator is never taken for one of a later
-#: communicator to which MPI gave the same context.
-_ABORT_MARK: Final = 0xFF
+#: A notice is 16 bytes: 8 that name the group formation (``MPIBackend._mark``), so that a
+#: notice left unread on a freed communicator is never taken for one of a later communicator
+#: to which MPI gave the same context, then the collective's number, big-endian (a give-up
+#: notice), or these 8 bytes (an abort notice: no collective has that number).
+_ABORTED: Final = b"\xff" * 8
 
 #: After this long without a collective, a rank probes for notices up to this many times
 #: before its next (see ``MPIBackend._noticed``): messages that queued meanwhile are taken in
@@ -211,7 +211,8 @@ class MPIBackend(Backend):
         tag_ub = int(self._mpi.COMM_WORLD.Get_attr(self._mpi.TAG_UB))
         self._notice_tag: int | None = MAX_TAG + 1 if tag_ub > MAX_TAG else None
         #: the notice this rank sends when it aborts, and the one it takes a peer's abort by
-        self._abort_note: Final = bytes([_ABORT_MARK]) + hashlib.sha256(ctx.group_uid.encode()).digest()[:7]
+        #: what every notice of this formation starts with (see _ABORTED)
+        self._mark: Final = hashlib.sha256(ctx.group_uid.encode()).digest()[:8]
         #: peer -> the first collective it gave up on (after its timeout), from its notices
         self._gave_up: dict[int, int] = {}
         #: peers that aborted, from their notices: operations that need them are refused
@@ -376,7 +377,7 @@ class MPIBackend(Backend):
     def _take_notices(self, comm: Any, *, patience: int) -> None:
         """Receive the notices waiting on ``comm`` until ``patience`` probes in a row find none
         (MPICH takes in about one waiting message per probe), recording who gave up on which
-        collective and who aborted. An abort notice of another formation is dropped."""
+        collective and who aborted. A notice of another formation is dropped."""
         mpi, tag = self._mpi, self._notice_tag
         status = mpi.Status()
         misses = 0
@@ -386,14 +387,15 @@ class MPIBackend(Backend):
                 misses += 1
                 continue
             misses = 0
-            note = bytearray(8)
+            note = bytearray(16)
             message.Recv([note, mpi.BYTE])
             peer = int(status.Get_source())
-            if note[0] == _ABORT_MARK:
-                if note == self._abort_note:
-                    self._aborted_peers.add(peer)
+            if note[:8] != self._mark:  # another formation's, left on a communicator MPI freed
                 continue
-            given_up = int.from_bytes(note, "big")
+            if note[8:] == _ABORTED:
+                self._aborted_peers.add(peer)
+                continue
+            given_up = int.from_bytes(note[8:], "big")
             self._gave_up[peer] = min(self._gave_up.get(peer, given_up), given_up)
 
     def _refuse_aborted(self, what: _What, needs: Sequence[int]) -> None:
@@ -469,7 +471,7 @@ class MPIBackend(Backend):
         comm, tag = self._comm, self._notice_tag
         if tag is None or comm is None or self._closed is not None:
             return
-        note = bytearray(seq.to_bytes(8, "big"))
+        note = bytearray(self._mark + seq.to_bytes(8, "big"))
         notices = []
         for peer in range(self.size):
             if peer == self.rank:
@@ -1315,7 +1317,7 @@ class MPIBackend(Backend):
         mpi, comm, tag = self._mpi, self._comm, self._notice_tag
         if comm is None or tag is None or self._closed is not None or mpi.Is_finalized():
             return
-        note = self._abort_note
+        note = self._mark + _ABORTED
         notices = []
         for peer in self._others:
             with contextlib.suppress(mpi.Exception):  # (the peer's failure shows in its own operations)
