@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import warnings
 
 import pytest
 import torch
@@ -1031,3 +1032,27 @@ def test_groups_of_backend_classes_leave_nothing_behind_in_the_process_wide_regi
     for _ in range(5):  # each group makes a spec of its own for the class
         ProcessGroup(HashStore(), 0, 1, backends={"cpu": CpuRecorder}, options={"cpu-rec": {"log": log}}).shutdown()
     assert sizes() == before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.ones(4).to_sparse(), id="sparse_coo"),
+        pytest.param(lambda: torch.ones(4, 4).to_sparse_csr(), id="sparse_csr"),
+        pytest.param(lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), id="nested"),
+    ],
+)
+def test_a_tensor_that_is_not_dense_strided_is_refused_by_kind_before_the_backend_sees_it(group, log, make):
+    """Sparse and nested tensors have no strides to hand a backend: a NotSupportedError naming
+    the kind and what to do, on the first call and on the prepared path alike, not torch's raw
+    'unsupported memory format' or 'NestedTensorImpl doesn't support strides'."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's prototype warning for nested tensors
+        t = make()
+    group.all_reduce(torch.ones(4))  # a dense call first: the blocking all_reduce's prepared path exists
+    del log[:]
+    for call in (lambda: group.all_reduce(t), lambda: group.broadcast(t, 0), lambda: group.send(t, 1)):
+        with pytest.raises(NotSupportedError, match="sparse|nested") as info:
+            call()
+        assert "dense" in str(info.value)
+    assert log == []

@@ -213,7 +213,10 @@ class FlightRecorder:
         record = next(self._ids)
         s = self._slots[record % self.capacity]
         s.id, s.seq, s.p2p, s.op, s.peer = record, 0, next(self._p2p_ids), op, peer
-        s.inputs = ((tensor.shape, tensor.dtype),)
+        try:
+            s.inputs = ((tensor.shape, tensor.dtype),)
+        except RuntimeError:  # a nested tensor has no one shape (the call itself refuses it)
+            s.inputs = ()
         s.outputs, s.device, s.state, s.error, s.end = None, tensor.device, STARTED, None, 0  # (.type when shown)
         s.start = time.monotonic_ns()
         return record

@@ -71,6 +71,8 @@ class Staging:
             t = t.detach()
         if dense(t):
             return t
+        if t.layout is not torch.strided or t.is_nested:
+            raise NotSupportedError(_not_strided(self.op, what, t))
         staged = t.clone(memory_format=torch.contiguous_format)  # (a clone applies lazy conjugation and negation)
         if written:
             self.back.append((t, staged))
@@ -133,12 +135,29 @@ class Supported:
         self._allowed.add(key)
 
 
+def _not_strided(op: str, what: str, t: torch.Tensor) -> str:
+    """Why a tensor without strides (sparse, nested, mkldnn) cannot be communicated, and what to do."""
+    if t.is_nested:
+        return (
+            f"{op}: {what} is a nested tensor; pg-core communicates dense strided tensors: send its components "
+            "(t.unbind()), or a padded dense one (t.to_padded_tensor(0.0))"
+        )
+    kind = "sparse" if "sparse" in str(t.layout) else str(t.layout).removeprefix("torch.")
+    return (
+        f"{op}: {what} is a {kind} tensor (layout {t.layout}); pg-core communicates dense strided tensors: "
+        "call t.to_dense() first, or send its parts (a sparse COO tensor's indices() and values())"
+    )
+
+
 def dense(t: torch.Tensor) -> bool:
     """Whether a backend may be handed ``t`` as it is (see :meth:`Staging.stage`): laid out
     exactly as ``torch.empty(t.shape)`` would be, with no lazy negation or conjugation."""
     if t.is_neg() or (t.dtype.is_complex and t.is_conj()):
         return False
-    strides = t.stride()
+    try:
+        strides = t.stride()
+    except RuntimeError:  # sparse, nested, mkldnn: no strides (Staging.stage says so)
+        return False
     if strides == (1,) or not strides:  # the common case first: 1-D with unit stride, or 0-D
         return True
     expected = 1  # the strides torch.empty gives (canonical strides imply contiguous memory)
