@@ -115,8 +115,13 @@ def check_differs(ctx: RankContext) -> str:
     try:
         g = ProcessGroup(ctx.store, r, ctx.size, backends="tcp", name="half-checked", timeout=10, check=(r == 0))
     except CollectiveMismatchError as exc:
+        ctx.store.set(f"tried/{r}", "1")
         return str(exc)
-    g.abort()  # formed first: the other member is the one that differs
+    # formed first: the other member is the one that differs. It must have met this formation
+    # before this one aborts it (an aborted generation is skipped by later arrivals).
+    ctx.store.set(f"tried/{r}", "1")
+    ctx.store.wait([f"tried/{1 - r}"])
+    g.abort()
     return "formed"
 
 
