@@ -515,6 +515,18 @@ class BackendContext:
     def store_timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout)
 
+    def byte_option(self, name: str, default: int, *, minimum: int = 1) -> int:
+        """(API 1.8) The backend option ``name`` (a budget or limit in bytes; ``default`` where not
+        given), checked: an int of at least ``minimum``, else ``ValueError`` naming the backend, the
+        group, the option and its value, before anything is sent."""
+        value = self.options.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(
+                f"backend {self.backend_name!r} of group {self.group_name!r}: option {name}={value!r} is not a "
+                f"number of bytes: pass an int >= {minimum} (the default is {default}), the same on every rank"
+            )
+        return value
+
 
 @dataclass(frozen=True, slots=True)
 class Call:

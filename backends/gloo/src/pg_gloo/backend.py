@@ -71,7 +71,7 @@ from pg_core.store import advertise_address
 from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
-from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent, buffered_send_budget
+from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent
 from .waiting import SLICE, SLICE_EXPIRED, SlicedWaits, Waiters
 from .watch import ABORTED, DIED, SHUT_DOWN, PeerWatch
 
@@ -122,7 +122,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
         #: bytes of sends copied and not yet taken by their receivers, bounded by ``_budget``
         self._buffered = 0
         self._buffered_cond = threading.Condition(self._lock)
-        self._budget = buffered_send_budget(ctx.options.get("max_buffered_send_bytes", MAX_BUFFERED_SEND_BYTES))
+        # (0: every send waits until its receiver has it)
+        self._budget = ctx.byte_option("max_buffered_send_bytes", MAX_BUFFERED_SEND_BYTES, minimum=0)
         self._everyone = tuple(r for r in range(ctx.size) if r != ctx.rank)
         self._waiters = Waiters(ctx.group_name)
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]

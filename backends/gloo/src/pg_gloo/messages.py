@@ -33,7 +33,7 @@ from .watch import PeerWatch
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-__all__ = ["MAX_BUFFERED_SEND_BYTES", "Messages", "Sent", "buffered_send_budget"]
+__all__ = ["MAX_BUFFERED_SEND_BYTES", "Messages", "Sent"]
 
 #: The header's dtype field for a ``send_bytes`` message.
 _BYTES: Final = -1
@@ -312,16 +312,6 @@ class Messages:
             self._wait(
                 lambda: self.c10d.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
             )
-
-
-def buffered_send_budget(value: Any) -> int:
-    """The option ``max_buffered_send_bytes``, checked."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"pg-gloo option max_buffered_send_bytes={value!r}: give a non-negative number of bytes "
-            f"(default {MAX_BUFFERED_SEND_BYTES}); sends past it wait until earlier ones are received"
-        )
-    return value
 
 
 def _describe(nbytes: int, code: int | None) -> str:

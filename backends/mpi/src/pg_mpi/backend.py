@@ -180,7 +180,7 @@ class MPIBackend(Backend):
         deadline = time.monotonic() + ctx.timeout
         self._mpi = initialized_mpi(deadline, f"Backend 'mpi' of group {ctx.group_name!r} rank {ctx.rank}")
         #: bytes of copied messages a send may leave in flight (option ``max_send_copy_bytes``)
-        self._copy_budget = _byte_option(ctx, "max_send_copy_bytes", _SEND_COPY_BUDGET)
+        self._copy_budget = ctx.byte_option("max_send_copy_bytes", _SEND_COPY_BUDGET)
         #: whether a wait yields the CPU before each test of its request (see :data:`_YIELD_S`)
         self._yield_each = ranks_share_cpus()
         #: (integer dtype, MPI op name) that this MPI does not wrap around as torch does: torch reduces them
@@ -1365,17 +1365,6 @@ class _Send:
     ) -> None:
         self.request, self.payload, self.dst = request, payload, dst
         self.copied, self.spare, self.testing = copied, spare, testing
-
-
-def _byte_option(ctx: BackendContext, name: str, default: int) -> int:
-    """The backend option ``name``: a positive number of bytes (else ``ValueError`` saying so)."""
-    value = ctx.options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"Backend 'mpi' of group {ctx.group_name!r}: option {name}={value!r} is not a number of bytes: "
-            f"pass a positive int (the default is {default})"
-        )
-    return value
 
 
 def _receiving(src: int | None, tag: int) -> str:

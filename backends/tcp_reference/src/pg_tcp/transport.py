@@ -616,17 +616,6 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def _byte_limit(label: str, ctx: BackendContext, name: str, default: int) -> int:
-    """The option ``name`` of the backend: a positive number of bytes."""
-    value = ctx.options.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"{label}: option {name}={value!r} is not a number of bytes: pass a positive int "
-            f"(the default is {default}), the same on every rank"
-        )
-    return value
-
-
 # -- the transport -----------------------------------------------------------------------
 
 
@@ -649,8 +638,8 @@ class Transport:
         self._uid = ctx.group_uid.encode()
         if len(self._uid) > _MAX_UID:
             raise ValueError(f"{self.label}: group_uid is longer than {_MAX_UID} bytes")
-        self._max_message = _byte_limit(self.label, ctx, "max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
-        self._max_unexpected = _byte_limit(self.label, ctx, "max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED_BYTES)
+        self._max_message = ctx.byte_option("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
+        self._max_unexpected = ctx.byte_option("max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED_BYTES)
         self._parked: set[_Conn] = set()  # connections whose next frame waits for its receive
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # "something completed / the driver left"
