@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +31,6 @@ from pg_core.ops import ReduceOp
 from pg_core.procs import wait_exited
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool, RanksFailed
-from pg_core.testing.rank import run_warm_up
 from pg_mpi._mpi import more_ranks_than_cpus, ranks_share_cpus
 from pg_mpi.plugin import MAX_TAG, is_available
 
@@ -39,21 +38,6 @@ pytestmark = pytest.mark.requires_backend("mpi")
 
 
 Pools = Callable[[int], RankPool]
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Pools]:
-    """Launched pools by world size, MPI initialised once per rank before the first test."""
-    made: dict[int, RankPool] = {}
-
-    def get(n: int) -> RankPool:
-        if n not in made:
-            made[n] = RankPool(n, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-        return made[n]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _group(ctx: RankContext, timeout: float | None = None, **kw: Any) -> ProcessGroup:

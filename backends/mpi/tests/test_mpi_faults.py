@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,7 +26,6 @@ from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.launchers import launch_command
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
-from pg_core.testing.rank import run_warm_up
 
 if TYPE_CHECKING:
     from pg_mpi.backend import MPIBackend
@@ -36,20 +35,6 @@ pytestmark = pytest.mark.requires_backend("mpi")
 Pools = Callable[[int], RankPool]
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def pools() -> Iterator[Pools]:
-    made: dict[int, RankPool] = {}
-
-    def get(n: int) -> RankPool:
-        if n not in made:
-            made[n] = RankPool(n, launcher="mpiexec", prelude=(run_warm_up, ("mpi", ["cpu"], 30.0)))
-        return made[n]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 # -- start-up: MPI_Init waits for every rank of the job; pg-mpi waits for it only until the timeout ----
