@@ -9,6 +9,7 @@ The rank pool fails a call whose ranks leave threads, sockets or processes behin
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from pg_core.store import HashStore, PrefixStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_gloo.messages import _HEAD, _INLINE, _message
 from pg_gloo.plugin import CAPABILITIES, MAX_TAG
+from pg_gloo.waiting import SLICE, SLICE_EXPIRED, SlicedWaits, slice_ended
 
 pytestmark = pytest.mark.requires_backend("gloo")
 
@@ -409,3 +411,61 @@ def test_the_raw_gloo_probe_helper_reduces() -> None:
     _raw_all_reduce(pg, t, dist.ReduceOp.SUM)
     assert t.tolist() == [0.0, 1.0, 2.0]
     assert CAPABILITIES.supports("all_reduce", torch.float32, ReduceOp.SUM)
+
+
+# -- a slice that expires as the operation ends -------------------------------------------------
+
+
+class _EndsAsTheSliceExpires:
+    """A Gloo work whose first timed wait expires in the instant the operation ends: torch has
+    raised "Operation timed out!" (it looked under its lock before the end), and
+    ``is_completed()`` says True by the time the caller asks. ``error``: the operation's own."""
+
+    def __init__(self, error: str | None = None, *, ends: bool = True) -> None:
+        self.error, self.ends, self.completed = error, ends, False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None and not self.completed:
+            self.completed = self.ends
+            raise RuntimeError(SLICE_EXPIRED)
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+class _Waits(SlicedWaits):
+    """The waiting rules alone, with nothing alarming and errors passed through as they are."""
+
+    rank, _pg, _broken, _aborted, _everyone = 0, None, None, False, (0, 1)
+
+    def __init__(self) -> None:
+        self._closing = threading.Lock()
+
+    def _alarm(self, what: str, peers: Any, **_: Any) -> None:
+        return None
+
+    def _error(self, exc: BaseException, what: str, timeout: float, peers: Any = ()) -> BaseException:
+        return exc
+
+
+def test_a_slice_that_expires_as_the_operation_ends_is_the_operations_outcome() -> None:
+    assert slice_ended(_EndsAsTheSliceExpires(), SLICE) is True
+    assert slice_ended(_EndsAsTheSliceExpires(ends=False), SLICE) is False
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        slice_ended(_EndsAsTheSliceExpires("Connection closed by peer"), SLICE)
+
+
+@pytest.mark.parametrize("how", ["blocking", "async"])
+def test_a_collective_that_ends_as_its_slice_expires_succeeds(how: str) -> None:
+    """Once in CI every rank had finished a reduce_scatter_tensor, and the one whose first
+    slice expired in that instant reported "Gloo gave up" (conformance, gloo, 4 ranks)."""
+    waits = _Waits()
+    if how == "blocking":
+        waits._finish(_EndsAsTheSliceExpires(), "all_reduce", 10.0, (0, 1))
+    else:
+        assert waits._launched(_EndsAsTheSliceExpires(), "all_reduce", 10.0, (0, 1)).wait() is True
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        waits._finish(_EndsAsTheSliceExpires("Connection closed by peer"), "all_reduce", 10.0, (0, 1))

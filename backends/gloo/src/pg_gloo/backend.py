@@ -72,7 +72,7 @@ from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
 from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent
-from .waiting import SLICE, SLICE_EXPIRED, SlicedWaits, Waiters
+from .waiting import SLICE, SlicedWaits, Waiters, slice_ended
 from .watch import ABORTED, DIED, SHUT_DOWN, PeerWatch
 
 __all__ = ["GlooBackend"]
@@ -244,11 +244,10 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
             except RuntimeError as exc:
                 raise error(exc, "all_reduce", timeout) from exc
             try:
-                work.wait(SLICE)  # the first slice, inline: most calls end in it
-                return
+                if slice_ended(work, SLICE):  # the first slice, inline: most calls end in it
+                    return
             except RuntimeError as exc:
-                if work.is_completed() or str(exc) != SLICE_EXPIRED:
-                    raise error(exc, "all_reduce", timeout, everyone) from exc
+                raise error(exc, "all_reduce", timeout, everyone) from exc
             finish(work, "all_reduce", timeout, everyone)
 
         return run

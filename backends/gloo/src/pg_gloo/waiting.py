@@ -26,7 +26,7 @@ from pg_core.c10d import timeout_delta
 from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
 from pg_core.work import Work
 
-__all__ = ["SLICE_S", "SlicedWaits", "Ticket", "Waiters"]
+__all__ = ["SLICE_S", "SlicedWaits", "Ticket", "Waiters", "slice_ended"]
 
 #: How often a wait looks up from its event for an abort, a peer gone or its deadline; and
 #: how long past the operation's timeout it still waits for Gloo's own timeout to fire first.
@@ -35,6 +35,27 @@ SLICE: Final = timeout_delta(SLICE_S)
 #: what torch says when a wait with a timeout expires before a collective's work is done
 SLICE_EXPIRED: Final = "Operation timed out!"
 GRACE_S: Final = 2.0
+
+
+def slice_ended(work: Any, span: timedelta) -> bool:
+    """Wait for a Gloo collective's ``work`` at most ``span``: whether it is done. Raises the
+    work's own error (torch's ``RuntimeError``).
+
+    Torch decides that a timed wait expired under its lock, then raises; the operation can end
+    between that and the caller looking at it. Then ``is_completed()`` is already true although
+    the wait raised :data:`SLICE_EXPIRED`: the outcome is the work's own, read by a wait that
+    returns at once, never the slice's expiry taken for a failure (that once failed a
+    collective every rank had finished).
+    """
+    try:
+        work.wait(span)
+    except RuntimeError as exc:
+        if str(exc) != SLICE_EXPIRED:
+            raise
+        if not work.is_completed():
+            return False
+        work.wait()  # it ended as the slice expired: its result, or its own error
+    return True
 
 
 class Ticket:
@@ -190,12 +211,9 @@ class SlicedWaits:
 
         def waited(seconds: float) -> bool:
             try:
-                work.wait(SLICE if seconds == SLICE_S else timeout_delta(seconds))
+                return slice_ended(work, SLICE if seconds == SLICE_S else timeout_delta(seconds))
             except RuntimeError as exc:
-                if work.is_completed() or str(exc) != SLICE_EXPIRED:
-                    raise self._error(exc, what, timeout, peers) from exc
-                return False
-            return True
+                raise self._error(exc, what, timeout, peers) from exc
 
         self._until(waited, what, timeout, peers)
 
@@ -226,25 +244,25 @@ class SlicedWaits:
         def drive(work: Work, budget: float) -> None:
             try:
                 if budget > 0:
-                    torch_work.wait(SLICE if budget >= SLICE_S else timeout_delta(budget))
-                elif not torch_work.is_completed():
-                    return
-                else:
+                    done = slice_ended(torch_work, SLICE if budget >= SLICE_S else timeout_delta(budget))
+                elif done := torch_work.is_completed():
                     torch_work.wait()
             except RuntimeError as exc:
-                if torch_work.is_completed() or str(exc) != SLICE_EXPIRED:
-                    work.set_exception(self._error(exc, what, timeout, needs))
-                    return
-                try:
-                    self._alarm(what, needs)
-                    if time.monotonic() > deadline:
-                        raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=needs)
-                except (PeerFailureError, CollectiveTimeout) as failed:
-                    self._cut(f"{what} failed: {failed}")
-                    work.set_exception(failed)
-                except GroupClosedError as closed:
-                    work.set_exception(closed)
+                work.set_exception(self._error(exc, what, timeout, needs))
                 return
-            work.set_result(None)
+            if done:
+                work.set_result(None)
+                return
+            if budget <= 0:  # a poll: nothing to look at until someone waits
+                return
+            try:
+                self._alarm(what, needs)
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=needs)
+            except (PeerFailureError, CollectiveTimeout) as failed:
+                self._cut(f"{what} failed: {failed}")
+                work.set_exception(failed)
+            except GroupClosedError as closed:
+                work.set_exception(closed)
 
         return Work(what, driver=drive)
