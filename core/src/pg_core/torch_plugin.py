@@ -1,0 +1,265 @@
+"""Torch's own plugin route: ``torch.distributed.init_process_group(backend="pg_core")`` builds a
+pg-core :class:`~pg_core.ProcessGroup` underneath, and torch's ``new_group`` builds one per
+subgroup.
+
+This route goes through torch's global state (its default group, its group registry and rank
+tables, ``Backend``'s class-level tables), by design: it is for code that is written against
+``torch.distributed``'s functions and is not to be changed. Code that can hold a group object
+has no need of it (``ProcessGroup(...)``, ``group.to_torch()``). Nothing is registered by
+importing ``pg_core``; :func:`register` does it, once per process (idempotent)::
+
+    import pg_core.torch_plugin
+
+    pg_core.torch_plugin.register()
+    torch.distributed.init_process_group("pg_core", init_method="tcp://...", rank=r, world_size=n)
+
+**Backend names.** ``"pg_core"``: pg-core's backends chosen as ``ProcessGroup(backends=...)``
+chooses them, from :data:`BACKENDS_ENV` (``PG_CORE_TORCH_BACKEND=tcp``,
+``PG_CORE_TORCH_BACKEND="cpu:gloo,cuda:nccl"``) or, unset, the highest-priority backend
+installed and available for each device. ``"pg_core_<name>"`` (``"pg_core_tcp"``,
+``"pg_core_gloo"``: one per pg-core backend installed when :func:`register` ran) names one pg-core
+backend for every device it declares. Torch's ``"device:backend"`` strings cannot spell a
+pg-core backend (``"pg_core:tcp"`` reads as a device named ``pg_core``), hence the underscore.
+The pg-core name must be the whole backend string: torch stops at the first device whose
+backend returns a whole group, so ``"cpu:pg_core,cuda:nccl"`` would silently drop NCCL; say
+``PG_CORE_TORCH_BACKEND="cpu:tcp,cuda:nccl"`` instead, and pg-core dispatches per device.
+``pg_options=`` (``init_process_group``, ``new_group``) may be a :class:`TorchOptions`, which
+takes precedence over the environment.
+
+**What torch gets.** The creator forms a pg-core group on the store torch prefixed for the
+group, with torch's group rank, size and timeout, named ``torch:<group id>``, and hands torch
+``group.to_torch()``'s operations (:mod:`pg_core.interop`) in a torch ``ProcessGroup`` that
+owns the pg-core group: it lives as long as torch (or the user) holds the torch group, and
+torch's ``destroy_process_group`` shuts it down (threads, sockets and store marks released).
+Torch's subgroups are pg-core groups of their own, formed on torch's store by their members;
+their ranks are torch's group ranks (torch keeps the global ranks in its own tables).
+
+**What it costs.** Where every backend is native (pg-gloo, pg-nccl) the torch group is a
+Python subclass of torch's ``ProcessGroup`` (so that ``destroy_process_group`` reaches pg-core)
+with the native C++ backends registered on it: a call from torch's C++ side (DDP's reducer)
+looks for a Python override under the GIL, about a microsecond, before going to Gloo or NCCL.
+The route relies on torch's documented ``Backend.register_backend(..., extended_api=True)``
+and on ``_new_process_group_helper`` using a returned ``ProcessGroup`` as the group, which
+torch 2.6 to 2.13 do (:data:`TORCH_VERSIONS`); :func:`register` refuses another torch with
+a message that says so.
+
+**Torch's entry points.** Torch 2.13 has no entry-point group for distributed backends: its
+``torch.backends`` group is for device extensions, every one loaded by every ``import torch``
+in the environment. pg-core declares one there (:func:`autoload`) that registers only where
+:data:`AUTOLOAD_ENV` (``PG_CORE_TORCH_AUTOLOAD=1``) asks, so ``import torch`` alone changes
+nothing of torch's state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .dispatch import BackendsArg
+    from .group import ProcessGroup
+    from .messages import ObjectsArg
+
+__all__ = [
+    "AUTOLOAD_ENV",
+    "BACKENDS_ENV",
+    "NAME",
+    "TORCH_VERSIONS",
+    "TorchOptions",
+    "autoload",
+    "pg_core_group",
+    "register",
+    "registered",
+]
+
+#: The backend name torch's ``init_process_group(backend=...)`` takes.
+NAME: Final = "pg_core"
+#: pg-core's backends for ``backend="pg_core"``: a ``ProcessGroup(backends=...)`` string.
+BACKENDS_ENV: Final = "PG_CORE_TORCH_BACKEND"
+#: ``1`` makes ``import torch`` register pg-core through torch's ``torch.backends`` entry points.
+AUTOLOAD_ENV: Final = "PG_CORE_TORCH_AUTOLOAD"
+#: The torch versions (major, minor) whose plugin path this route is written and tested against.
+TORCH_VERSIONS: Final = ((2, 6), (2, 13))
+
+#: What this process registered with torch: backend name -> the pg-core backends it stands for
+#: (``None``: the environment's or the defaults). The plugin route is process-wide by nature:
+#: torch's ``Backend`` tables are. Guarded by ``_LOCK``.
+_REGISTERED: dict[str, str | None] = {}
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """``pg_options=`` for a pg-core backend in ``init_process_group`` / ``new_group``: what
+    :class:`~pg_core.ProcessGroup` would take. ``backends`` overrides :data:`BACKENDS_ENV` and the
+    backend name's own; ``options``, ``check``, ``auth_key`` and ``objects`` are passed as they are."""
+
+    backends: BackendsArg = None
+    options: Mapping[str, Mapping[str, Any]] | None = None
+    check: bool | None = None
+    auth_key: str | bytes | None = None
+    objects: ObjectsArg = None
+
+
+def registered() -> dict[str, str | None]:
+    """The backend names this process registered with torch, each with the pg-core backends it
+    stands for (``None``: from :data:`BACKENDS_ENV`, or pg-core's defaults)."""
+    with _LOCK:
+        return dict(_REGISTERED)
+
+
+def register() -> list[str]:
+    """Register ``"pg_core"``, and ``"pg_core_<name>"`` for each pg-core backend installed, with
+    torch's ``Backend.register_backend``; returns the names. Idempotent: a second call
+    registers only backends installed since. Raises ``RuntimeError`` on a torch version outside
+    :data:`TORCH_VERSIONS`, naming it."""
+    from .registry import default_registry
+
+    _check_torch()
+    wanted: dict[str, tuple[str | None, list[str]]] = {}
+    specs = [e.spec for e in default_registry().entries() if e.spec is not None and e.status == "available"]
+    every = sorted({device for spec in specs for device in spec.devices} | {"cpu"})
+    wanted[NAME] = (None, every)
+    for spec in specs:
+        if not re.fullmatch(r"[a-z0-9_]+", spec.name):
+            continue  # torch lower-cases and upper-cases names: only plain ones map back
+        wanted[f"{NAME}_{spec.name}"] = (spec.name, sorted(spec.devices))
+    with _LOCK:
+        for name, (backends, devices) in wanted.items():
+            if name in _REGISTERED:
+                continue
+            dist.Backend.register_backend(name, _creator(name, backends), extended_api=True, devices=devices)
+            _REGISTERED[name] = backends
+        return list(_REGISTERED)
+
+
+def autoload() -> None:
+    """Torch's ``torch.backends`` entry point: registers (as :func:`register`) only where
+    :data:`AUTOLOAD_ENV` is ``1``. Runs inside ``import torch``, so it imports nothing else
+    unless asked."""
+    if os.environ.get(AUTOLOAD_ENV, "") == "1":
+        register()
+
+
+def pg_core_group(torch_group: dist.ProcessGroup) -> ProcessGroup:
+    """The pg-core group under a torch group that the plugin route made (``init_process_group``'s
+    default group, or a ``new_group``). Raises ``TypeError`` for any other torch group."""
+    group = getattr(torch_group, "_pg_core_group", None)
+    if group is None:
+        raise TypeError(
+            f"{torch_group!r} was not made by pg-core's torch plugin route "
+            f"(init_process_group(backend={NAME!r}) or new_group() under it)"
+        )
+    return group  # type: ignore[no-any-return]
+
+
+def _check_torch() -> None:
+    found = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+    low, high = TORCH_VERSIONS
+    if not low <= found <= high:
+        raise RuntimeError(
+            f"pg-core's torch plugin route supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, "
+            f"found torch {torch.__version__}: it relies on how torch's init_process_group calls a "
+            "plugin. Use ProcessGroup(...) and group.to_torch() instead, which need no registration."
+        )
+
+
+def _creator(name: str, backends: str | None) -> Callable[[Any, Any], dist.ProcessGroup]:
+    """Torch's creator for the backend ``name``: ``creator(dist_backend_opts, pg_options)``."""
+
+    def create(opts: Any, pg_options: Any) -> dist.ProcessGroup:
+        return _create(name, backends, opts, pg_options)
+
+    create.__qualname__ = f"pg_core_torch_plugin[{name}]"
+    return create
+
+
+def _create(name: str, backends: str | None, opts: Any, pg_options: Any) -> dist.ProcessGroup:
+    from .group import ProcessGroup
+
+    if pg_options is None:
+        pg_options = TorchOptions()
+    if not isinstance(pg_options, TorchOptions):
+        raise TypeError(
+            f"pg_options for torch backend {name!r} must be a pg_core.torch_plugin.TorchOptions, "
+            f"got {type(pg_options).__name__}; say which pg-core backends with TorchOptions(backends=...) "
+            f"or {BACKENDS_ENV}"
+        )
+    chosen = pg_options.backends or backends or os.environ.get(BACKENDS_ENV) or None
+    timeout = opts.timeout
+    group = ProcessGroup(
+        opts.store,
+        opts.group_rank,
+        opts.group_size,
+        backends=chosen,
+        name=_group_name(str(opts.group_id)),
+        timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else None,
+        options=pg_options.options,
+        check=pg_options.check,
+        auth_key=pg_options.auth_key,
+        objects=pg_options.objects,
+    )
+    try:
+        return _owning(group, group.to_torch())
+    except BaseException:
+        group.abort()
+        raise
+
+
+def _group_name(group_id: str) -> str:
+    """The pg-core group's name for torch's group id (pg-core's names have no ``/``)."""
+    return "torch:" + group_id.replace("/", "_")
+
+
+def _owning(group: ProcessGroup, torch_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A torch group that holds ``group`` and shuts it down when torch's ``destroy_process_group``
+    shuts the torch group down. A plain torch ``ProcessGroup`` (native backends) cannot hold
+    anything: its backends go onto a Python subclass that can. A Python one (the adapter) holds
+    the group and has its ``shutdown`` extended."""
+    if type(torch_group) is dist.ProcessGroup:
+        return _NativeRoute(group, torch_group)
+    previous = torch_group.shutdown
+
+    def shutdown() -> None:
+        try:
+            previous()
+        finally:
+            group.shutdown()
+
+    torch_group._pg_core_group = group  # type: ignore[attr-defined]
+    torch_group.shutdown = shutdown  # type: ignore[method-assign]
+    return torch_group
+
+
+class _NativeRoute(dist.ProcessGroup):
+    """Torch's group for the plugin route over native backends: the very C++ backends of
+    ``group.to_torch()`` registered on it, and the pg-core group they belong to, which its
+    :meth:`shutdown` (what ``destroy_process_group`` calls) shuts down."""
+
+    def __init__(self, group: ProcessGroup, torch_group: dist.ProcessGroup) -> None:
+        super().__init__(group.rank, group.size)  # type: ignore[call-arg]
+        self._pg_core_group = group
+        self._repr = f"<torch ProcessGroup over pg-core group {group.name!r} (rank {group.rank} of {group.size})>"
+        types = dist.ProcessGroup.BackendType
+        default = None
+        for device in torch_group._device_types:
+            backend = torch_group._get_backend(device)
+            kind = getattr(types, backend.name().upper(), types.CUSTOM)
+            self._register_backend(torch.device(device), kind, backend)
+            default = default or kind
+        if default is not None:
+            self._set_default_backend(default)
+
+    def __repr__(self) -> str:
+        return self._repr
+
+    def shutdown(self) -> None:
+        self._pg_core_group.shutdown()
