@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .ops import RedOpType, ReduceOp
     from .registry import PluginEntry, Registry, default_registry, register_backend
     from .store import FileStore, HashStore, PrefixStore, Store, StoreServer, TCPStore
+    from .torch_world import device_mesh
     from .work import Work
 
 __version__ = "0.1.0"
@@ -52,6 +53,7 @@ _HOME: dict[str, str] = {
     **dict.fromkeys(("PluginEntry", "Registry", "default_registry", "register_backend"), "registry"),
     **dict.fromkeys(("FileStore", "HashStore", "PrefixStore", "Store", "StoreServer", "TCPStore"), "store"),
     "Work": "work",
+    "device_mesh": "torch_world",
 }
 
 __all__ = [
@@ -90,6 +92,7 @@ __all__ = [
     "TCPStore",
     "Work",
     "default_registry",
+    "device_mesh",
     "register_backend",
     "rendezvous",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -38,6 +38,9 @@ from .recorder import FlightRecorder, Tracer, buffer_size, trace_dir
 from .store import PrefixStore, Store, auth_key_of, authenticated, hosts_store, store_address, wait_for
 from .tags import check_tag
 from .timeouts import DEFAULT_TIMEOUT, seconds
+from .torch_world import Lineage, Registration, as_default, unregister
+from .torch_world import device_mesh as mesh_of_groups
+from .torch_world import register as register_with_torch
 from .validation import (
     Staging,
     Supported,
@@ -55,6 +58,8 @@ from .validation import (
 from .work import Work, mapped, then
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from .backend import BackendSpec
     from .instance import Instance
     from .registry import Registry
@@ -290,6 +295,8 @@ class ProcessGroup:
         )
         self._local_rank: int | _Unread | None = _UNREAD  # read from the environment on first use
         self._torch_group: torch.distributed.ProcessGroup | None = None  # to_torch(), made on first call
+        self._lineage = Lineage.top(f.uid, m.size)  # where its ranks sit in its job (a subgroup's: set by its parent)
+        self._registration: Registration | None = None  # in torch's tables (to_torch(register=True)), or not
         self._monitored = 0  # monitored_barrier() rounds so far (their store keys)
 
     # -- properties -------------------------------------------------------------
@@ -1336,18 +1343,75 @@ class ProcessGroup:
         return self._timeout if timeout is None else seconds(timeout, self._timeout)
 
     # -- subgroups ------------------------------------------------------------------------------
-    def to_torch(self) -> torch.distributed.ProcessGroup:
+    def to_torch(self, register: bool = False) -> torch.distributed.ProcessGroup:
         """This group as a ``torch.distributed.ProcessGroup``, for ``DistributedDataParallel(model,
         process_group=group.to_torch())`` and the ``torch.distributed`` calls that take ``group=``
         (with ``group_src=``/``group_dst=``); nothing global is initialised. Torch C++ backends
         (Gloo, NCCL) are registered on it as they are; other backends go through this group.
         Collective the first time (it creates the group's backends on every rank); the same
-        object afterwards. See :mod:`pg_core.interop` for what needs torch's global registry."""
+        object afterwards. See :mod:`pg_core.interop` for what needs torch's global registry.
+
+        ``register=True`` also puts it in torch's process-group registry and rank tables under
+        its ``group_name`` (functional collectives, ``torch.compile``, FSDP2, DTensor, global
+        ``src=``/``dst=``), with this group's ranks mapped to its job's as its global ranks,
+        until this group shuts down or aborts; once, however often asked. No default group is
+        made. See :mod:`pg_core.torch_world`."""
         torch_group = self._torch_group
         if torch_group is None:
             self._executor.check_open()
             torch_group = self._torch_group = to_torch(self)
+        if register:
+            self._executor.check_open()
+            self._registration = register_with_torch(
+                torch_group,
+                lineage=self._lineage,
+                rank=self._rank,
+                store=self._store,
+                backends=self.backends,
+                described=f"pg-core group {self._name!r} (rank {self._rank} of {self._size})",
+                previous=self._registration,
+            )
         return torch_group
+
+    @contextlib.contextmanager
+    def torch_registered(self) -> Iterator[torch.distributed.ProcessGroup]:
+        """``with group.torch_registered() as tg:``: :meth:`to_torch` registered with torch for the
+        block; a group registered before the block stays registered after it."""
+        registered_before = self._registration is not None
+        torch_group = self.to_torch(register=True)
+        try:
+            yield torch_group
+        finally:
+            if not registered_before:
+                self._unregister_from_torch()
+
+    @contextlib.contextmanager
+    def as_torch_default(self) -> Iterator[torch.distributed.ProcessGroup]:
+        """``with group.as_torch_default() as tg:``: this group, registered, is torch's default group
+        for the block (``dist.get_rank()``, ``init_device_mesh``, ``DeviceMesh.from_group``,
+        DTensor's ``distribute_tensor`` work), and torch has none after it. Refused with
+        ``RuntimeError`` where torch has a default group already (``init_process_group``'s, or
+        another pg-core group's) or a group of another job is registered."""
+        with self.torch_registered() as torch_group, as_default(self._registration_now()):
+            yield torch_group
+
+    def device_mesh(self, device_type: str, mesh_dim_names: tuple[str, ...] | None = None) -> DeviceMesh:
+        """A 1-D ``DeviceMesh`` of ``device_type`` over this group (registered), for FSDP2's
+        ``fully_shard(model, mesh=...)`` and DTensor, with no default group. Several groups:
+        :func:`pg_core.device_mesh`."""
+        return mesh_of_groups(device_type, [self], mesh_dim_names)
+
+    def _registration_now(self) -> Registration:
+        registration = self._registration
+        if registration is None:
+            raise RuntimeError(f"pg-core group {self._name!r} is not registered with torch")
+        return registration
+
+    def _unregister_from_torch(self) -> None:
+        """Undo :meth:`to_torch`'s registration, if any (its own entries only)."""
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            unregister(registration)
 
     def new_group(
         self,
@@ -1378,6 +1442,7 @@ class ProcessGroup:
         formation = self._subgroups.new_group(members, name, specs=specs, timeout=budget, options=opts, check=checked)
         group = ProcessGroup._of(formation, checked, self._objects.loader)
         group._local_rank = self._local_rank  # the process's, as its parent read it
+        group._lineage = self._lineage.child(formation.parent_ranks)
         return group
 
     def split(
@@ -1445,6 +1510,7 @@ class ProcessGroup:
             return None
         group = ProcessGroup._of(formation, checked, self._objects.loader)
         group._local_rank = self._local_rank
+        group._lineage = self._lineage.child(formation.parent_ranks)
         try:
             for device_type in formation.split_from:  # created now, while every member is here
                 group._dispatch.instance(self._dispatch.device(device_type), "split")
@@ -1475,6 +1541,7 @@ class ProcessGroup:
         formation = self._subgroups.shrink(lost, specs=specs, timeout=budget, options=opts, check=checked)
         group = ProcessGroup._of(formation, checked, self._objects.loader)
         group._local_rank = self._local_rank
+        group._lineage = self._lineage.child(formation.parent_ranks)
         return group
 
     def _inherited(
@@ -1503,6 +1570,7 @@ class ProcessGroup:
         end), so the store outlives the ranks still using it; at most the group's timeout,
         past which it warns (``RuntimeWarning``) naming the ranks that did not leave, and
         returns. A backend that failed to close is raised after that wait."""
+        self._unregister_from_torch()
         if not self._executor.drain(self._timeout):
             return
         with self._executor.running:
@@ -1521,6 +1589,7 @@ class ProcessGroup:
         backend releases its resources. Further use raises :class:`GroupClosedError`.
         This member leaves the group; unlike :meth:`shutdown`, abort never waits for the
         others, even in the process that hosts the store."""
+        self._unregister_from_torch()
 
         def release() -> None:
             for inst in self._dispatch.close():
