@@ -56,7 +56,7 @@ import os
 import re
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
 
@@ -185,33 +185,48 @@ def _creator(name: str, backends: str | None) -> Callable[[Any, Any], dist.Proce
 def _create(name: str, backends: str | None, opts: Any, pg_options: Any) -> dist.ProcessGroup:
     from .group import ProcessGroup
 
-    if pg_options is None:
-        pg_options = TorchOptions()
-    if not isinstance(pg_options, TorchOptions):
+    if pg_options is not None and not isinstance(pg_options, TorchOptions):
         raise TypeError(
             f"pg_options for torch backend {name!r} must be a pg_core.torch_plugin.TorchOptions, "
             f"got {type(pg_options).__name__}; say which pg-core backends with TorchOptions(backends=...) "
             f"or {BACKENDS_ENV}"
         )
-    chosen = pg_options.backends or backends or os.environ.get(BACKENDS_ENV) or None
+    inherited = _inherited()
+    chosen = (
+        (pg_options.backends if pg_options is not None else None)
+        or backends
+        or inherited.backends
+        or os.environ.get(BACKENDS_ENV)
+        or None
+    )
+    settings = replace(pg_options or inherited, backends=chosen)
     timeout = opts.timeout
     group = ProcessGroup(
         opts.store,
         opts.group_rank,
         opts.group_size,
-        backends=chosen,
+        backends=settings.backends,
         name=_group_name(str(opts.group_id)),
         timeout=timeout.total_seconds() if isinstance(timeout, timedelta) else None,
-        options=pg_options.options,
-        check=pg_options.check,
-        auth_key=pg_options.auth_key,
-        objects=pg_options.objects,
+        options=settings.options,
+        check=settings.check,
+        auth_key=settings.auth_key,
+        objects=settings.objects,
     )
     try:
-        return _owning(group, group.to_torch())
+        return _owning(group, group.to_torch(), settings)
     except BaseException:
         group.abort()
         raise
+
+
+def _inherited() -> TorchOptions:
+    """What a subgroup takes from torch's default group when ``new_group`` gives no ``pg_options``:
+    the default group's settings (its pg-core backends included) if this route made it, as torch's
+    subgroups take their backend from the default group."""
+    default = dist.group.WORLD if dist.is_initialized() else None
+    found = getattr(default, "_pg_core_options", None)
+    return found if isinstance(found, TorchOptions) else TorchOptions()
 
 
 def _group_name(group_id: str) -> str:
@@ -219,13 +234,13 @@ def _group_name(group_id: str) -> str:
     return "torch:" + group_id.replace("/", "_")
 
 
-def _owning(group: ProcessGroup, torch_group: dist.ProcessGroup) -> dist.ProcessGroup:
+def _owning(group: ProcessGroup, torch_group: dist.ProcessGroup, settings: TorchOptions) -> dist.ProcessGroup:
     """A torch group that holds ``group`` and shuts it down when torch's ``destroy_process_group``
     shuts the torch group down. A plain torch ``ProcessGroup`` (native backends) cannot hold
     anything: its backends go onto a Python subclass that can. A Python one (the adapter) holds
     the group and has its ``shutdown`` extended."""
     if type(torch_group) is dist.ProcessGroup:
-        return _NativeRoute(group, torch_group)
+        return _NativeRoute(group, torch_group, settings)
     previous = torch_group.shutdown
 
     def shutdown() -> None:
@@ -235,6 +250,7 @@ def _owning(group: ProcessGroup, torch_group: dist.ProcessGroup) -> dist.Process
             group.shutdown()
 
     torch_group._pg_core_group = group  # type: ignore[attr-defined]
+    torch_group._pg_core_options = settings  # type: ignore[attr-defined]
     torch_group.shutdown = shutdown  # type: ignore[method-assign]
     return torch_group
 
@@ -244,9 +260,10 @@ class _NativeRoute(dist.ProcessGroup):
     ``group.to_torch()`` registered on it, and the pg-core group they belong to, which its
     :meth:`shutdown` (what ``destroy_process_group`` calls) shuts down."""
 
-    def __init__(self, group: ProcessGroup, torch_group: dist.ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, torch_group: dist.ProcessGroup, settings: TorchOptions) -> None:
         super().__init__(group.rank, group.size)  # type: ignore[call-arg]
         self._pg_core_group = group
+        self._pg_core_options = settings
         self._repr = f"<torch ProcessGroup over pg-core group {group.name!r} (rank {group.rank} of {group.size})>"
         types = dist.ProcessGroup.BackendType
         default = None
