@@ -50,7 +50,8 @@ raises ``RuntimeError`` naming it and the torch version; written against torch 2
 ``pg_coalesce_state`` and ``default_pg``; ``torch._C._distributed_c10d._register_process_group``,
 ``_unregister_process_group``, ``_resolve_process_group`` and ``_set_global_rank``;
 ``DeviceMesh.__init__``'s ``_init_backend`` and ``_rank`` arguments and its
-``_dim_group_names`` and ``_pg_registry`` attributes (what ``DeviceMesh.from_group`` sets).
+``_dim_group_names`` and ``_pg_registry`` attributes (what ``DeviceMesh.from_group`` sets),
+and ``_thread_id``, part of a mesh's identity (see :func:`_mesh_identity`).
 
 The registrations live in torch's process-wide tables, so pg-core keeps one process-wide
 record beside them (``_REGISTERED``: group name -> :class:`Registration`): which entries are
@@ -60,10 +61,12 @@ pg-core's, and the job each belongs to. It holds exactly the registered groups.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
@@ -126,6 +129,8 @@ class Registration:
     lineage: Lineage
     rank: int
     described: str  # the pg-core group, for messages
+    #: the meshes :func:`device_mesh` made over it, whose hold on it :func:`unregister` lets go
+    meshes: weakref.WeakSet[DeviceMesh] = field(default_factory=weakref.WeakSet, compare=False)
 
     @property
     def job_rank(self) -> int:
@@ -287,6 +292,9 @@ def _remove(world: Any, c10d: Any, reg: Registration) -> None:
     coalesce = getattr(world, "pg_coalesce_state", None)
     if isinstance(coalesce, dict):
         coalesce.pop(tg, None)
+    for mesh in list(reg.meshes):  # torch's caches keep meshes (and what they hold) alive
+        if mesh._pg_registry.get(reg.name) is tg:
+            del mesh._pg_registry[reg.name]
 
 
 def _clear_default(world: Any, c10d: Any) -> None:
@@ -394,10 +402,24 @@ def device_mesh(
     )
     if not isinstance(getattr(device_mesh, "_pg_registry", None), dict):
         _missing("torch.distributed.device_mesh.DeviceMesh._pg_registry")
-    device_mesh._dim_group_names = [cast("GroupName", reg.name) for reg in regs]
+    group_names = [reg.name for reg in regs]
+    device_mesh._dim_group_names = [cast("GroupName", name) for name in group_names]
+    device_mesh._thread_id = _mesh_identity(group_names)
     for reg in regs:
         device_mesh._pg_registry[reg.name] = reg.torch_group
+        reg.meshes.add(device_mesh)
     return device_mesh
+
+
+def _mesh_identity(names: Sequence[str]) -> int:
+    """What tells a mesh over these groups from another over the same ranks. Torch compares
+    and hashes meshes by their ranks, layout, device type, dimension names and ``_thread_id``
+    (which tells apart the meshes of its threaded test groups, several ranks in one process),
+    not by their groups; its DTensor caches would hand an operation on one group's mesh the
+    mesh of another group over the same ranks (another job's, or one shut down). The same on
+    every rank (from the group names), as torch.compile's guards and caches need."""
+    digest = hashlib.blake2b("\n".join(names).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def _registration_of(torch_group: dist.ProcessGroup) -> Registration:
