@@ -185,13 +185,13 @@ def test_a_failed_collective_says_who_is_where_from_the_heads_in_the_store() -> 
     )
     store.set("left/3", "1")  # rank 3 shut down without a word
     tracer = _tracer(store, 0, 4, rec0)
-    exc = CollectiveTimeout("all_reduce (collective #3) timed out after 0.4 s", op="all_reduce", seq=3)
+    exc = CollectiveTimeout("Timed out after 0.4 s in all_reduce (collective #3)", op="all_reduce", seq=3)
     began = time.monotonic()
     tracer.explain("all_reduce", 3, exc)
     waited = time.monotonic() - began
     assert waited < 1.5  # min(2 s, half the timeout), with room for a slow machine
     assert str(exc) == (
-        "all_reduce (collective #3) timed out after 0.4 s. Who is where in group 'world' at collective #3: "
+        "Timed out after 0.4 s in all_reduce (collective #3). Who is where in group 'world' at collective #3: "
         "rank 0 is in all_reduce #3; rank 1 never started #3 (last completed all_reduce #2; in recv from rank 0); "
         "rank 2 is in broadcast #3; rank 3 is not heard from: it left the group (shutdown or abort)"
     )
@@ -213,7 +213,7 @@ def test_a_head_published_before_the_collective_could_begin_is_not_taken_for_whe
         "trace/1", json.dumps({"current": None, "completed": [1, "all_reduce"], "p2p": None, "wall_ns": an_hour_ago})
     )
     tracer = _tracer(store, 0, 2, rec0)
-    exc = CollectiveTimeout("all_reduce (collective #3) timed out after 0.4 s", op="all_reduce", seq=3)
+    exc = CollectiveTimeout("Timed out after 0.4 s in all_reduce (collective #3)", op="all_reduce", seq=3)
     tracer.explain("all_reduce", 3, exc)
     assert "rank 1 is not heard from" in str(exc), str(exc)
 
@@ -229,15 +229,16 @@ def test_members_that_never_joined_are_the_whole_story_and_a_store_that_fails_ch
 
     exc = CollectiveTimeout("timed out")
     _tracer(store, 0, 2, FlightRecorder(4), joined=never_joined).explain("barrier", 1, exc)
-    assert str(exc) == "rank 1 of 2 never joined group 'world'" and joined_calls == [exc]
+    # a rewritten message that does not say "Timed out" gets it in front (torch's words)
+    assert str(exc) == "Timed out: rank 1 of 2 never joined group 'world'" and joined_calls == [exc]
 
     class Broken(HashStore):
         def set(self, key: str, value: Any) -> None:
             raise RuntimeError("store gone")
 
-    exc = CollectiveTimeout("timed out")
+    exc = CollectiveTimeout("Timed out after 1 s in barrier (collective #1)")
     _tracer(Broken(), 0, 2, None).explain("barrier", 1, exc)
-    assert str(exc) == "timed out"
+    assert str(exc) == "Timed out after 1 s in barrier (collective #1)"
 
 
 def _state(rank: int, size: int, ops: list[str], *, failed: str | None = None) -> dict[str, Any]:

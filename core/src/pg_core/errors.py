@@ -132,6 +132,11 @@ class CollectiveTimeout(PGError, TimeoutError):
 
     ``op`` is the operation's name, ``seq`` its sequence number in its group (or
     ``None`` where unknown) and ``peers`` the group ranks not heard from.
+
+    Its text says "Timed out", torch's words, which torch's tests and its users grep for: a
+    raiser words it ``Timed out after 2 s in all_reduce (collective #3); ...``, and where a
+    message (a plugin's, one a handler rewrote) does not say it, ``str()`` puts ``Timed out:``
+    in front.
     """
 
     def __init__(
@@ -146,6 +151,10 @@ class CollectiveTimeout(PGError, TimeoutError):
         self.op = op
         self.seq = seq
         self.peers = tuple(sorted(set(peers)))
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return text if "Timed out" in text else f"Timed out: {text}"
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

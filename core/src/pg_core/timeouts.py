@@ -41,7 +41,7 @@ class Deadline:
         """Seconds left; raises :class:`~pg_core.errors.CollectiveTimeout` (naming ``op``) once none are."""
         left = self.at - time.monotonic()
         if left <= 0:
-            raise CollectiveTimeout(f"{self.op} exceeded its timeout of {self.seconds:g} s", op=self.op)
+            raise CollectiveTimeout(f"Timed out after {self.seconds:g} s in {self.op}", op=self.op)
         return left
 
     def remaining(self) -> float:
@@ -58,5 +58,5 @@ def retell(exc: CollectiveTimeout, op: str, what: str, timeout: float, seq: int 
         raise exc  # already the user's: a Deadline of this op
     silent = f"; not heard from rank(s) {', '.join(map(str, exc.peers))}" if exc.peers else ""
     raise CollectiveTimeout(
-        f"{op}{what} timed out after {timeout:g} s{silent}", op=op, seq=seq, peers=exc.peers
+        f"Timed out after {timeout:g} s in {op}{what}{silent}", op=op, seq=seq, peers=exc.peers
     ) from exc

@@ -986,7 +986,8 @@ class Transport:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise CollectiveTimeout(
-                            f"rank {peer.rank} never published its address (has it created its pg-tcp backend?)"
+                            f"Timed out waiting for rank {peer.rank} to publish its address (has it created its "
+                            "pg-tcp backend?)"
                         )
                     if self._closed is not None:
                         raise _Closing
@@ -1007,7 +1008,7 @@ class Transport:
                 ) from None
         left = deadline - time.monotonic()
         if left <= 0:
-            raise CollectiveTimeout(f"the deadline passed before rank {peer.rank} could be reached")
+            raise CollectiveTimeout(f"Timed out before rank {peer.rank} could be reached")
         if self._closed is not None:
             raise _Closing
         sock = socket.create_connection(peer.address, timeout=min(left, _HELLO_TIMEOUT))
@@ -1976,7 +1977,7 @@ class Transport:
                 peers = peers or (req.peer,)
                 what = f"{req.name} (collective #{req.seq})"
             error = CollectiveTimeout(
-                f"{self.label}: {what} timed out after {req.timeout:g} s; not heard from rank(s) "
+                f"{self.label}: Timed out after {req.timeout:g} s in {what}; not heard from rank(s) "
                 f"{', '.join(map(str, peers))}" + (f" ({why})" if why else ""),
                 op=req.name,
                 seq=req.seq,
