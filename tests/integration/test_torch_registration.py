@@ -220,6 +220,21 @@ def test_torch_registered_is_for_the_block(pool_for: PoolFor, backend: str) -> N
         }
 
 
+def aborted(ctx: RankContext, backend: str) -> dict[str, Any]:
+    before = tables()
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends=backend, timeout=ctx.timeout)
+    name = group.to_torch(register=True).group_name
+    registered = resolves(name)
+    group.abort()
+    return {"registered": registered, "after_abort": [tables() == before, resolves(name)]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_undoes_registration(pool_for: PoolFor, backend: str) -> None:
+    for got in pool_for(backend, 2).run(aborted, backend, timeout=120):
+        assert got == {"registered": True, "after_abort": [True, False]}
+
+
 def two_jobs(ctx: RankContext, backend: str) -> dict[str, Any]:
     """Two top-level groups in each process (two jobs, their ranks reversed): both registered,
     both work; one shut down leaves the other; the default-group opt-in refuses to mix them."""
@@ -449,10 +464,13 @@ def test_fsdp2_over_our_group_matches_single_process_training(pool_for: PoolFor,
 
 
 def mesh_2d(ctx: RankContext, backend: str) -> dict[str, Any]:
-    """4 ranks as a 2 x 2 grid: dp = {0, 2} / {1, 3}, tp = {0, 1} / {2, 3} (made by split)."""
+    """4 ranks as a 2 x 2 grid: dp = {0, 2} / {1, 3}, tp = {0, 1} / {2, 3} (made by split).
+    DTensor over both dimensions with no default group; slicing and HSDP (FSDP2 on the 2-D
+    mesh, which slices it) in the default-group block."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    r = ctx.rank
+    r, n = ctx.rank, ctx.size
     before = tables()
     group = ProcessGroup(ctx.store, r, ctx.size, backends=backend, timeout=ctx.timeout)
     got: dict[str, Any] = {}
@@ -470,6 +488,18 @@ def mesh_2d(ctx: RankContext, backend: str) -> dict[str, Any]:
         d = DTensor.from_local(local, mesh, [Shard(0), Shard(1)])
         got["full"] = d.redistribute(mesh, [Replicate(), Replicate()]).to_local().tolist() == full.tolist()
         got["not_grid"] = error(lambda: device_mesh("cpu", [dp, group], mesh_dim_names=("a", "b")))
+        got["slice_without_default"] = error(lambda: mesh["tp"])
+        with group.as_torch_default():
+            got["row"] = mesh["tp"].mesh.tolist()
+            got["local_ranks"] = [mesh.get_local_rank("dp"), mesh.get_local_rank("tp")]
+            model = _model(seed=0)
+            fully_shard(model, mesh=mesh)  # HSDP: replicated along dp, sharded along tp
+            rows = BATCH // n
+            _train(model, lambda t: t[r * rows : (r + 1) * rows])
+            mine = [cast(DTensor, p).full_tensor().detach() for p in model.parameters()]
+        reference = _model(seed=0)
+        _train(reference, lambda t: t)
+        got["hsdp_diff"] = max(float((a - b).abs().max()) for a, b in zip(mine, reference.parameters(), strict=True))
         for g in (dp, tp):
             g.shutdown()
     finally:
@@ -486,6 +516,9 @@ def test_two_dimensional_mesh_of_groups(pool_for: PoolFor, backend: str) -> None
         assert got["groups"] == [True, True] and got["coordinate"] == (r // 2, r % 2)
         assert got["initialized"] is False and got["full"] is True
         assert "do not form a grid" in got["not_grid"], got
+        assert "Default process group has not been initialized" in got["slice_without_default"]
+        assert got["row"] == [[0, 1], [2, 3]][r // 2] and got["local_ranks"] == [r // 2, r % 2]
+        assert got["hsdp_diff"] < 1e-5, got
         assert got["restored"] is True, got
 
 
