@@ -6,6 +6,7 @@ backend, pg-mpi's ranks started by ``mpiexec``."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 from pg_core import ProcessGroup
 from pg_core.errors import CollectiveTimeout
@@ -260,3 +262,276 @@ def test_futures_complete_without_a_wait_on_the_work_and_fail_at_the_timeout(poo
                 assert kind == CollectiveTimeout.__name__ and "all_reduce" in message, got
         else:
             assert "timeout" not in got
+
+
+# -- a full torch citizen: names, every collective torch may call, autograd, timeouts, destroy --------
+
+
+def torch_names(ctx: RankContext, backend: str) -> dict[str, Any]:
+    """The ``group_name`` of every torch group: the world, a subgroup, the same ranks and name
+    formed again, a split, ``shrink()``'s result and a second job's world of the same name in this
+    process (another store prefix); each read from torch (``tg.group_name`` is C++'s
+    ``getGroupName``, which the adapter answers) and resolved by torch's registry."""
+    groups: list[ProcessGroup] = []
+    try:
+        world = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends=backend, timeout=ctx.timeout)
+        groups.append(world)
+        first = world.new_group([0, 1], name="pair")
+        groups.append(first)
+        names = {"world": world.to_torch().group_name, "pair": first.to_torch().group_name}
+        first.shutdown()
+        again = world.new_group([0, 1], name="pair")
+        groups.append(again)
+        names["pair again"] = again.to_torch().group_name
+        split = world.split(color=0)
+        assert split is not None
+        groups.append(split)
+        names["split"] = split.to_torch().group_name
+        shrunk = world.shrink()
+        groups.append(shrunk)
+        names["shrunk"] = shrunk.to_torch().group_name
+        other_job = ProcessGroup(dist.PrefixStore("job2", ctx.store), ctx.rank, ctx.size, backends=backend)
+        groups.append(other_job)
+        names["other job"] = other_job.to_torch().group_name
+        resolved = {}
+        for what, group in [("world", world), ("other job", other_job)]:
+            tg = group.to_torch()
+            c10d._register_process_group(tg.group_name, tg)
+            try:
+                resolved[what] = c10d._resolve_process_group(tg.group_name).group_name == tg.group_name
+            finally:
+                c10d._unregister_process_group(tg.group_name)
+        tg = world.to_torch()
+        return {
+            "names": names,
+            "uids": {what: f"pg_core:{g.uid}" for what, g in zip(names, groups, strict=True)},
+            "resolved": resolved,
+            "backend_name": tg._get_backend_name(),
+            "adapter": isinstance(tg, _Adapter),
+        }
+    finally:
+        for group in reversed(groups):
+            group.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_torch_group_has_a_unique_group_name_that_torch_reads(rank_pools: Pools, backend: str) -> None:
+    results = rank_pools(2).run(torch_names, backend, timeout=180)
+    assert results[0]["names"] == results[1]["names"]  # one name per group, on every member
+    for got in results:
+        names = got["names"]
+        assert names == got["uids"], got
+        assert len(set(names.values())) == len(names), names  # no two alike
+        assert got["resolved"] == {"world": True, "other job": True}
+        assert got["backend_name"] == ("pg_core" if got["adapter"] else "gloo")
+
+
+def _sum_weighted(y: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient differs per element, so that a wrong backward shows."""
+    return (y * torch.arange(1, y.numel() + 1, dtype=y.dtype).view_as(y)).sum()
+
+
+def functional_autograd(ctx: RankContext, backend: str) -> dict[str, Any]:
+    """Forward and backward through torch's functional collectives (and ``torch.distributed.nn``'s
+    autograd all_reduce) over the group's torch group, registered under its ``group_name`` in
+    torch's C++ registry for the test (what they resolve the group by)."""
+    import torch.distributed._functional_collectives as fc
+    import torch.distributed.nn.functional as nn_functional
+
+    n, r = ctx.size, ctx.rank
+    group = ProcessGroup(ctx.store, r, n, backends=backend, timeout=ctx.timeout)
+    tg = group.to_torch()
+    c10d._register_process_group(tg.group_name, tg)
+    try:
+        calls: dict[str, Callable[[torch.Tensor], Any]] = {
+            "all_reduce": lambda x: fc.all_reduce(x, "sum", tg),
+            "all_gather_tensor": lambda x: fc.all_gather_tensor(x, 0, tg),
+            "reduce_scatter_tensor": lambda x: fc.reduce_scatter_tensor(x, "sum", 0, tg),
+            "all_to_all_single": lambda x: fc.all_to_all_single(x, None, None, tg),
+            "all_reduce_coalesced": lambda x: fc.all_reduce_coalesced([x, 2 * x], "sum", tg),
+            "all_gather_tensor_autograd": lambda x: fc.all_gather_tensor_autograd(x, 0, tg),
+            "reduce_scatter_tensor_autograd": lambda x: fc.reduce_scatter_tensor_autograd(x, "sum", 0, tg),
+            "nn.all_reduce": lambda x: nn_functional.all_reduce(x, group=tg),
+        }
+        got: dict[str, Any] = {}
+        for name, call in calls.items():
+            x = (torch.arange(2 * n, dtype=torch.float32) + 10 * r).requires_grad_()
+            y = call(x)
+            y = torch.cat([fc.wait_tensor(t) for t in y]) if isinstance(y, list) else fc.wait_tensor(y)
+            _sum_weighted(y).backward()
+            assert x.grad is not None
+            got[name] = (y.detach().tolist(), x.grad.tolist())
+        return got
+    finally:
+        c10d._unregister_process_group(tg.group_name)
+        group.shutdown()
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [*BACKENDS, pytest.param("mpi", marks=pytest.mark.requires_backend("mpi"))],
+)
+def test_autograd_through_functional_collectives(pool_for: PoolFor, backend: str) -> None:
+    n = 2
+    results = pool_for(backend).run(functional_autograd, backend, timeout=120)
+    xs = [[float(i + 10 * r) for i in range(2 * n)] for r in range(n)]
+    total = [sum(col) for col in zip(*xs, strict=True)]
+    weights = [float(i + 1) for i in range(2 * n)]
+    for r, got in enumerate(results):
+        # all_reduce: y = sum of every rank's x; dL/dx = sum over ranks of the weights
+        assert got["all_reduce"] == (total, [n * w for w in weights]), got
+        assert got["nn.all_reduce"] == got["all_reduce"]
+        # all_gather: y = x0 ++ x1; dL/dx_r = sum over ranks of the weights of block r
+        gathered = [v for x in xs for v in x]
+        grad = [n * float(2 * n * r + i + 1) for i in range(2 * n)]
+        assert got["all_gather_tensor"] == (gathered, grad), got
+        assert got["all_gather_tensor_autograd"] == got["all_gather_tensor"]
+        # reduce_scatter: y = block r of the sum; dL/dx = every rank's weights, gathered
+        assert got["reduce_scatter_tensor"] == (total[2 * r : 2 * r + 2], [1.0, 2.0] * n), got
+        assert got["reduce_scatter_tensor_autograd"] == got["reduce_scatter_tensor"]
+        # all_to_all: y = block r of every rank; dL/dx block s = rank s's weights of block r
+        swapped = [v for x in xs for v in x[2 * r : 2 * r + 2]]
+        grad = [float(2 * r + i + 1) for _ in range(n) for i in range(2)]
+        assert got["all_to_all_single"] == (swapped, grad), got
+        # coalesced: y = (sum, 2 * sum); dL/dx = the weights of both halves, summed over ranks
+        coalesced = [*total, *(2 * v for v in total)]
+        grad = [n * (w + 2 * (w + 2 * n)) for w in weights]
+        assert got["all_reduce_coalesced"] == (coalesced, grad), got
+
+
+def _collective_names() -> set[str]:
+    """The collectives of torch's ``ProcessGroup`` binding that a group must answer for torch."""
+    names = {n for n in dir(c10d.ProcessGroup) if not n.startswith("__")}
+    not_collectives = {
+        *("BackendType", "CUSTOM", "GLOO", "MPI", "NCCL", "UCC", "UNDEFINED", "XCCL"),  # enum values
+        *("_backend_id", "_device_types", "_get_backend", "_register_backend", "_set_default_backend"),
+        *("_get_backend_name", "name", "rank", "size", "bound_device_id", "group_name", "group_desc"),
+        *("_set_group_name", "_set_group_desc", "_id", "_pybind11_conduit_v1_", "boxed", "unbox"),
+        *("_has_hooks", "_register_on_completion_hook", "_wait_for_pending_works", "_enable_collectives_timing"),
+        *("get_group_store", "set_timeout", "split_group", "merge_remote_group", "use_pg_for_symm_mem_rendezvous"),
+        *("_get_sequence_number_for_group", "_set_sequence_number_for_group"),  # torch asks backends, not groups
+        *("shutdown", "abort"),  # life, not collectives (the adapter answers them too)
+    }
+    return names - not_collectives
+
+
+def test_the_adapter_answers_every_collective_of_torchs_process_group() -> None:
+    """If torch adds a collective, this names it: the adapter must answer it (or the list above
+    must say why it need not), or torch's C++ default would fail with 'No backend type
+    associated with device type cpu'."""
+    missing = sorted(n for n in _collective_names() if n not in vars(_Adapter))
+    assert missing == [], f"torch's ProcessGroup has collectives the adapter does not answer: {missing}"
+    assert {"shutdown", "abort", "getGroupName", "setGroupName"} <= set(vars(_Adapter))
+
+
+def torch_side_collectives(ctx: RankContext, backend: str) -> dict[str, Any]:
+    """The collectives torch's Python layer calls that DDP and the first tests did not:
+    ``all_gather_coalesced`` (torch's ``allgather_coalesced``) and ``monitored_barrier`` (on the
+    torch group: ``dist.monitored_barrier`` itself refuses every backend not named gloo)."""
+    n, r = ctx.size, ctx.rank
+    group = ProcessGroup(ctx.store, r, n, backends=backend, timeout=ctx.timeout)
+    try:
+        tg: Any = group.to_torch()  # (torch's stubs lack monitored_barrier, which its binding has)
+        got: dict[str, Any] = {}
+        outs = [[torch.empty(2), torch.empty(1)] for _ in range(n)]
+        dist.all_gather_coalesced(outs, [torch.full((2,), float(r)), torch.tensor([10.0 + r])], group=tg)
+        got["all_gather_coalesced"] = [[t.tolist() for t in row] for row in outs]
+        outs = [[torch.empty(3)] for _ in range(n)]
+        work = dist.all_gather_coalesced(outs, [torch.full((3,), r + 0.5)], group=tg, async_op=True)
+        assert work is not None
+        work.wait()
+        got["all_gather_coalesced_async"] = [row[0].tolist() for row in outs]
+        tg.monitored_barrier(timedelta(seconds=30), wait_all_ranks=True)
+        if r == 0:  # rank 1 never comes to this one
+            start = time.monotonic()
+            try:
+                tg.monitored_barrier(timedelta(seconds=1), wait_all_ranks=True)
+            except Exception as exc:  # what it raised is what is checked
+                got["absent"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            finally:
+                ctx.store.set("torch_side/gave_up", "1")
+        else:
+            wait_for(ctx.store, ["torch_side/gave_up"], 60)
+        return got
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_gather_coalesced_and_monitored_barrier_on_the_torch_group(rank_pools: Pools, backend: str) -> None:
+    results = rank_pools(2).run(torch_side_collectives, backend, timeout=120)
+    for r, got in enumerate(results):
+        assert got["all_gather_coalesced"] == [[[0.0, 0.0], [10.0]], [[1.0, 1.0], [11.0]]], got
+        assert got["all_gather_coalesced_async"] == [[0.5] * 3, [1.5] * 3], got
+        if r == 0:
+            kind, message, seconds = got["absent"]
+            assert kind == ("CollectiveTimeout" if backend == "tcp" else "RuntimeError"), got  # gloo: torch's
+            assert re.search(r"[Rr]anks?(\(s\))? 1\b", message) and 0.9 < seconds < 10, got  # names who did not come
+        else:
+            assert "absent" not in got
+
+
+def destroy_unregistered(ctx: RankContext, backend: str) -> dict[str, Any]:
+    """``torch.distributed.destroy_process_group(tg)`` on a torch group that is in none of
+    torch's tables, and the adapter's ``shutdown()`` and ``abort()`` (what torch's destroy and
+    abort call on a registered one): none of them ends the pg-core group."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends=backend, timeout=ctx.timeout)
+    try:
+        tg = group.to_torch()
+        got: dict[str, Any] = {}
+        try:
+            dist.destroy_process_group(tg)
+        except Exception as exc:  # what torch raised is what is checked
+            got["destroy"] = (type(exc).__name__, str(exc))
+        if isinstance(tg, _Adapter):  # what torch's destroy and abort call on a group in its tables
+            tg.shutdown()
+            tg.abort()
+        t = torch.ones(2)
+        dist.all_reduce(t, group=tg)
+        group.all_reduce(t)
+        got["after"] = t.tolist()
+        return got
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destroy_process_group_of_an_unregistered_group_shuts_nothing_down(rank_pools: Pools, backend: str) -> None:
+    for got in rank_pools(2).run(destroy_unregistered, backend, timeout=120):
+        # torch's own check, before it touches the group: it is not in torch's tables
+        assert got["destroy"] == ("ValueError", "Invalid process group specified"), got
+        assert got["after"] == [4.0, 4.0]
+
+
+def timeout_wording(ctx: RankContext) -> dict[str, str] | None:
+    """What a pg-core timeout says, where torch users grep for torch's words ("Timed out")."""
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="tcp", timeout=ctx.timeout) as group:
+        group.barrier()
+        if ctx.rank == 1:
+            wait_for(ctx.store, ["timeout_wording/done"], 60)
+            return None
+        said = {}
+        try:
+            for name, call in [
+                ("all_reduce", lambda: group.all_reduce(torch.ones(2), timeout=0.5)),
+                ("recv", lambda: group.recv(torch.ones(2), 1, timeout=0.5)),
+                ("wait", lambda: group.irecv(torch.ones(2), 1, tag=3).wait(0.5)),
+            ]:
+                try:
+                    call()
+                except CollectiveTimeout as exc:
+                    said[name] = str(exc)
+        finally:
+            ctx.store.set("timeout_wording/done", "1")
+        return said
+
+
+@pytest.mark.requires_backend("tcp")
+def test_a_timeout_says_timed_out_as_torchs_do(rank_pools: Pools) -> None:
+    said = rank_pools(2).run(timeout_wording, timeout=60)[0]
+    assert said is not None and set(said) == {"all_reduce", "recv", "wait"}, said
+    for name, message in said.items():
+        # torch's users grep for 'Timed out': the first words of the message, or of its clause after
+        # where it happened ("pg-tcp group 'world' rank 0: Timed out after 0.5 s in recv from rank 1")
+        assert re.match(r"([^;]*: )?Timed out\b", message), message
+        assert name.replace("wait", "recv") in message and "0.5" in message, message

@@ -19,8 +19,26 @@ Two shapes, chosen per group:
   own thread, which runs while any is pending (:class:`_Driver`), so its future completes, or
   fails with the operation's timeout, with nobody calling ``wait``.
 
-What needs torch's global registry does not work with either (and cannot, without the global
-state this library exists to avoid): ``torch.distributed.get_rank(group)`` (it reads the
+Either shape is what torch expects of a process group:
+
+* **A name.** ``tg.group_name`` is ``pg_core:<uid>``, the formation's uid (unique across
+  jobs, hosts, re-formed subgroups and ``shrink()``), alike on every member: what torch's
+  registry and its functional collectives resolve a group by. Torch keeps a group's name on
+  its backends; the adapter has none, so it answers torch's C++ ``getGroupName`` itself.
+* **Every collective** of torch's ``ProcessGroup`` (a test compares the adapter with torch's
+  binding), ``allgather_coalesced`` and ``monitored_barrier`` included. Torch's C++ reaches
+  the Python methods it has a trampoline for (``PyProcessGroup``); its Python layer, all.
+* **Autograd.** The adapter hands the group its tensors detached (:func:`_d`): torch's
+  functional collectives return the very tensor they post, and autograd gives it a
+  ``grad_fn`` after the call returned, while the group may still be writing it.
+* **Life.** Torch's ``destroy_process_group(tg)`` calls ``shutdown()`` on a group in its
+  tables: the adapter's lets go of torch's view and leaves the pg-core group running (the
+  user ends it with ``group.shutdown()``); on a group in none of torch's tables torch itself
+  raises ``ValueError: Invalid process group specified`` before it touches anything. Torch's
+  ``abort()`` (``_abort_process_group``) likewise leaves the group to ``group.abort()``.
+
+What needs torch's global registry does not work with either until the group is registered
+there (which this module never does): ``torch.distributed.get_rank(group)`` (it reads the
 default group; use ``group.rank`` or ``torch_group.rank()``), the ``src=``/``dst=`` forms that
 take *global* ranks (use ``group_src=``/``group_dst=``, torch >= 2.6), functional collectives
 (``torch.distributed._functional_collectives``, which resolve groups by registered name), and
@@ -97,6 +115,19 @@ def _async(opts: Any) -> bool:
     functions set it from their ``async_op``; DDP leaves it True). A blocking one runs in the
     caller's thread, as the group's blocking calls do, and returns a completed work."""
     return bool(getattr(opts, "asyncOp", True))
+
+
+def _d(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` outside autograd, sharing its memory: what the adapter hands the group. Torch's
+    functional collectives (``_c10d_functional.all_reduce``) post the very tensor they return,
+    and autograd gives it a ``grad_fn`` after the call returned, while the group may still be
+    writing it; the group would then see a tensor that requires grad (and refuse ``out=``)."""
+    return tensor.detach()
+
+
+def _ds(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_d` of each."""
+    return [t.detach() for t in tensors]
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
@@ -261,6 +292,26 @@ class _Adapter(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return "pg_core"
 
+    def getGroupName(self) -> str:  # noqa: N802 - torch's name
+        """The name torch knows this group by (``tg.group_name``, its registry, functional
+        collectives): torch's own ``ProcessGroup`` keeps it on its backends, and the adapter has
+        none, so it answers torch's C++ ``getGroupName`` itself."""
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's name
+        self._name = name
+
+    def shutdown(self) -> None:
+        """What torch's ``destroy_process_group(tg)`` calls on a group in its tables: it lets go of
+        torch's view, and the pg-core group goes on (its owner ends it with ``group.shutdown()``),
+        so nothing of the user's stops by surprise."""
+
+    def abort(self) -> None:
+        """What torch's ``_abort_process_group(tg)`` calls, before it deletes the group from its
+        tables: as :meth:`shutdown`, the pg-core group goes on (``group.abort()`` aborts it).
+        Aborting it from here would also undo a registration under torch's feet, and torch's
+        deletions that follow would fail on the entries already gone."""
+
     def size(self) -> int:
         return self._g.size
 
@@ -274,7 +325,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.allreduce(tensors, opts)
         op = _reduce_op(opts)
-        works = [self._g.all_reduce(t, op, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
+        works = [self._g.all_reduce(_d(t), op, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
         return self._work(works[-1] if works else None, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
@@ -282,7 +333,9 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(tensors)
         if native is not None:
             return native.broadcast(tensors, opts)
-        works = [self._g.broadcast(t, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors]
+        works = [
+            self._g.broadcast(_d(t), opts.rootRank, async_op=_async(opts), timeout=_timeout(opts)) for t in tensors
+        ]
         return self._work(works[-1] if works else None, tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> c10d.Work:  # type: ignore[override]
@@ -291,7 +344,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.reduce(tensors, opts)
         op = _reduce_op(opts)
-        work = self._g.reduce(tensors[0], opts.rootRank, op, async_op=_async(opts), timeout=_timeout(opts))
+        work = self._g.reduce(_d(tensors[0]), opts.rootRank, op, async_op=_async(opts), timeout=_timeout(opts))
         return self._work(work, tensors)
 
     def allgather(  # type: ignore[override]
@@ -301,7 +354,9 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(input_tensors)
         if native is not None:
             return native.allgather(output_tensors, input_tensors, opts)
-        work = self._g.all_gather(output_tensors[0], input_tensors[0], async_op=_async(opts), timeout=_timeout(opts))
+        work = self._g.all_gather(
+            _ds(output_tensors[0]), _d(input_tensors[0]), async_op=_async(opts), timeout=_timeout(opts)
+        )
         return self._work(work, output_tensors)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> c10d.Work:
@@ -309,7 +364,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._native([input])
         if native is not None:
             return native._allgather_base(output, input, opts)
-        work = self._g.all_gather_into_tensor(output, input, async_op=_async(opts), timeout=_timeout(opts))
+        work = self._g.all_gather_into_tensor(_d(output), _d(input), async_op=_async(opts), timeout=_timeout(opts))
         return self._work(work, [output])
 
     def reduce_scatter(  # type: ignore[override]
@@ -320,7 +375,11 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.reduce_scatter(output_tensors, input_tensors, opts)
         work = self._g.reduce_scatter(
-            output_tensors[0], input_tensors[0], _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
+            _d(output_tensors[0]),
+            _ds(input_tensors[0]),
+            _reduce_op(opts),
+            async_op=_async(opts),
+            timeout=_timeout(opts),
         )
         return self._work(work, output_tensors)
 
@@ -330,7 +389,7 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native._reduce_scatter_base(output, input, opts)
         work = self._g.reduce_scatter_tensor(
-            output, input, _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
+            _d(output), _d(input), _reduce_op(opts), async_op=_async(opts), timeout=_timeout(opts)
         )
         return self._work(work, [output])
 
@@ -347,8 +406,8 @@ class _Adapter(dist.ProcessGroup):
         if native is not None:
             return native.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
         work = self._g.all_to_all_single(
-            output,
-            input,
+            _d(output),
+            _d(input),
             list(output_split_sizes) or None,
             list(input_split_sizes) or None,
             async_op=_async(opts),
@@ -363,7 +422,9 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(input_tensors)
         if native is not None:
             return native.alltoall(output_tensors, input_tensors, opts)
-        work = self._g.all_to_all(output_tensors, input_tensors, async_op=_async(opts), timeout=_timeout(opts))
+        work = self._g.all_to_all(
+            _ds(output_tensors), _ds(input_tensors), async_op=_async(opts), timeout=_timeout(opts)
+        )
         return self._work(work, output_tensors)
 
     def gather(  # type: ignore[override]
@@ -373,8 +434,8 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(input_tensors)
         if native is not None:
             return native.gather(output_tensors, input_tensors, opts)
-        outs = output_tensors[0] if output_tensors else None
-        work = self._g.gather(input_tensors[0], outs, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
+        outs = _ds(output_tensors[0]) if output_tensors else None
+        work = self._g.gather(_d(input_tensors[0]), outs, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
         return self._work(work, output_tensors)
 
     def scatter(  # type: ignore[override]
@@ -384,13 +445,21 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(output_tensors)
         if native is not None:
             return native.scatter(output_tensors, input_tensors, opts)
-        ins = input_tensors[0] if input_tensors else None
-        work = self._g.scatter(output_tensors[0], ins, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
+        ins = _ds(input_tensors[0]) if input_tensors else None
+        work = self._g.scatter(_d(output_tensors[0]), ins, opts.rootRank, async_op=_async(opts), timeout=_timeout(opts))
         return self._work(work, output_tensors)
 
     def barrier(self, opts: Any = None) -> c10d.Work:
         opts = opts or c10d.BarrierOptions()
         return self._work(self._g.barrier(async_op=_async(opts), timeout=_timeout(opts)), [])
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """The group's :meth:`~pg_core.ProcessGroup.monitored_barrier`: a barrier whose timeout
+        (``CollectiveTimeout``) names the ranks that did not arrive (all of them with
+        ``wait_all_ranks``, else the first). ``torch.distributed.monitored_barrier`` refuses every
+        backend not named gloo before it gets here: call this on the torch group, or the group's own."""
+        seconds = timeout.total_seconds() if timeout is not None and timeout.total_seconds() > 0 else None
+        self._g.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all_ranks)
 
     # torch 2.13 renamed three of them; both names are kept for torch >= 2.6
     all_gather_single = _allgather_base
@@ -452,7 +521,7 @@ class _Adapter(dist.ProcessGroup):
             return native.allreduce_coalesced(tensors, opts)
         op, seconds = _reduce_op(opts), _timeout(opts)
         return self._batched(
-            opts, tensors, lambda g, a: [g.all_reduce(t, op, async_op=a, timeout=seconds) for t in tensors]
+            opts, tensors, lambda g, a: [g.all_reduce(_d(t), op, async_op=a, timeout=seconds) for t in tensors]
         )
 
     def all_gather_single_coalesced(  # type: ignore[override]
@@ -467,7 +536,7 @@ class _Adapter(dist.ProcessGroup):
             opts,
             outputs,
             lambda g, a: [
-                g.all_gather_into_tensor(o, i, async_op=a, timeout=seconds)
+                g.all_gather_into_tensor(_d(o), _d(i), async_op=a, timeout=seconds)
                 for o, i in zip(outputs, inputs, strict=True)
             ],
         )
@@ -484,8 +553,34 @@ class _Adapter(dist.ProcessGroup):
             opts,
             outputs,
             lambda g, a: [
-                g.reduce_scatter_tensor(o, i, op, async_op=a, timeout=seconds)
+                g.reduce_scatter_tensor(_d(o), _d(i), op, async_op=a, timeout=seconds)
                 for o, i in zip(outputs, inputs, strict=True)
+            ],
+        )
+
+    def allgather_coalesced(  # type: ignore[override]
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> c10d.Work:
+        """Torch's ``all_gather_coalesced``: ``output_lists[r][i]`` receives rank ``r``'s
+        ``inputs[i]``, all of them one batch of the group's ``all_gather``."""
+        opts = opts or c10d.AllgatherOptions()
+        native = self._native(inputs)
+        if native is not None:
+            return native.allgather_coalesced(output_lists, inputs, opts)
+        size = self._g.size
+        if len(output_lists) != size or any(len(row) != len(inputs) for row in output_lists):
+            shape = [len(row) for row in output_lists]
+            raise ValueError(
+                f"all_gather_coalesced on torch group {self._name!r}: output_tensor_lists must hold one list per rank "
+                f"({size}), each with one tensor per input ({len(inputs)}); got lists of lengths {shape}"
+            )
+        seconds = _timeout(opts)
+        return self._batched(
+            opts,
+            output_lists,
+            lambda g, a: [
+                g.all_gather(_ds([row[i] for row in output_lists]), _d(t), async_op=a, timeout=seconds)
+                for i, t in enumerate(inputs)
             ],
         )
 
@@ -497,16 +592,16 @@ class _Adapter(dist.ProcessGroup):
         native = self._native(tensors)
         if native is not None:
             return native.send(tensors, dst, tag)
-        return self._work(self._g.isend(tensors[0], dst, tag), tensors)
+        return self._work(self._g.isend(_d(tensors[0]), dst, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> c10d.Work:
         native = self._native(tensors)
         if native is not None:
             return native.recv(tensors, src, tag)
-        return self._work(self._g.irecv(tensors[0], src, tag), tensors, source=src)
+        return self._work(self._g.irecv(_d(tensors[0]), src, tag), tensors, source=src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> c10d.Work:
         """The group's receive from any source (where its backend declares it; else
         ``NotSupportedError``), whatever the device: a native torch backend would bypass the
         plugin's own message framing."""
-        return self._work(self._g.irecv(tensors[0], None, tag), tensors)
+        return self._work(self._g.irecv(_d(tensors[0]), None, tag), tensors)
