@@ -617,3 +617,15 @@ def test_bad_meshes_are_refused_clearly(pool_for: PoolFor, backend: str) -> None
         assert "groups is empty" in got["empty"]
         assert "appears twice" in got["twice"]
         assert "belong to 2 jobs" in got["two_jobs"], got
+
+
+def test_a_missing_torch_internal_names_itself_and_the_torch_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pg_core import torch_world
+
+    monkeypatch.delattr(torch._C._distributed_c10d, "_register_process_group")
+    with pytest.raises(RuntimeError, match=r"_register_process_group, which torch .* does not have") as raised:
+        torch_world._c10d()
+    assert torch.__version__ in str(raised.value)
+    monkeypatch.delattr(c10d._world.__class__, "pg_group_ranks")
+    with pytest.raises(RuntimeError, match=r"_world\.pg_group_ranks"):
+        torch_world._world()

@@ -28,16 +28,35 @@ What a registered group gets, and why:
   registered only if its job has that group's size and this process's rank in it (taken to
   be the same job), else refused: a clear error rather than a wrong mapping.
 * **What still needs a default group.** ``dist.get_rank(tg)`` and everything built on it
-  read the default group: ``DeviceMesh.get_rank()``, ``get_local_rank()``, slicing a
-  multi-dimensional mesh (``mesh["tp"]``: torch builds the sub-mesh with ``get_rank()``),
+  read *this process's* global rank from torch's default group: ``DeviceMesh.get_rank()``,
+  ``get_local_rank()``, slicing a multi-dimensional mesh (``mesh["tp"]``: torch builds the
+  sub-mesh with ``get_rank()``), so HSDP (FSDP2 on a 2-D mesh, which slices it),
   ``DeviceMesh.from_group``, ``init_device_mesh``, DTensor's ``distribute_tensor`` (it
   scatters from a group rank it compares with ``get_rank(group)``), tensor parallelism's
-  ``parallelize_module`` (it distributes its weights that way) and DTensor's cpu shard-to-shard
-  redistribution. Those work inside ``with group.as_torch_default():``. FSDP2
-  (``fully_shard(model, mesh=group.device_mesh("cpu"))``), ``DTensor.from_local``,
-  ``redistribute`` to ``Replicate``/``Partial`` and functional collectives need none.
-* **Torch's ``destroy_process_group(tg)``** removes the entries itself (and, torch's rule,
-  shuts down what the torch group holds). pg-core then finds them gone: the next
+  ``parallelize_module`` (it distributes its weights that way) and DTensor's cpu
+  shard-to-shard redistribution (``get_local_rank``). Those work inside ``with
+  group.as_torch_default():`` (tested: slicing, ``get_local_rank``, HSDP, ``distribute_tensor``,
+  ``parallelize_module``, 1-D ``init_device_mesh``, ``DeviceMesh.from_group``). FSDP2 on a 1-D
+  mesh (``fully_shard(model, mesh=group.device_mesh("cpu"))``), DTensor over a 1-D or
+  multi-dimensional mesh from :func:`device_mesh` (``DTensor.from_local``, ``redistribute`` to
+  ``Replicate``/``Partial``, ``full_tensor()``) and functional collectives need none.
+  ``init_device_mesh`` of several dimensions makes torch groups with torch's ``new_group``,
+  which knows pg-core only through its plugin route (``pg_core.torch_plugin.register()``;
+  without it: ``Unknown backend type pg_core``); those groups are torch's, made by torch's
+  rules, and stay in torch's tables after the block, as anything torch makes does, until
+  ``destroy_process_group``. Prefer :func:`device_mesh` of pg-core groups.
+* **Meshes.** Torch tells meshes apart by their ranks, layout, device type, dimension names
+  and ``_thread_id``, not by their groups, and its DTensor caches keep the meshes they saw:
+  a mesh from :func:`device_mesh` carries an identity from its groups' names in
+  ``_thread_id`` (:func:`_mesh_identity`), so a mesh of another job, or of a group shut down,
+  over the same ranks is never taken for it (a sub-mesh torch slices from it, inside
+  ``as_torch_default()``, is torch's own and does not carry it); and unregistering lets go of the meshes' hold on
+  the group, so torch's caches do not keep a shut-down group's sockets open. A mesh outlives
+  its groups only as a husk: using it after they shut down raises torch's ``Could not
+  resolve the process group``.
+* **Torch's ``destroy_process_group(tg)``** removes the entries itself, and calls the torch
+  group's ``shutdown()``, which leaves the pg-core group working (tested on pg-tcp and
+  pg-gloo; :mod:`pg_core.interop` decides what it does). pg-core then finds the entries gone: the next
   ``to_torch(register=True)``, ``device_mesh()`` or ``as_torch_default()`` raises
   ``RuntimeError`` saying so (once: after it, registering again registers anew), and shutdown
   removes nothing of anyone else's. ``destroy_process_group()`` with no argument (or of the
