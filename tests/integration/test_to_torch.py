@@ -426,8 +426,9 @@ def test_the_adapter_answers_every_collective_of_torchs_process_group() -> None:
 
 def torch_side_collectives(ctx: RankContext, backend: str) -> dict[str, Any]:
     """The collectives torch's Python layer calls that DDP and the first tests did not:
-    ``all_gather_coalesced`` (torch's ``allgather_coalesced``) and ``monitored_barrier`` (on the
-    torch group: ``dist.monitored_barrier`` itself refuses every backend not named gloo)."""
+    ``all_gather_coalesced`` (torch's ``allgather_coalesced``), the object paths of broadcast,
+    gather and scatter, and ``monitored_barrier`` (on the torch group: ``dist.monitored_barrier``
+    itself refuses every backend not named gloo)."""
     n, r = ctx.size, ctx.rank
     group = ProcessGroup(ctx.store, r, n, backends=backend, timeout=ctx.timeout)
     try:
@@ -441,6 +442,16 @@ def torch_side_collectives(ctx: RankContext, backend: str) -> dict[str, Any]:
         assert work is not None
         work.wait()
         got["all_gather_coalesced_async"] = [row[0].tolist() for row in outs]
+        # the object paths (pickled tensors through the collectives above), with group ranks
+        objects: list[Any] = [r * 10]
+        dist.broadcast_object_list(objects, group=tg, group_src=n - 1)
+        got["broadcast_object_list"] = objects
+        gathered: list[Any] | None = [None] * n if r == 0 else None
+        dist.gather_object({"rank": r}, gathered, group=tg, group_dst=0)
+        got["gather_object"] = gathered
+        scattered: list[Any] = [None]
+        dist.scatter_object_list(scattered, [f"to {i}" for i in range(n)] if r == 0 else None, group=tg, group_src=0)
+        got["scatter_object_list"] = scattered
         tg.monitored_barrier(timedelta(seconds=30), wait_all_ranks=True)
         if r == 0:  # rank 1 never comes to this one
             start = time.monotonic()
@@ -463,6 +474,9 @@ def test_all_gather_coalesced_and_monitored_barrier_on_the_torch_group(rank_pool
     for r, got in enumerate(results):
         assert got["all_gather_coalesced"] == [[[0.0, 0.0], [10.0]], [[1.0, 1.0], [11.0]]], got
         assert got["all_gather_coalesced_async"] == [[0.5] * 3, [1.5] * 3], got
+        assert got["broadcast_object_list"] == [10]
+        assert got["gather_object"] == ([{"rank": 0}, {"rank": 1}] if r == 0 else None)
+        assert got["scatter_object_list"] == [f"to {r}"]
         if r == 0:
             kind, message, seconds = got["absent"]
             assert kind == ("CollectiveTimeout" if backend == "tcp" else "RuntimeError"), got  # gloo: torch's
