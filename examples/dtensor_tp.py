@@ -92,14 +92,23 @@ def tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module
     return parallelize_module(model, mesh, plan, src_data_rank=None)
 
 
+def layout_problem(size: int, dp: int) -> str | None:
+    """Why ``size`` ranks cannot form ``dp`` replicas of the split MLP, or ``None``."""
+    if size % dp:
+        return f"--dp ({dp}) must divide the world size ({size})"
+    if BATCH % dp:
+        return f"--dp ({dp}) must divide the batch of {BATCH}"
+    if HIDDEN % (size // dp):
+        return f"the tensor-parallel size (world size / --dp = {size // dp}) must divide the hidden width {HIDDEN}"
+    return None
+
+
 def rank_main(backend: str, steps: int, dp: int) -> None:
     with ProcessGroup.from_env(backends=backend, timeout=60) as world:
         rank, size = world.rank, world.size
-        if size % dp or BATCH % dp or HIDDEN % (size // dp):
-            raise SystemExit(
-                f"dtensor_tp: --dp {dp} must divide the world size ({size}) and the batch of {BATCH}, and the "
-                f"tensor-parallel size must divide the hidden width {HIDDEN}"
-            )
+        problem = layout_problem(size, dp)
+        if problem is not None:
+            raise SystemExit(f"dtensor_tp: {problem}")
         if dp == 1:
             world.to_torch(register=True)  # undone when the group shuts down, at the end of the block
             model = tensor_parallel(make_model(), world.device_mesh("cpu", mesh_dim_names=("tp",)))
@@ -166,8 +175,9 @@ def main() -> int:
     if any(var in os.environ for var in ("PG_RANK", "RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")):  # a launched rank
         rank_main(args.backend, args.steps, args.dp)
         return 0
-    if args.world_size < 1 or args.world_size % args.dp:
-        parser.error(f"--world-size must be a multiple of --dp ({args.dp}), got {args.world_size}")
+    problem = layout_problem(args.world_size, args.dp) if args.world_size >= 1 else "--world-size must be at least 1"
+    if problem is not None:
+        parser.error(f"{problem} (--world-size {args.world_size}, --dp {args.dp})")
     pgrun = [sys.executable, "-m", "pg_core.launch", "-n", str(args.world_size), "--timeout", "300"]
     if args.backend == "mpi":  # pg-mpi's ranks are processes of one MPI job
         pgrun.append("--mpi")
