@@ -7,9 +7,11 @@ their argument, and name the group they run on by its *registered name*. So each
 the job's group from its launcher's environment (``ProcessGroup.from_env``) and registers it
 with torch for the block (``with group.torch_registered() as tg:``); the compiled function
 takes ``tg`` as its group. It all-reduces a tensor and all-gathers another inside one compiled
-graph (``fullgraph=True``: a graph break would fail, not hide), and every rank checks the
-result against the same function computed on the ranks' inputs in one process, and that
-``torch.distributed.is_initialized()`` stayed False.
+graph (``fullgraph=True``: a graph break would fail, not hide); then a compiled loss whose
+all-gather is differentiable (``all_gather_tensor_autograd``, what tensor parallelism's compiled
+graphs use) is differentiated, its backward a reduce-scatter over the same group. Every rank
+checks the results and the gradient against the same functions computed on the ranks' inputs
+in one process, and that ``torch.distributed.is_initialized()`` stayed False.
 
 ``--compile-backend`` picks torch.compile's backend: ``aot_eager`` (the default) traces the
 function into one graph with its collectives as graph nodes, through AOTAutograd, and runs
@@ -40,7 +42,8 @@ from pg_core import ProcessGroup
 WIDTH = 6
 #: float32 on values of order 1: the compiled graph and the reference add the ranks' inputs in
 #: possibly different orders and may fuse the elementwise ops differently, a few ulp (1.2e-7
-#: each) apart; a wrong or missing reduction is off by 1 or more.
+#: each) apart; a wrong or missing reduction (a gradient not summed over the ranks) is off by
+#: 0.1 or more.
 TOLERANCE = 1e-5
 
 
@@ -53,6 +56,18 @@ def step(x: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch
     total = funcol.all_reduce(x * 2.0, "sum", group)
     gathered = funcol.all_gather_tensor(x.cos(), 0, group)
     return total.sin() + 1.0, gathered * 3.0
+
+
+def loss(w: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """What is compiled and differentiated: every rank's ``w`` gathered, then summed elementwise.
+    Each rank's loss depends on every rank's ``w``, so the backward of the all-gather (a
+    reduce-scatter) sums, into each rank's gradient, what every rank's loss says of it."""
+    return funcol.all_gather_tensor_autograd(w * 2.0, 0, group).sin().sum()
+
+
+def expected_gradient(w: torch.Tensor, size: int) -> torch.Tensor:
+    """The gradient of ``loss`` at this rank's ``w``, summed over the ``size`` ranks' losses."""
+    return 2.0 * torch.cos(2.0 * w) * size
 
 
 def expected(size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,11 +83,21 @@ def rank_main(backend: str, compile_backend: str) -> None:
         compiled = torch.compile(step, backend=compile_backend, fullgraph=True)
         reduced, gathered = compiled(rank_input(rank), tg)
         want_reduced, want_gathered = expected(size)
-        diff = max(float((reduced - want_reduced).abs().max()), float((gathered - want_gathered).abs().max()))
         assert gathered.shape == want_gathered.shape, f"rank {rank}: all_gather_tensor gave shape {gathered.shape}"
+        diff = max(float((reduced - want_reduced).abs().max()), float((gathered - want_gathered).abs().max()))
         assert diff < TOLERANCE, f"rank {rank}: the compiled collectives differ from the reference by {diff}"
+        w = rank_input(rank).requires_grad_()
+        torch.compile(loss, backend=compile_backend, fullgraph=True)(w, tg).backward()
+        assert w.grad is not None, f"rank {rank}: no gradient reached w through the compiled all_gather"
+        grad_diff = float((w.grad - expected_gradient(w.detach(), size)).abs().max())
+        assert grad_diff < TOLERANCE, f"rank {rank}: the gradient differs from the reference by {grad_diff}"
+        diff = max(diff, grad_diff)
         assert not dist.is_initialized(), "compile_collective: torch's default group was initialised"
-        print(f"rank {rank}: compiled all_reduce and all_gather equal the reference (max diff {diff:.1e})", flush=True)
+        print(
+            f"rank {rank}: compiled all_reduce and all_gather, and the gradient through the all_gather, equal the "
+            f"reference (max diff {diff:.1e})",
+            flush=True,
+        )
         group.barrier()  # every rank got here: its results passed the check
         if rank == 0:
             print(

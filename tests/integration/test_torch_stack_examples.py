@@ -102,7 +102,7 @@ def test_two_dimensional_mesh_example_matches_single_process_training() -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_functional_collectives_example_matches_the_reference(backend: str) -> None:
     out = _pgrun(2, "compile_collective.py", "--backend", backend)
-    _every_rank_checked(out, 2, "compiled all_reduce and all_gather equal the reference")
+    _every_rank_checked(out, 2, "compiled all_reduce and all_gather, and the gradient through the all_gather, equal")
     summary = (
         "compile_collective: 2 ranks ran torch.compile(backend='aot_eager') functional collectives over pg-core "
         f"backend '{backend}'"
