@@ -32,8 +32,9 @@ What a registered group gets, and why:
   ``get_local_rank()``, slicing a multi-dimensional mesh (``mesh["tp"]``: torch builds the
   sub-mesh with ``get_rank()``), so HSDP (FSDP2 on a 2-D mesh, which slices it),
   ``DeviceMesh.from_group``, ``init_device_mesh``, DTensor's ``distribute_tensor`` (it
-  scatters from a group rank it compares with ``get_rank(group)``), tensor parallelism's
-  ``parallelize_module`` (it distributes its weights that way) and DTensor's cpu
+  scatters from a group rank it compares with ``get_rank(group)``; with
+  ``src_data_rank=None``, each rank keeping its own shard, it needs none), tensor
+  parallelism's ``parallelize_module`` (the same, and the same ``src_data_rank=None``) and DTensor's cpu
   shard-to-shard redistribution (``get_local_rank``). Those work inside ``with
   group.as_torch_default():`` (tested: slicing, ``get_local_rank``, HSDP, ``distribute_tensor``,
   ``parallelize_module``, 1-D ``init_device_mesh``, ``DeviceMesh.from_group``). FSDP2 on a 1-D
@@ -53,7 +54,10 @@ What a registered group gets, and why:
   ``as_torch_default()``, is torch's own and does not carry it); and unregistering lets go of the meshes' hold on
   the group, so torch's caches do not keep a shut-down group's sockets open. A mesh outlives
   its groups only as a husk: using it after they shut down raises torch's ``Could not
-  resolve the process group``.
+  resolve the process group``. One hold remains that pg-core cannot undo: torch keeps the
+  torch group behind the first DTensor a process makes for the life of the process (torch
+  2.13; from no Python object), so if that group is pg-gloo's, its sockets stay open after
+  shutdown.
 * **Torch's ``destroy_process_group(tg)``** removes the entries itself, and calls the torch
   group's ``shutdown()``, which leaves the pg-core group working (tested on pg-tcp and
   pg-gloo; :mod:`pg_core.interop` decides what it does). pg-core then finds the entries gone: the next
