@@ -253,6 +253,31 @@ def test_abort_undoes_registration(pool_for: PoolFor, backend: str) -> None:
         assert got == {"registered": True, "after_abort": [True, False]}
 
 
+def compiled(ctx: RankContext, backend: str) -> dict[str, Any]:
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends=backend, timeout=ctx.timeout)
+    try:
+        with group.torch_registered() as tg:
+            name = tg.group_name
+
+            def step(x: torch.Tensor) -> torch.Tensor:
+                return funcol.all_reduce(x * 2, "sum", name) + 1
+
+            compiled_step = torch.compile(step, backend="aot_eager", fullgraph=True)
+            got: dict[str, Any] = {"inside": compiled_step(torch.full((3,), float(ctx.rank + 1))).tolist()}
+        got["after_block"] = error(lambda: compiled_step(torch.ones(3)))
+    finally:
+        group.shutdown()
+    return got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_resolves_a_registered_group(pool_for: PoolFor, backend: str) -> None:
+    n = 2
+    for got in pool_for(backend, n).run(compiled, backend, timeout=240):
+        assert got["inside"] == [2.0 * n * (n + 1) / 2 + 1] * 3
+        assert "Could not resolve the process group registered under the name" in got["after_block"], got
+
+
 def two_jobs(ctx: RankContext, backend: str) -> dict[str, Any]:
     """Two top-level groups in each process (two jobs, their ranks reversed): both registered,
     both work; one shut down leaves the other; the default-group opt-in refuses to mix them."""
