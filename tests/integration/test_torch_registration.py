@@ -380,7 +380,15 @@ def default_group(ctx: RankContext, backend: str) -> dict[str, Any]:
         with group.as_torch_default() as tg:
             got["initialized"] = dist.is_initialized()
             got["rank"] = [dist.get_rank(), dist.get_rank(tg), dist.get_world_size()]
-            got["nested"] = error(lambda: group.as_torch_default().__enter__())
+            with group.as_torch_default() as same:
+                got["nested_same"] = [same is tg, dist.get_rank()]
+            got["still_default"] = dist.is_initialized()
+            other = group.new_group(list(range(n)))  # another group of the same job
+            try:
+                got["other_refused"] = error(lambda: other.as_torch_default().__enter__())
+                got["other_not_left_registered"] = other.to_torch() not in c10d._world.pg_map
+            finally:
+                other.shutdown()
             mesh = init_device_mesh("cpu", (n,))
             got["init_device_mesh"] = [mesh.get_group() is tg, mesh.get_local_rank()]
             from_group = DeviceMesh.from_group(tg, "cpu")
@@ -404,7 +412,9 @@ def test_as_torch_default_for_the_block(pool_for: PoolFor, backend: str) -> None
     n = 2
     for r, got in enumerate(pool_for(backend, n).run(default_group, backend, timeout=120)):
         assert got["initialized"] is True and got["rank"] == [r, r, n]
-        assert "is torch's default group already" in got["nested"], got
+        assert got["nested_same"] == [True, r] and got["still_default"] is True
+        assert "is torch's default group already" in got["other_refused"], got
+        assert got["other_not_left_registered"] is True
         assert got["init_device_mesh"] == [True, r]
         assert got["from_group"] == list(range(n))
         assert got["distribute"] is True and got["replicate"] is True

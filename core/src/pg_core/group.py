@@ -1389,9 +1389,10 @@ class ProcessGroup:
     def as_torch_default(self) -> Iterator[torch.distributed.ProcessGroup]:
         """``with group.as_torch_default() as tg:``: this group, registered, is torch's default group
         for the block (``dist.get_rank()``, ``init_device_mesh``, ``DeviceMesh.from_group``,
-        DTensor's ``distribute_tensor`` work), and torch has none after it. Refused with
-        ``RuntimeError`` where torch has a default group already (``init_process_group``'s, or
-        another pg-core group's) or a group of another job is registered."""
+        DTensor's ``distribute_tensor`` work), and torch has none after it (a block inside a block
+        of the same group changes nothing). Refused with ``RuntimeError`` where torch has another
+        default group already (``init_process_group``'s, or another pg-core group's) or a group of
+        another job is registered."""
         with self.torch_registered() as torch_group, as_default(self._registration_now()):
             yield torch_group
 

@@ -329,20 +329,22 @@ def _clear_default(world: Any, c10d: Any) -> None:
 def as_default(reg: Registration) -> Iterator[None]:
     """``reg``'s group as torch's default group for the block (``dist.get_rank()``,
     ``init_device_mesh``, ``DeviceMesh.from_group`` then work); torch has none after it, as
-    before. Refused (``RuntimeError``) where torch has a default group already, or a group of
-    another job is registered (see the module docstring). The default is process-wide: every
-    thread sees it for the block."""
+    before. Inside a block of the same group, a block changes nothing. Refused
+    (``RuntimeError``) where torch has another default group already, or a group of another job
+    is registered (see the module docstring). The default is process-wide: every thread sees it
+    for the block."""
     world, c10d = _world(), _c10d()
     with _LOCK:
         if _REGISTERED.get(reg.name) is not reg or not _registered_as(world, c10d, reg):
             raise _lost(reg)
         current = world.default_pg
-        if current is not None:
+        nested = current is reg.torch_group
+        if current is not None and not nested:
             ours = next((r for r in _REGISTERED.values() if r.torch_group is current), None)
             holder = (
                 f"{ours.described} is torch's default group already (as_torch_default)"
                 if ours is not None
-                else f"torch has a default group of its own (init_process_group, backend {world.pg_map.get(current)})"
+                else f"torch has a default group of its own (init_process_group, backend {world.pg_map[current][0]!r})"
             )
             raise RuntimeError(
                 f"as_torch_default() of {reg.described}: {holder}; leave that block, or destroy torch's default "
@@ -355,14 +357,16 @@ def as_default(reg: Registration) -> Iterator[None]:
                 f"({', '.join(others)}); with this group the default, torch would read their global ranks as "
                 "ranks of this group's job. Shut them down or leave their torch_registered() blocks first"
             )
-        world.default_pg = reg.torch_group
-        c10d._set_global_rank(reg.job_rank)
+        if not nested:
+            world.default_pg = reg.torch_group
+            c10d._set_global_rank(reg.job_rank)
     try:
         yield
     finally:
-        with _LOCK:
-            if world.default_pg is reg.torch_group:
-                _clear_default(world, c10d)
+        if not nested:
+            with _LOCK:
+                if world.default_pg is reg.torch_group:
+                    _clear_default(world, c10d)
 
 
 def _mesh_class() -> type[DeviceMesh]:
