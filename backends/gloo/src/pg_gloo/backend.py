@@ -56,6 +56,7 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -359,9 +360,14 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
     @staticmethod
     def _release(pg: Any) -> None:
         """Let go of an aborted Gloo object without waiting: its destructor joins Gloo's threads,
-        which end only once the operations they run reach Gloo's timeout."""
+        which end only once the operations they run reach Gloo's timeout. While the interpreter
+        finalizes (a group never shut down, collected at exit) no thread can start (starting one
+        waits forever): the object is let go here."""
         holder = [pg]
         del pg
+        if sys.is_finalizing():
+            holder.clear()
+            return
         threading.Thread(target=_let_go, args=(holder,), name="pg-gloo-release", daemon=True).start()
 
     def _stop_reaper(self, bound: float) -> None:
