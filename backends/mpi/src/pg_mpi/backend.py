@@ -727,7 +727,14 @@ class MPIBackend(Backend):
         self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
     ) -> Work | None:
         nbytes = input.numel() * input.element_size()
-        sbuf, rbuf = self._bytes(input), [tensor_bytes(output), nbytes, self._mpi.BYTE]
+        sbuf: Any = self._bytes(input)
+        out_at, in_at = output.data_ptr(), input.data_ptr()
+        if nbytes and in_at == out_at + self.rank * nbytes:  # its own slot (FSDP2): MPI refuses aliases
+            sbuf = self._mpi.IN_PLACE
+        elif nbytes and in_at < out_at + output.nbytes and out_at < in_at + nbytes:  # any other overlap
+            input = input.clone()
+            sbuf = self._bytes(input)
+        rbuf = [tensor_bytes(output), nbytes, self._mpi.BYTE]
         return self._run(
             "all_gather_into_tensor",
             lambda comm: comm.Iallgather(sbuf, rbuf),
