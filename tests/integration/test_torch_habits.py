@@ -140,6 +140,10 @@ def test_a_global_src_on_an_adapted_group_is_refused_saying_to_use_group_src() -
                 call()
             message = str(refused.value)
             assert "pg-core group 'world'" in message, message
-            assert "group_src=/group_dst=" in message and "group.broadcast(t, src)" in message, message
+            assert (
+                "group_src=/group_dst=" in message
+                and "to_torch(register=True)" in message
+                and "group.broadcast(t, src)" in message
+            ), message
         dist.broadcast(t, group=torch_group, group_src=0)  # what the message says works
         assert not dist.is_initialized()

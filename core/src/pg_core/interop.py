@@ -1,7 +1,7 @@
 """``ProcessGroup.to_torch()``: one of our groups as a ``torch.distributed.ProcessGroup``, for
 ``DistributedDataParallel(model, process_group=...)`` and the ``torch.distributed`` calls that
 take ``group=``, with no ``init_process_group`` (``torch.distributed.is_initialized()`` stays
-False) and nothing registered in torch's global tables.
+False) and nothing registered in torch's global tables (for that, see :mod:`pg_core.torch_world`).
 
 Two shapes, chosen per group:
 
@@ -37,12 +37,13 @@ Either shape is what torch expects of a process group:
   raises ``ValueError: Invalid process group specified`` before it touches anything. Torch's
   ``abort()`` (``_abort_process_group``) likewise leaves the group to ``group.abort()``.
 
-What needs torch's global registry does not work with either until the group is registered
-there (which this module never does): ``torch.distributed.get_rank(group)`` (it reads the
-default group; use ``group.rank`` or ``torch_group.rank()``), the ``src=``/``dst=`` forms that
-take *global* ranks (use ``group_src=``/``group_dst=``, torch >= 2.6), functional collectives
-(``torch.distributed._functional_collectives``, which resolve groups by registered name), and
-FSDP2 / DeviceMesh (built on both).
+What needs torch's global tables works once the group is in them, which this module never
+does itself: ``group.to_torch(register=True)``, ``group.torch_registered()`` and
+``group.as_torch_default()`` (:mod:`pg_core.torch_world`) put it there for as long as asked.
+Unregistered, these fail: ``torch.distributed.get_rank(group)`` (use ``group.rank`` or
+``torch_group.rank()``), the ``src=``/``dst=`` forms that take *global* ranks (use
+``group_src=``/``group_dst=``, torch >= 2.6), functional collectives (they resolve groups by
+registered name), and FSDP2 / DeviceMesh (``group.device_mesh()`` registers the group).
 
 Torch's own errors for those come before any call reaches the group, from its global tables:
 ``dist.broadcast(t, src=0, group=g)`` raises ``ValueError: Group <g> is not registered, please
@@ -264,9 +265,10 @@ class _Adapter(dist.ProcessGroup):
         self._name = f"pg_core:{group.uid}"
         self._driver = _Driver(self._name)
         self._repr = (
-            f"<pg-core group {group.name!r} (rank {group.rank} of {group.size}) as a torch ProcessGroup: not in "
-            "torch.distributed's global tables, so give its ranks as group_src=/group_dst= (torch >= 2.6), not the "
-            "global src=/dst=, or call the pg-core group's own method (group.broadcast(t, src), group.send(t, dst))>"
+            f"<pg-core group {group.name!r} (rank {group.rank} of {group.size}) as a torch ProcessGroup: for the "
+            "global src=/dst= torch reads its global tables, where only group.to_torch(register=True) puts it; "
+            "or give its ranks as group_src=/group_dst= (torch >= 2.6), or call the pg-core group's own method "
+            "(group.broadcast(t, src), group.send(t, dst))>"
         )
 
     def __repr__(self) -> str:
