@@ -73,6 +73,7 @@ def _exercise(ctx: RankContext, expected_backend: str, torch_name: str) -> dict[
         out["alone"] = alone == dist.GroupMember.NON_GROUP_MEMBER
 
     dist.destroy_process_group(pair)  # one subgroup alone: the world goes on
+    del pair  # torch let it go, and so does this rank: its pg-core group is shut down
     out["sub_closed"] = _closed(sub)
     dist.all_reduce(t)
     out["after_sub_destroyed"] = t[0].item()
@@ -229,7 +230,7 @@ def test_registration_is_explicit_idempotent_and_checked() -> None:
         "pg_options for torch backend 'pg_core' must be a pg_core.torch_plugin.TorchOptions, got str"
         in lines["OPTIONS"]
     )
-    assert "supports torch 2.6 to 2.13, found torch 2.99.0" in lines["VERSION"]
+    assert "supports torch 2.13, found torch 2.99.0" in lines["VERSION"]
     assert "group.to_torch()" in lines["VERSION"]
 
 

@@ -28,20 +28,26 @@ takes precedence over the environment.
 
 **What torch gets.** The creator forms a pg-core group on the store torch prefixed for the
 group, with torch's group rank, size and timeout, named ``torch:<group id>``, and hands torch
-``group.to_torch()``'s operations (:mod:`pg_core.interop`) in a torch ``ProcessGroup`` that
-owns the pg-core group: it lives as long as torch (or the user) holds the torch group, and
-torch's ``destroy_process_group`` shuts it down (threads, sockets and store marks released).
+``group.to_torch()``'s operations (:mod:`pg_core.interop`): over native backends (pg-gloo,
+pg-nccl) a plain torch ``ProcessGroup`` holding the group's very C++ backends, so torch's calls
+cost no Python; otherwise the adapter. The pg-core group lives as long as torch or the user
+holds the torch group. ``destroy_process_group`` shuts it down (threads, sockets and store
+marks released): at once for the adapter, whose ``shutdown`` torch calls; over native backends
+when the torch group is let go, which is at once unless the user still holds it (torch shuts
+its C++ backends down at once either way). A torch group can carry no hook of its own unless
+it is a Python subclass, and torch's calls into a subclass hold the GIL while they wait for
+Gloo's work queue, whose thread may be waiting for the GIL to free a finished work's tensors:
+both ranks hang (seen in torch's own tests).
 Torch's subgroups are pg-core groups of their own, formed on torch's store by their members;
-their ranks are torch's group ranks (torch keeps the global ranks in its own tables).
+their ranks are torch's group ranks (torch keeps the global ranks in its own tables). A
+``new_group`` without ``pg_options`` takes the default group's pg-core backends and settings,
+as torch's subgroups take the default group's backend. :func:`pg_core_group` finds the pg-core
+group under a torch group.
 
-**What it costs.** Where every backend is native (pg-gloo, pg-nccl) the torch group is a
-Python subclass of torch's ``ProcessGroup`` (so that ``destroy_process_group`` reaches pg-core)
-with the native C++ backends registered on it: a call from torch's C++ side (DDP's reducer)
-looks for a Python override under the GIL, about a microsecond, before going to Gloo or NCCL.
-The route relies on torch's documented ``Backend.register_backend(..., extended_api=True)``
-and on ``_new_process_group_helper`` using a returned ``ProcessGroup`` as the group, which
-torch 2.6 to 2.13 do (:data:`TORCH_VERSIONS`); :func:`register` refuses another torch with
-a message that says so.
+**What it relies on.** Torch's documented ``Backend.register_backend(..., extended_api=True)``,
+and ``_new_process_group_helper`` using a returned ``ProcessGroup`` as the group; tested with
+the torch versions of :data:`TORCH_VERSIONS` (``tests/torch_suite``), and :func:`register`
+refuses another with a message that says so.
 
 **Torch's entry points.** Torch 2.13 has no entry-point group for distributed backends: its
 ``torch.backends`` group is for device extensions, every one loaded by every ``import torch``
@@ -55,6 +61,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -86,14 +93,17 @@ NAME: Final = "pg_core"
 BACKENDS_ENV: Final = "PG_CORE_TORCH_BACKEND"
 #: ``1`` makes ``import torch`` register pg-core through torch's ``torch.backends`` entry points.
 AUTOLOAD_ENV: Final = "PG_CORE_TORCH_AUTOLOAD"
-#: The torch versions (major, minor) whose plugin path this route is written and tested against.
-TORCH_VERSIONS: Final = ((2, 6), (2, 13))
+#: The oldest and newest torch (major, minor) this route is tested with (tests/torch_suite).
+TORCH_VERSIONS: Final = ((2, 13), (2, 13))
 
 #: What this process registered with torch: backend name -> the pg-core backends it stands for
 #: (``None``: the environment's or the defaults). The plugin route is process-wide by nature:
 #: torch's ``Backend`` tables are. Guarded by ``_LOCK``.
 _REGISTERED: dict[str, str | None] = {}
 _LOCK = threading.Lock()
+#: The torch groups over native backends the route made -> their pg-core group and settings. A
+#: torch ``ProcessGroup`` takes no attributes; an entry goes with its torch group.
+_NATIVE: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[ProcessGroup, TorchOptions]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -152,21 +162,22 @@ def autoload() -> None:
 def pg_core_group(torch_group: dist.ProcessGroup) -> ProcessGroup:
     """The pg-core group under a torch group that the plugin route made (``init_process_group``'s
     default group, or a ``new_group``). Raises ``TypeError`` for any other torch group."""
-    group = getattr(torch_group, "_pg_core_group", None)
-    if group is None:
+    made = _made(torch_group)
+    if made is None:
         raise TypeError(
             f"{torch_group!r} was not made by pg-core's torch plugin route "
             f"(init_process_group(backend={NAME!r}) or new_group() under it)"
         )
-    return group  # type: ignore[no-any-return]
+    return made[0]
 
 
 def _check_torch() -> None:
     found = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
     low, high = TORCH_VERSIONS
     if not low <= found <= high:
+        supported = f"{low[0]}.{low[1]}" + ("" if low == high else f" to {high[0]}.{high[1]}")
         raise RuntimeError(
-            f"pg-core's torch plugin route supports torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, "
+            f"pg-core's torch plugin route supports torch {supported}, "
             f"found torch {torch.__version__}: it relies on how torch's init_process_group calls a "
             "plugin. Use ProcessGroup(...) and group.to_torch() instead, which need no registration."
         )
@@ -214,7 +225,7 @@ def _create(name: str, backends: str | None, opts: Any, pg_options: Any) -> dist
         objects=settings.objects,
     )
     try:
-        return _owning(group, group.to_torch(), settings)
+        return _owning(group, group.to_torch(), settings, name)
     except BaseException:
         group.abort()
         raise
@@ -224,9 +235,8 @@ def _inherited() -> TorchOptions:
     """What a subgroup takes from torch's default group when ``new_group`` gives no ``pg_options``:
     the default group's settings (its pg-core backends included) if this route made it, as torch's
     subgroups take their backend from the default group."""
-    default = dist.group.WORLD if dist.is_initialized() else None
-    found = getattr(default, "_pg_core_options", None)
-    return found if isinstance(found, TorchOptions) else TorchOptions()
+    made = _made(dist.group.WORLD) if dist.is_initialized() else None
+    return made[1] if made is not None else TorchOptions()
 
 
 def _group_name(group_id: str) -> str:
@@ -234,13 +244,34 @@ def _group_name(group_id: str) -> str:
     return "torch:" + group_id.replace("/", "_")
 
 
-def _owning(group: ProcessGroup, torch_group: dist.ProcessGroup, settings: TorchOptions) -> dist.ProcessGroup:
-    """A torch group that holds ``group`` and shuts it down when torch's ``destroy_process_group``
-    shuts the torch group down. A plain torch ``ProcessGroup`` (native backends) cannot hold
-    anything: its backends go onto a Python subclass that can. A Python one (the adapter) holds
-    the group and has its ``shutdown`` extended."""
+def _owning(
+    group: ProcessGroup, torch_group: dist.ProcessGroup, settings: TorchOptions, name: str
+) -> dist.ProcessGroup:
+    """A torch group that keeps ``group`` alive while torch (or the user) holds it, and shuts it
+    down when torch's ``destroy_process_group`` lets it go.
+
+    Over native backends, a plain torch ``ProcessGroup`` with the very C++ backends of
+    ``group.to_torch()`` (a new one: the group's cached one would keep itself alive through the
+    group), watched by a finalizer. It cannot be a Python subclass, which could carry a
+    ``shutdown`` of its own: torch's calls into a subclass keep the GIL while they wait for
+    Gloo's work queue, whose thread may be waiting for the GIL to free a finished work's tensors,
+    and both ranks hang (seen in torch's own tests, one run in a few). The adapter is Python
+    already: it holds the group, its ``shutdown`` shuts the group down as well, and it calls
+    itself ``name``, the backend name torch's tables give it (DDP logs the group's own)."""
     if type(torch_group) is dist.ProcessGroup:
-        return _NativeRoute(group, torch_group, settings)
+        route = dist.ProcessGroup(group.rank, group.size)  # type: ignore[call-arg]
+        types = dist.ProcessGroup.BackendType
+        default = None
+        for device in torch_group._device_types:
+            backend = torch_group._get_backend(device)
+            kind = getattr(types, backend.name().upper(), types.CUSTOM)
+            route._register_backend(torch.device(device), kind, backend)
+            default = default or kind
+        if default is not None:
+            route._set_default_backend(default)
+        _NATIVE[route] = (group, settings)
+        weakref.finalize(route, group.shutdown)
+        return route
     previous = torch_group.shutdown
 
     def shutdown() -> None:
@@ -252,31 +283,16 @@ def _owning(group: ProcessGroup, torch_group: dist.ProcessGroup, settings: Torch
     torch_group._pg_core_group = group  # type: ignore[attr-defined]
     torch_group._pg_core_options = settings  # type: ignore[attr-defined]
     torch_group.shutdown = shutdown  # type: ignore[method-assign]
+    torch_group.getBackendName = lambda: name  # type: ignore[attr-defined]
     return torch_group
 
 
-class _NativeRoute(dist.ProcessGroup):
-    """Torch's group for the plugin route over native backends: the very C++ backends of
-    ``group.to_torch()`` registered on it, and the pg-core group they belong to, which its
-    :meth:`shutdown` (what ``destroy_process_group`` calls) shuts down."""
-
-    def __init__(self, group: ProcessGroup, torch_group: dist.ProcessGroup, settings: TorchOptions) -> None:
-        super().__init__(group.rank, group.size)  # type: ignore[call-arg]
-        self._pg_core_group = group
-        self._pg_core_options = settings
-        self._repr = f"<torch ProcessGroup over pg-core group {group.name!r} (rank {group.rank} of {group.size})>"
-        types = dist.ProcessGroup.BackendType
-        default = None
-        for device in torch_group._device_types:
-            backend = torch_group._get_backend(device)
-            kind = getattr(types, backend.name().upper(), types.CUSTOM)
-            self._register_backend(torch.device(device), kind, backend)
-            default = default or kind
-        if default is not None:
-            self._set_default_backend(default)
-
-    def __repr__(self) -> str:
-        return self._repr
-
-    def shutdown(self) -> None:
-        self._pg_core_group.shutdown()
+def _made(torch_group: object) -> tuple[ProcessGroup, TorchOptions] | None:
+    """The pg-core group and settings under a torch group the route made, else ``None``."""
+    group = getattr(torch_group, "_pg_core_group", None)
+    if group is not None:
+        return group, torch_group._pg_core_options  # type: ignore[attr-defined]
+    try:
+        return _NATIVE.get(torch_group)  # type: ignore[call-overload]
+    except TypeError:  # not weakly referable, so not ours
+        return None
