@@ -18,7 +18,7 @@ STAMP  := $(VENV)/.installed
 # The release check (tests/integration/test_packaging.py): `make package` runs it, `make unit` leaves it out.
 PACKAGING := tests/integration/test_packaging.py
 
-.PHONY: demo test lint typecheck docs unit package install clean bench bytecode
+.PHONY: demo test lint typecheck docs unit package install clean bench bytecode torch-tests
 
 install: $(STAMP)
 
@@ -27,7 +27,7 @@ $(STAMP): constraints-dev.txt pyproject.toml $(addsuffix /pyproject.toml,$(DISTS
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt setuptools
 	$(PIP) install --quiet --disable-pip-version-check -c constraints-dev.txt \
 		-e 'core[testing]' $(addprefix -e ,$(filter-out core,$(DISTS))) \
-		numpy matplotlib pytest-timeout pytest-xdist ruff mypy build \
+		numpy matplotlib pytest-timeout pytest-xdist ruff mypy build expecttest \
 		mkdocs mkdocs-material 'mkdocstrings[python]'
 	touch $@
 
@@ -73,6 +73,14 @@ unit: bytecode
 # Python checks each .pyc against its source's size and time, so an edited file is compiled again.
 bytecode: $(STAMP)
 	$(PY) -m compileall -q -j 0 $(addsuffix /src,$(DISTS)) $(addsuffix /tests,$(DISTS)) tests examples conftest.py
+
+# Torch's own distributed tests (torch.testing._internal.distributed.distributed_test, which needs
+# expecttest) over pg-core through torch's plugin route, beside torch's Gloo: the CI subset
+# (tests/torch_suite/subset.txt) as a table, then the targets checked (every test Gloo passes passes
+# over pg-gloo, and over pg-tcp but for tests/torch_suite/known_failures.txt). `make unit` runs the
+# same check as one test (tests/torch_suite/test_torch_suite.py). TORCH_TESTS_ARGS=--all for every test.
+torch-tests: bytecode
+	$(PY) tests/torch_suite/run_torch_tests.py --check $(TORCH_TESTS_ARGS)
 
 # sdist, then a wheel built from the sdist, per distribution (build/dist); a fresh build/pkg-venv
 # with the wheels and torch from constraints-dev.txt; then, from outside the repository:
