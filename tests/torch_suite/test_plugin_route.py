@@ -212,6 +212,17 @@ def test_registration_is_explicit_idempotent_and_checked() -> None:
         assert "pg_core" in names and "pg_core_tcp" in names and "pg_core_gloo" in names, names
         assert dist.Backend("pg_core_tcp") == "pg_core_tcp"
         assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # torch's default is not taken
+        assert tp.registered()["pg_core_tcp"] == "tcp" and tp.registered()["pg_core"] is None
+        try:  # installed, but this machine has no GPU: pg-core says so
+            dist.init_process_group("pg_core_nccl", store=dist.HashStore(), rank=0, world_size=1)
+        except pg_core.BackendUnavailableError as exc:
+            print("UNAVAILABLE", exc)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            tp.pg_core_group(dist.group.WORLD)
+        except TypeError as exc:
+            print("NOT_OURS", exc)
+        dist.destroy_process_group()
         try:
             dist.init_process_group("pg_core", store=dist.HashStore(), rank=0, world_size=1, pg_options="tcp")
         except TypeError as exc:
@@ -230,6 +241,8 @@ def test_registration_is_explicit_idempotent_and_checked() -> None:
         "pg_options for torch backend 'pg_core' must be a pg_core.torch_plugin.TorchOptions, got str"
         in lines["OPTIONS"]
     )
+    assert "Backend 'nccl' is installed but unavailable" in lines["UNAVAILABLE"]
+    assert "was not made by pg-core's torch plugin route" in lines["NOT_OURS"]
     assert "supports torch 2.13, found torch 2.99.0" in lines["VERSION"]
     assert "group.to_torch()" in lines["VERSION"]
 

@@ -127,18 +127,22 @@ def registered() -> dict[str, str | None]:
 
 
 def register() -> list[str]:
-    """Register ``"pg_core"``, and ``"pg_core_<name>"`` for each pg-core backend installed, with
-    torch's ``Backend.register_backend``; returns the names. Idempotent: a second call
+    """Register ``"pg_core"``, and ``"pg_core_<name>"`` for each pg-core backend installed (one
+    that cannot run here too: using it says why), with torch's ``Backend.register_backend``;
+    returns the names. Idempotent: a second call
     registers only backends installed since. Raises ``RuntimeError`` on a torch version outside
     :data:`TORCH_VERSIONS`, naming it."""
     from .registry import default_registry
 
     _check_torch()
     wanted: dict[str, tuple[str | None, list[str]]] = {}
-    specs = [e.spec for e in default_registry().entries() if e.spec is not None and e.status == "available"]
-    every = sorted({device for spec in specs for device in spec.devices} | {"cpu"})
+    entries = [e for e in default_registry().entries() if e.spec is not None]
+    available = [e.spec for e in entries if e.status == "available" and e.spec is not None]
+    every = sorted({device for spec in available for device in spec.devices} | {"cpu"})
     wanted[NAME] = (None, every)
-    for spec in specs:
+    # an installed backend that cannot run here is registered too: using it raises pg-core's
+    # BackendUnavailableError with the reason, where torch would say only 'Invalid backend'
+    for spec in [e.spec for e in entries if e.status in ("available", "unavailable") and e.spec is not None]:
         if not re.fullmatch(r"[a-z0-9_]+", spec.name):
             continue  # torch lower-cases and upper-cases names: only plain ones map back
         wanted[f"{NAME}_{spec.name}"] = (spec.name, sorted(spec.devices))
