@@ -169,6 +169,36 @@ def over_tcp_store(ctx: RankContext, backend: str, via: str) -> dict[str, Any]:
         del store
 
 
+def aborting(ctx: RankContext, backend: str, path: str) -> dict[str, Any]:
+    """Torch's ``_abort_process_group`` of a subgroup aborts its pg-core group; the world goes on."""
+    from pg_core.torch_plugin import pg_core_group, register
+
+    register()
+    dist.init_process_group(
+        f"pg_core_{backend}",
+        init_method=f"file://{path}",
+        rank=ctx.rank,
+        world_size=ctx.size,
+        timeout=timedelta(seconds=ctx.timeout),
+    )
+    pair = dist.new_group([0, 1])
+    sub = pg_core_group(pair)
+    dist.distributed_c10d._abort_process_group(pair)
+    del pair
+    out = {"sub_closed": _closed(sub)}
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["world"] = t.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_abort_of_a_subgroup_aborts_its_pg_core_group(rank_pools: Pools, backend: str, tmp_path: Path) -> None:
+    results = rank_pools(2).run(aborting, backend, str(tmp_path / "init"), timeout=90)
+    assert results == [{"sub_closed": True, "world": [2.0, 2.0]}] * 2
+
+
 def host_a_store_once(ctx: RankContext) -> None:
     """Torch keeps a pipe (two descriptors) for the life of a process once it has hosted a
     ``TCPStore`` server, whichever library asked: made here, before the call that checks leaks."""

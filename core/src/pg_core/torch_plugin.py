@@ -260,8 +260,9 @@ def _owning(
     ``shutdown`` of its own: torch's calls into a subclass keep the GIL while they wait for
     Gloo's work queue, whose thread may be waiting for the GIL to free a finished work's tensors,
     and both ranks hang (seen in torch's own tests, one run in a few). The adapter is Python
-    already: it holds the group, its ``shutdown`` shuts the group down as well, and it calls
-    itself ``name``, the backend name torch's tables give it (DDP logs the group's own)."""
+    already: it holds the group, its ``shutdown`` and ``abort`` shut the group down or abort it
+    as well, and it calls itself ``name``, the backend name torch's tables give it (DDP logs the
+    group's own)."""
     if type(torch_group) is dist.ProcessGroup:
         route = dist.ProcessGroup(group.rank, group.size)  # type: ignore[call-arg]
         types = dist.ProcessGroup.BackendType
@@ -274,19 +275,28 @@ def _owning(
         if default is not None:
             route._set_default_backend(default)
         _NATIVE[route] = (group, settings)
-        weakref.finalize(route, group.shutdown)
+        # not at interpreter exit: a job that never called destroy_process_group ends as torch's
+        # would, not waiting there (up to the group's timeout) for its peers to leave
+        weakref.finalize(route, group.shutdown).atexit = False
         return route
-    previous = torch_group.shutdown
+    torch_shutdown, torch_abort = torch_group.shutdown, torch_group.abort
 
     def shutdown() -> None:
         try:
-            previous()
+            torch_shutdown()
         finally:
             group.shutdown()
+
+    def abort() -> None:  # torch's _abort_process_group
+        try:
+            torch_abort()
+        finally:
+            group.abort()
 
     torch_group._pg_core_group = group  # type: ignore[attr-defined]
     torch_group._pg_core_options = settings  # type: ignore[attr-defined]
     torch_group.shutdown = shutdown  # type: ignore[method-assign]
+    torch_group.abort = abort  # type: ignore[method-assign]
     torch_group.getBackendName = lambda: name  # type: ignore[attr-defined]
     return torch_group
 
