@@ -459,6 +459,11 @@ def torch_side_collectives(ctx: RankContext, backend: str) -> dict[str, Any]:
                 tg.monitored_barrier(timedelta(seconds=1), wait_all_ranks=True)
             except Exception as exc:  # what it raised is what is checked
                 got["absent"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+            start = time.monotonic()
+            try:  # torch's zero timeout: no time for anyone (torch's own test of it expects an error at once)
+                tg.monitored_barrier(timedelta(0))
+            except RuntimeError as exc:  # torch's habit catches pg-core's timeout too
+                got["absent_now"] = (str(exc), time.monotonic() - start)
             finally:
                 ctx.store.set("torch_side/gave_up", "1")
         else:
@@ -481,6 +486,9 @@ def test_all_gather_coalesced_and_monitored_barrier_on_the_torch_group(rank_pool
             kind, message, seconds = got["absent"]
             assert kind == ("CollectiveTimeout" if backend == "tcp" else "RuntimeError"), got  # gloo: torch's
             assert re.search(r"[Rr]anks?(\(s\))? 1\b", message) and 0.9 < seconds < 10, got  # names who did not come
+            message, seconds = got["absent_now"]
+            if backend == "tcp":  # (on gloo, torch's own Gloo closed its pairs at the first one's timeout)
+                assert "Rank 0 timed out in monitoredBarrier" in message and seconds < 5, got  # torch's words, at once
         else:
             assert "absent" not in got
 

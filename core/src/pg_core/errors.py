@@ -3,6 +3,11 @@
 Local validation failures (a rank out of range, a list of the wrong length, a
 wrong type) are plain :class:`ValueError` / :class:`TypeError`, raised before any
 byte is sent, because that is what a Python user catches for bad arguments.
+
+What torch raises as a ``RuntimeError`` (its ``DistBackendError``, ``DistNetworkError``) is one
+here too, beside the builtin that says what it is: a group closed, a peer gone
+(``ConnectionError``), a timeout (``TimeoutError``), a mismatch. So torch's habit
+``except RuntimeError`` catches them, and ``except TimeoutError`` still does what it says.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ class GroupClosedError(PGError, RuntimeError):
     """The group (or backend) was shut down or aborted."""
 
 
-class PeerFailureError(PGError, ConnectionError):
+class PeerFailureError(PGError, ConnectionError, RuntimeError):
     """A peer died or closed its connection while this rank depended on it."""
 
     def __init__(self, message: str, *, peers: Iterable[int] = ()) -> None:
@@ -119,7 +124,7 @@ class ForbiddenObjectError(PGError):
         self.name = name
 
 
-class CollectiveMismatchError(PGError):
+class CollectiveMismatchError(PGError, RuntimeError):
     """Ranks called different ops, shapes, dtypes or roots at the same sequence number."""
 
     def __init__(self, message: str, *, peers: Iterable[int] = ()) -> None:
@@ -127,7 +132,7 @@ class CollectiveMismatchError(PGError):
         self.peers = tuple(sorted(set(peers)))
 
 
-class CollectiveTimeout(PGError, TimeoutError):
+class CollectiveTimeout(PGError, TimeoutError, RuntimeError):
     """An operation exceeded its timeout.
 
     ``op`` is the operation's name, ``seq`` its sequence number in its group (or

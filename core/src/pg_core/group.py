@@ -878,9 +878,9 @@ class ProcessGroup:
             verdict = self._store.get(f"{key}/verdict").decode()
             missing = [int(r) for r in verdict.split(",")] if verdict else []
         if missing:
-            raise CollectiveTimeout(
-                f"monitored_barrier of group {self._name!r}: rank(s) {', '.join(map(str, missing))} did not arrive "
-                f"within {budget:g} s",
+            raise CollectiveTimeout(  # torch's words first ("Rank 0 timed out in monitoredBarrier")
+                f"Rank {self._rank} timed out in monitoredBarrier of group {self._name!r}: rank(s) "
+                f"{', '.join(map(str, missing))} did not arrive within {budget:g} s",
                 op="monitored_barrier",
                 peers=missing,
             )

@@ -139,6 +139,8 @@ def _reduce_op(opts: Any) -> ReduceOp:
     return as_reduce_op(opts.reduceOp)
 
 
+#: What torch's ``monitored_barrier(timedelta(0))`` waits: no time (pg-core's timeouts are positive)
+_AT_ONCE_S: Final = 0.001
 #: How long the adapter's driving thread drives its oldest pending work before it polls the
 #: others once (a receive that waits on a later message must not hold up their futures).
 _DRIVE_SLICE_S: Final = 0.05
@@ -460,7 +462,8 @@ class _Adapter(dist.ProcessGroup):
         (``CollectiveTimeout``) names the ranks that did not arrive (all of them with
         ``wait_all_ranks``, else the first). ``torch.distributed.monitored_barrier`` refuses every
         backend not named gloo before it gets here: call this on the torch group, or the group's own."""
-        seconds = timeout.total_seconds() if timeout is not None and timeout.total_seconds() > 0 else None
+        # torch's zero timeout gives the others no time at all (its test expects an error at once)
+        seconds = None if timeout is None else max(timeout.total_seconds(), _AT_ONCE_S)
         self._g.monitored_barrier(timeout=seconds, wait_all_ranks=wait_all_ranks)
 
     # torch 2.13 renamed three of them; both names are kept for torch >= 2.6

@@ -30,7 +30,7 @@ from torch.distributed import DistNetworkError, FileStore, HashStore, PrefixStor
 from torch.distributed import TCPStore as _TorchTCPStore
 
 from .auth import MAC_BYTES, AuthKey
-from .errors import AuthenticationError, CollectiveTimeout, StoreUnavailableError
+from .errors import AuthenticationError, CollectiveTimeout, PGError, StoreUnavailableError
 from .timeouts import DEFAULT_TIMEOUT, Deadline, seconds
 
 __all__ = [
@@ -297,7 +297,7 @@ class AuthenticatedStore(Store):
     def _counter(self, op: str, key: str, fn: Callable[[], _T]) -> _T:
         try:
             return fn()
-        except DistNetworkError:  # the store is gone: GuardedStore says so
+        except (DistNetworkError, PGError):  # the store is gone: GuardedStore says so
             raise
         except (RuntimeError, ValueError) as exc:
             raise AuthenticationError(

@@ -66,7 +66,7 @@ import torch
 from pg_core.backend import BackendContext
 from pg_core.buffers import SpareBuffers
 from pg_core.c10d import C10dBackend, first_line, flat_bytes, timeout_delta
-from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
+from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from pg_core.ops import ReduceOp
 from pg_core.store import advertise_address
 from pg_core.work import Work, then
@@ -202,6 +202,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
         """Gloo's ``RuntimeError`` as pg-core's error (anything unrecognised is returned as is)."""
+        if isinstance(exc, PGError):  # pg-core's own (a RuntimeError too): already says it
+            return exc
         text = first_line(exc)
         if "Connect timeout" in text and self._watch.gone:  # forming: a peer left, and the watch knows who
             lost = sorted(self._watch.gone)

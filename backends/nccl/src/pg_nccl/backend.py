@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from pg_core.backend import BackendContext
 from pg_core.c10d import C10dBackend, first_line, timeout_delta
-from pg_core.errors import CollectiveTimeout, PeerFailureError
+from pg_core.errors import CollectiveTimeout, PeerFailureError, PGError
 from pg_core.ops import RedOpType, ReduceOp
 from pg_core.work import Work
 from torch.distributed import ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds
@@ -53,6 +53,8 @@ class NCCLBackend(C10dBackend):
         self._pg = ProcessGroupNCCL(self.rendezvous("NCCL"), ctx.rank, ctx.size, options)
 
     def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException:
+        if isinstance(exc, PGError):  # pg-core's own (a RuntimeError too): already says it
+            return exc
         text = first_line(exc)
         if any(words in text for words in _TIMED_OUT):
             return CollectiveTimeout(f"{what}: NCCL timed out after {timeout:g} s ({text})", op=what, peers=peers)
