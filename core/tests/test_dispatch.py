@@ -1045,13 +1045,19 @@ def test_groups_of_backend_classes_leave_nothing_behind_in_the_process_wide_regi
 def test_a_tensor_that_is_not_dense_strided_is_refused_by_kind_before_the_backend_sees_it(group, log, make):
     """Sparse and nested tensors have no strides to hand a backend: a NotSupportedError naming
     the kind and what to do, on the first call and on the prepared path alike, not torch's raw
-    'unsupported memory format' or 'NestedTensorImpl doesn't support strides'."""
+    'unsupported memory format' or 'NestedTensorImpl doesn't support strides'. (A sparse COO
+    tensor's all_reduce SUM is summed from gathers of its parts, as Gloo does: any other
+    reduction of it is refused, as Gloo refuses it.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's prototype warning for nested tensors
         t = make()
     group.all_reduce(torch.ones(4))  # a dense call first: the blocking all_reduce's prepared path exists
     del log[:]
-    for call in (lambda: group.all_reduce(t), lambda: group.broadcast(t, 0), lambda: group.send(t, 1)):
+    for call in (
+        lambda: group.all_reduce(t, ReduceOp.MAX),
+        lambda: group.broadcast(t, 0),
+        lambda: group.send(t, 1),
+    ):
         with pytest.raises(NotSupportedError, match="sparse|nested") as info:
             call()
         assert "dense" in str(info.value)

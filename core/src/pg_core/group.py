@@ -35,6 +35,7 @@ from .messages import ObjectsArg
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
 from .recorder import FlightRecorder, Tracer, buffer_size, trace_dir
+from .sparse import SPARSE_LAYOUTS, all_reduce_sparse
 from .store import PrefixStore, Store, auth_key_of, authenticated, hosts_store, store_address, wait_for
 from .tags import check_tag
 from .timeouts import DEFAULT_TIMEOUT, seconds
@@ -536,7 +537,8 @@ class ProcessGroup:
         async_op: bool = False,
         timeout: float | timedelta | None = None,
     ) -> Work | None:
-        """Reduce ``tensor`` across the group, in place, on every rank."""
+        """Reduce ``tensor`` across the group, in place, on every rank. A sparse COO tensor is
+        summed as torch's Gloo sums one (:mod:`pg_core.sparse`), on every backend."""
         # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
         # that went through the full path once): the backend's prepared all_reduce, in order.
         # (No lane is made for PREMUL_SUM, whose factor changes per call: it never finds one.)
@@ -553,6 +555,9 @@ class ProcessGroup:
                 return lane(tensor)  # type: ignore[no-any-return]
         plain = plain and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
         rop = as_reduce_op(op)
+        if getattr(tensor, "layout", None) in SPARSE_LAYOUTS:  # summed from gathers of its parts (as Gloo does)
+            refuse_inside(self._coalescing, "all_reduce of a sparse tensor", self._name)
+            return all_reduce_sparse(self, tensor, rop, async_op=async_op, timeout=timeout)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)

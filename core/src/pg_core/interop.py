@@ -122,8 +122,10 @@ def _d(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` outside autograd, sharing its memory: what the adapter hands the group. Torch's
     functional collectives (``_c10d_functional.all_reduce``) post the very tensor they return,
     and autograd gives it a ``grad_fn`` after the call returned, while the group may still be
-    writing it; the group would then see a tensor that requires grad (and refuse ``out=``)."""
-    return tensor.detach()
+    writing it; the group would then see a tensor that requires grad (and refuse ``out=``).
+    A sparse tensor is handed as it is: its sum is written by replacing its indices and values,
+    which a detached alias would take for itself."""
+    return tensor if tensor.layout is torch.sparse_coo else tensor.detach()
 
 
 def _ds(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
