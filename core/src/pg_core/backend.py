@@ -264,8 +264,9 @@ __all__ = [
 #: 1.5, a prepared all_reduce (:meth:`Backend.prepared_all_reduce`); 1.6, a native split
 #: (:meth:`Backend.split`, with :attr:`BackendContext.split_from`); 1.7, releasing a split's handle
 #: that no subgroup took (:meth:`Backend.release_split`); 1.8, the job's secret
-#: (:attr:`BackendContext.auth_key`) for backends that authenticate their connections.
-API_VERSION: Final[str] = "1.8"
+#: (:attr:`BackendContext.auth_key`) for backends that authenticate their connections; 1.9,
+#: :attr:`Capabilities.checks_message_size` (a backend that cannot see a message's size says so).
+API_VERSION: Final[str] = "1.9"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -337,12 +338,20 @@ class Capabilities:
     between two ranks match in the order they were sent (as NCCL's do). The core maps its
     own tags and the user's into what is declared (:mod:`pg_core.tags`); a backend never
     sees a tag outside it.
+
+    ``checks_message_size`` (API 1.9): ``True`` (the default), a ``recv`` (``irecv``, a receive
+    from any source) meeting a message of another size raises
+    :class:`~pg_core.errors.CollectiveMismatchError` and leaves its tensor as it was. ``False``:
+    the transport carries no size (NCCL's), so such a receive fails at its timeout with
+    :class:`~pg_core.errors.CollectiveTimeout` instead, its tensor still as it was. Neither may
+    return with the tensor truncated, zero-padded or partly written.
     """
 
     ops: frozenset[str] = frozenset(OPS)
     dtypes: frozenset[torch.dtype] = frozenset(DTYPES)
     reduce_ops: Mapping[torch.dtype, frozenset[RedOpType]] = field(default_factory=dict)
     max_tag: int | None = MAX_TAG
+    checks_message_size: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.ops) - set(OPS) - set(OPTIONAL_OPS)

@@ -36,13 +36,24 @@ Checks, by the name a failure carries:
     bad input was not rejected with ``ValueError``/``TypeError`` locally.
 ``timeout``
     an operation that cannot finish did not raise ``CollectiveTimeout`` naming it.
+``receive-mismatch``
+    a receive meeting a message of another size (or dtype) did not raise
+    ``CollectiveMismatchError`` (``CollectiveTimeout`` where the backend declares it cannot
+    see sizes), returned with its buffer truncated or padded, or left the stream out of step
+    (:mod:`~pg_core.testing.receives`).
+``byte-messages``
+    a byte message arrived with another length or other bytes than were sent.
 ``dead-peer``
     a peer's death gave neither ``PeerFailureError`` nor ``CollectiveTimeout``.
+``liveness``
+    an operation blocked on another thread did not raise ``GroupClosedError`` soon
+    after ``abort()``, or ``abort()`` did not return (see :mod:`~pg_core.testing.liveness`).
 ``deadline``
     the example did not finish in time (the failure carries every rank's stacks).
 ``rank-died`` / ``leak`` / ``rank-error``
-    a rank process died, left threads or sockets behind after ``shutdown()``,
-    or failed outside any call.
+    a rank process died, left threads, sockets, child processes or shared memory
+    behind after ``shutdown()`` (or after ``abort()``, see ``liveness``), or failed
+    outside any call.
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ TESTS: tuple[str, ...] = (
     *COLLECTIVE_OPS,
     "p2p",
     "any_source",
+    "receives",
     "objects",
     "unknown_shape",
     "subgroups",
@@ -84,6 +96,7 @@ TESTS: tuple[str, ...] = (
     "bad_input",
     "timeouts",
     "dead_peer",
+    "liveness",
 )
 
 
@@ -241,6 +254,16 @@ class Conformance:
             return
         if test == "coverage":
             self.check_coverage()
+            return
+        if test == "liveness":
+            from .liveness import check_liveness
+
+            check_liveness(self)
+            return
+        if test == "receives":
+            from .receives import check_receives
+
+            check_receives(self)
             return
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis.errors import FlakyFailure
