@@ -104,11 +104,33 @@ Receiving from any source (the optional ``recv_anysource``, declared by pg-tcp's
     never see (lost, or a later message in their place).
 49. ANY_SOURCE_STALE_SENDER: an any-source receive reports the sender of the receive before it (the field is
     read before it is updated): a rank of the group, just not the one whose message it holds.
+
+Layouts users pass and values at every size (issue 32), with the full declaration:
+
+L1. BUCKET_WHOLE_STORAGE: all_reduce of a contiguous tensor runs over its whole storage ("contiguous, so the
+    storage is the tensor"), so a gradient that is a slice of a flat bucket rewrites its neighbours.
+L2. SEND_FROM_STORAGE_START: sends read the tensor's bytes from the start of its storage instead of its
+    storage offset (``untyped_storage().data_ptr()`` for ``data_ptr()``): right for fresh tensors, another
+    parameter's bytes for a slice of a bucket.
+L3. ONE_ELEMENT_VIA_FLOAT32: a fast path for one-element all_reduce (a loss, a gradient norm, a token count)
+    reduces a float32 copy, so int32, int64 and float64 values lose their low bits.
+
+A receive meeting a message it did not expect, and byte messages at their edges (the ``receives`` test), with
+pg-tcp's full declaration:
+
+50. RECV_ZERO_PADS: a recv whose message has another size than its tensor takes what fits and zero-pads the
+    rest instead of raising CollectiveMismatchError ("be lenient in what you accept").
+51. SEND_BYTES_DROPS_LAST_BYTE: send_bytes moves a message in 64 KiB chunks and counts them with an
+    off-by-one (a last chunk of one byte is not counted), so lengths one above a multiple of 64 KiB lose
+    their last byte.
+52. SEND_BYTES_STOPS_AT_EMPTY_PART: send_bytes takes an empty part for the end of the list (as a C string's
+    terminator), so the parts after an empty one are lost.
 """
 
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import subprocess
 import sys
@@ -117,11 +139,12 @@ from collections.abc import Sequence
 
 import torch
 from pg_core.backend import DTYPES, Backend, BackendContext, BackendSpec, Call, Capabilities
-from pg_core.errors import CollectiveTimeout, PeerFailureError
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, PeerFailureError
 from pg_core.ops import OPS, RedOpType, ReduceOp
 from pg_core.work import Work, all_of, mapped
 from pg_tcp.backend import TCPBackend, TCPChannel
 from pg_tcp.plugin import CAPABILITIES
+from pg_tcp.transport import Send
 
 _FLOATS = (torch.float32, torch.float64)
 _INTS = (torch.uint8, torch.int32, torch.int64)
@@ -819,6 +842,75 @@ class AnySourceStaleSender(TCPBackend):
     irecv_anysource = Backend.irecv_anysource
 
 
+# -- 50, 51, 52: the receives test ------------------------------------------------------------------------
+
+
+class RecvZeroPads(TCPBackend):
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        try:
+            super().recv(tensor, src, tag, timeout=timeout)
+        except CollectiveMismatchError:
+            tensor.zero_()  # bug: a message of another size "received" as zeros, and no error
+
+    irecv = Backend.irecv  # (the core's helper thread runs recv)
+
+
+#: What send_bytes takes (``Backend.send_bytes``).
+_Message = _Bytes | mmap.mmap | Sequence[_Bytes | mmap.mmap]
+
+
+def _joined(data: _Message) -> bytes:
+    parts = [data] if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)) else list(data)
+    return b"".join(bytes(part) for part in parts)
+
+
+class SendBytesDropsLastByte(TCPBackend):
+    def send_bytes(self, data: _Message, dst: int, tag: int, *, timeout: float) -> None:
+        joined = _joined(data)
+        chunks = len(joined) // _WINDOW + (1 if len(joined) % _WINDOW > 1 else 0)  # bug: "> 1" for "> 0"
+        kept = min(len(joined), chunks * _WINDOW) if len(joined) > _WINDOW else len(joined)
+        super().send_bytes([joined[:kept]], dst, tag, timeout=timeout)
+
+
+class SendBytesStopsAtEmptyPart(TCPBackend):
+    def send_bytes(self, data: _Message, dst: int, tag: int, *, timeout: float) -> None:
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)) else list(data)
+        kept = list(itertools.takewhile(lambda part: memoryview(part).nbytes > 0, parts))  # bug: "" ends the list
+        super().send_bytes(kept, dst, tag, timeout=timeout)
+
+
+# -- layouts users pass and values at every size ------------------------------------------------------------
+
+
+def _whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage())  # bug: the storage, not the view
+
+
+class BucketWholeStorage(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        super().all_reduce(_whole_storage(tensor), op, timeout=timeout)
+
+
+class SendFromStorageStart(TCPBackend):
+    def _send_request(self, name: str, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> Send:
+        start = torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), 0, tensor.shape)  # bug: offset 0
+        return super()._send_request(name, start, dst, tag, timeout)
+
+
+_SCALAR_KINDS = frozenset({RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX, RedOpType.AVG})
+
+
+class OneElementViaFloat32(TCPBackend):
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+        real = not (tensor.is_complex() or tensor.dtype is torch.bool)
+        if tensor.numel() != 1 or not real or op.type not in _SCALAR_KINDS:
+            super().all_reduce(tensor, op, timeout=timeout)
+            return
+        scalar = tensor.to(torch.float32)  # bug: "one number, float32 is plenty"
+        super().all_reduce(scalar, op, timeout=timeout)
+        tensor.copy_(scalar)
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -871,6 +963,12 @@ COALESCED_SKIPS_LAST = _spec("coalesced-skips-last", CoalescedSkipsLast)
 ANY_SOURCE_PEER_INDEX = _spec("any-source-peer-index", AnySourcePeerIndex)
 ANY_SOURCE_IRECV_PER_PEER = _spec("any-source-irecv-per-peer", AnySourceIrecvPerPeer)
 ANY_SOURCE_STALE_SENDER = _spec("any-source-stale-sender", AnySourceStaleSender)
+BUCKET_WHOLE_STORAGE = _spec("bucket-whole-storage", BucketWholeStorage)
+SEND_FROM_STORAGE_START = _spec("send-from-storage-start", SendFromStorageStart)
+ONE_ELEMENT_VIA_FLOAT32 = _spec("one-element-via-float32", OneElementViaFloat32)
+RECV_ZERO_PADS = _spec("recv-zero-pads", RecvZeroPads)
+SEND_BYTES_DROPS_LAST_BYTE = _spec("send-bytes-drops-last-byte", SendBytesDropsLastByte)
+SEND_BYTES_STOPS_AT_EMPTY_PART = _spec("send-bytes-stops-at-empty-part", SendBytesStopsAtEmptyPart)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from pg_core.testing.cases import Example
-from pg_core.testing.harness import Conformance, ConformanceFailure, Profile
+from pg_core.testing.harness import PROFILES, Conformance, ConformanceFailure, Profile
 
 PLANTED = Path(__file__).resolve().with_name("planted.py")
 
@@ -143,6 +143,12 @@ BUGS = {
     "any-source-irecv-per-peer": Bug("ANY_SOURCE_IRECV_PER_PEER", "any_source", ("reference", "declared-must-pass")),
     # a valid rank, another sender's: the receive holds a message that rank did not send there
     "any-source-stale-sender": Bug("ANY_SOURCE_STALE_SENDER", "any_source", ("reference",)),
+    # a receive meeting a message it did not expect, and byte messages at their edges, with the full declaration
+    "recv-zero-pads": Bug("RECV_ZERO_PADS", "receives", ("receive-mismatch",), world_sizes=(2,)),
+    "send-bytes-drops-last-byte": Bug("SEND_BYTES_DROPS_LAST_BYTE", "receives", ("byte-messages",), world_sizes=(2,)),
+    "send-bytes-stops-at-empty-part": Bug(
+        "SEND_BYTES_STOPS_AT_EMPTY_PART", "receives", ("byte-messages",), world_sizes=(2,)
+    ),
 }
 
 #: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.
@@ -259,3 +265,23 @@ def test_membership_is_judged_against_mpi_split() -> None:
             checker.judge("subgroups", example, _split_results(wrong))
         assert caught.value.check == "membership", str(caught.value)
         assert said in str(caught.value), str(caught.value)
+
+
+TRUNCATING = Path(__file__).resolve().with_name("truncating.py")
+
+
+@pytest.mark.timeout(240)
+def test_truncating_backend_from_scratch_is_caught(rank_pools) -> None:
+    """A backend written from scratch (not pg-tcp), whose recv cuts or zero-pads a message of another size
+    to fit its tensor, is caught by the default run's receives test; pg-tcp under the same declaration
+    passes it."""
+    buggy = Conformance(f"{TRUNCATING}:SPEC", profile=PROFILES["ci"], pools=rank_pools, shrink=False)
+    control = Conformance(ref("CONTROL_MESSAGES"), profile=PROFILES["ci"], pools=rank_pools, shrink=False)
+    assert buggy.caps == control.caps  # the control is pg-tcp under the same declaration
+    with pytest.raises(ConformanceFailure) as caught:
+        buggy.check("receives")
+    assert caught.value.check == "receive-mismatch", str(caught.value)
+    assert "it returned normally" in caught.value.detail and "zero-padded" in caught.value.detail, caught.value.detail
+
+    control.check("receives")
+    assert control.examples["receives"] >= 1
