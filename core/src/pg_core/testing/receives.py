@@ -13,8 +13,11 @@ receive buffer is filled with sentinel bytes first. The contract (:mod:`pg_core.
 
 * a size mismatch raises :class:`~pg_core.errors.CollectiveMismatchError` (a backend declaring
   ``Capabilities(checks_message_size=False)``: :class:`~pg_core.errors.CollectiveTimeout` at the
-  receive's timeout) and leaves every byte of the buffer as it was: never truncated, zero-padded
-  or partly written;
+  receive's timeout): it never returns with the buffer truncated, zero-padded or partly written.
+  The buffer it raises with holds, byte for byte, what it held before or the message's byte at
+  that offset: a zero-copy receive that learns the message's size only as it completes (pg-mpi's
+  ``MPI_Irecv`` into the tensor) may have written the part of the message that fits, and nothing
+  else (no zeros, no scratch);
 * a dtype mismatch of the same byte count raises the same way where the wire carries dtypes, or
   delivers the sent bytes exactly where it does not (both are allowed);
 * where sizes are checked, the refused message is consumed and the stream stays in step: a
