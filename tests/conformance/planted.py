@@ -77,6 +77,9 @@ Errors and resources, also declared with pg-tcp's full capabilities:
 39. CACHED_WAKEUP_PIPE: a wake-up pipe kept in a module-level cache per group name "for the next formation",
     which shutdown() never closes.
 40. HELPER_PROCESS_LEFT: a helper process started at construction that shutdown() never stops.
+40a. ABORT_LEAVES_RECEIVES: abort() fails the queued sends, collectives and async work and closes the
+    connections, but the receives that blocked ``recv`` calls posted are dropped from the queues unanswered:
+    such a thread waits out its own timeout, then raises ``CollectiveTimeout`` instead of ``GroupClosedError``.
 
 Buffer lifetime, order and tags, with the full declaration:
 
@@ -708,6 +711,16 @@ class HelperProcessLeft(TCPBackend):
         self._helper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
 
 
+class AbortLeavesReceives(TCPBackend):
+    def abort(self) -> None:
+        # bug: "fail what is queued and close": a receive that a blocked recv posted is taken off the queues
+        # first, so abort never completes it; the thread waits on until its own timeout
+        transport = self._transport
+        with transport._lock:
+            transport._posted.clear()
+        super().abort()
+
+
 # -- 41-44: buffer lifetime, order and tags ---------------------------------------------------------------
 
 
@@ -953,6 +966,7 @@ A2A_QUIET_RANK_SKIPS = _spec("a2a-quiet-rank-skips", A2AQuietRankSkips)
 TIMEOUT_FROM_GROUP = _spec("timeout-from-group", TimeoutFromGroup)
 CACHED_WAKEUP_PIPE = _spec("cached-wakeup-pipe", CachedWakeupPipe)
 HELPER_PROCESS_LEFT = _spec("helper-process-left", HelperProcessLeft)
+ABORT_LEAVES_RECEIVES = _spec("abort-leaves-receives", AbortLeavesReceives)
 ISEND_COMPLETES_EARLY = _spec("isend-completes-early", IsendCompletesEarly)
 IRECV_FILLS_LATE = _spec("irecv-fills-late", IrecvFillsLate)
 TAGS_TRUNCATED_32 = _spec("tags-truncated-32", TagsTruncated32)

@@ -18,7 +18,8 @@ other's keys. Guarantees:
   dumps, and the next call starts fresh workers;
 * a rank that raises fails the call with its traceback; a rank that dies fails
   it too, unless it is listed in ``may_exit``;
-* a rank that leaves threads, file descriptors or child processes behind after the function returned
+* a rank that leaves threads, file descriptors, child processes or shared memory mappings behind after
+  the function returned
   fails the call (``check_leaks``), because ``shutdown()`` must release
   everything;
 * its workers' logs live in a folder of the temporary directory
@@ -55,7 +56,7 @@ from typing import Any
 from ..launchers import launch_command
 from ..procs import EXIT_UNKNOWN, ForkedRanks, LaunchedRanks, adopt_launched_rank, prepare_rank, tail
 
-__all__ = ["RankContext", "RankPool", "RanksFailed", "leaks", "resources"]
+__all__ = ["SHM_DIR", "RankContext", "RankPool", "RanksFailed", "leaks", "resources", "shared_memory", "shm_left"]
 
 _LEAK_GRACE_S = 5.0
 
@@ -361,14 +362,17 @@ def _running(pid: int) -> bool:
 # -- the worker side ---------------------------------------------------------------
 
 
-Resources = tuple[set[threading.Thread], set[str], set[int]]
+Resources = tuple[set[threading.Thread], set[str], set[int], set[str]]
+
+#: Where POSIX shared memory segments live (``shm_open``, ``multiprocessing.shared_memory``, MPI's).
+SHM_DIR = "/dev/shm"
 
 
 def resources() -> Resources:
     """This process's live threads, open file descriptors (``"fd->target"``: sockets, pipes,
-    event fds, files, whatever ``/proc/self/fd`` shows) and child processes: what
-    :func:`leaks` compares against. (The descriptors and children are read from ``/proc``,
-    so that part is Linux only.)"""
+    event fds, files, whatever ``/proc/self/fd`` shows), child processes and shared memory
+    mappings (the ``/dev/shm`` files it maps, :func:`shared_memory`): what :func:`leaks`
+    compares against. (All but the threads are read from ``/proc``, so that part is Linux only.)"""
     fds = set()
     with contextlib.suppress(OSError):
         for fd in os.listdir("/proc/self/fd"):
@@ -379,7 +383,34 @@ def resources() -> Resources:
         for task in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
                 children.update(int(pid) for pid in f.read().split())
-    return set(threading.enumerate()), fds, children
+    return set(threading.enumerate()), fds, children, shared_memory()
+
+
+def shared_memory() -> set[str]:
+    """The shared memory segments this process maps now: the paths under :data:`SHM_DIR` in
+    ``/proc/self/maps``, with `` (deleted)`` where the segment was unlinked but is still mapped
+    (its memory stays until the mapping goes). A segment only held open shows among the file
+    descriptors instead; one neither mapped nor open, but never unlinked, is no process's: see
+    :func:`shm_left`."""
+    found: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+        for line in f:
+            at = line.find(SHM_DIR + "/")
+            if at >= 0:
+                found.add(line[at:].rstrip("\n"))
+    return found
+
+
+def shm_left(seen: Iterable[str]) -> list[str]:
+    """Of the segments ``seen`` (paths :func:`shared_memory` or the file descriptors gave while a
+    group was alive), those that still exist in :data:`SHM_DIR`: after every member shut down,
+    a segment the backend made and never unlinked stays in memory until the machine reboots."""
+    left = []
+    for path in sorted(set(seen)):
+        name = path.removesuffix(" (deleted)")
+        if not path.endswith(" (deleted)") and name.startswith(SHM_DIR + "/") and os.path.exists(name):
+            left.append(name)
+    return left
 
 
 def _described(fd: str) -> str:
@@ -400,7 +431,7 @@ def _described(fd: str) -> str:
 
 
 def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
-    """Threads, file descriptors and child processes left behind since ``before`` (a
+    """Threads, file descriptors, child processes and shared memory mappings left behind since ``before`` (a
     :func:`resources` reading), or ``None``. Where something is left, garbage in reference
     cycles (an exception's traceback holding a closed backend's frames) is collected before
     anything is called a leak: what only the collector would free is not a leak; what is
@@ -413,11 +444,12 @@ def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
     deadline = time.monotonic() + grace_s
     collected = False
     while True:
-        threads, fds, children = resources()
+        threads, fds, children, shm = resources()
         extra = [t for t in threads - before[0] if t.is_alive()]
         opened = fds - before[1]
         started = children - before[2]
-        if not extra and not opened and not started:
+        mapped = shm - before[3]
+        if not extra and not opened and not started and not mapped:
             return None
         if not collected:
             gc.collect()
@@ -431,6 +463,8 @@ def leaks(before: Resources, grace_s: float = _LEAK_GRACE_S) -> str | None:
                 parts.append(f"file descriptors {[_described(fd) for fd in sorted(opened)]}")
             if started:
                 parts.append(f"child processes {sorted(started)}")
+            if mapped:
+                parts.append(f"shared memory mappings {sorted(mapped)}")
             return "leaked " + " and ".join(parts)
         for t in extra:
             t.join(timeout=0.1)
