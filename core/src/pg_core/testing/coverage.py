@@ -31,20 +31,27 @@ other and printed with a replay line when it fails.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from ..ops import COLLECTIVE_OPS, RedOpType
-from .cases import EXTREME, Call, Example, Lane, dtype_name
+from .cases import EXTREME, VALUE_OPS, Call, Example, Lane, dtype_name
 from .strategies import Target, any_source_plan
 
 __all__ = [
     "BATCH",
     "HUGE_BYTES",
+    "NOT_COVERED",
+    "SIZE_CLASSES",
+    "Exercised",
     "any_source_calls",
     "coverage_examples",
+    "exercised_lines",
     "lifetime_calls",
+    "note_exercised",
+    "size_class",
     "sizes",
     "world_sizes",
 ]
@@ -336,3 +343,135 @@ def coverage_examples(target: Target) -> list[Example]:
             for batch in batches:
                 add(n, device, batch)
     return examples
+
+
+# -- what a run exercised, for its summary ------------------------------------------------------------------
+
+#: The size classes of a piece, as the summary counts them, with the largest byte count of each.
+SIZE_CLASSES: tuple[tuple[str, float], ...] = (
+    ("small (<1 KiB)", 1024),
+    ("medium (<64 KiB)", 64 * 1024),
+    ("large (<=4 MiB)", HUGE_BYTES),
+    ("past 4 MiB", float("inf")),
+)
+#: Size classes every piece falls in first: by shape, whatever its dtype.
+_BY_SHAPE = ("0-d", "empty", "1 element")
+#: Call kinds that move no tensor of their own: the summary counts them as probes.
+_PROBES = ("undeclared", "bad_input", "timeout", "split", "new_group")
+
+
+def size_class(shape: Sequence[int], dtype: str) -> str:
+    """``"0-d"``, ``"empty"``, ``"1 element"``, or a class of :data:`SIZE_CLASSES` by bytes."""
+    if len(shape) == 0:
+        return "0-d"
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    if numel == 0:
+        return "empty"
+    if numel == 1:
+        return "1 element"
+    from .cases import dtype_of
+
+    nbytes = numel * torch.empty((), dtype=dtype_of(dtype)).element_size()
+    return next(name for name, limit in SIZE_CLASSES if nbytes <= limit)
+
+
+class Exercised:
+    """What one test's passed examples exercised: the layouts of their buffers, the size
+    classes and dtypes of their pieces, comfortable or extreme values, blocking or async
+    calls (and how many had a late rank), and the probes they made."""
+
+    def __init__(self) -> None:
+        self.layouts: collections.Counter[str] = collections.Counter()
+        self.sizes: collections.Counter[str] = collections.Counter()
+        self.values: collections.Counter[str] = collections.Counter()
+        self.modes: collections.Counter[str] = collections.Counter()
+        self.probes: collections.Counter[str] = collections.Counter()
+        self.dtypes: set[str] = set()
+
+    def note(self, example: Example) -> None:
+        for lane in example.lanes:
+            for call in lane.calls:
+                self._note_call(call)
+
+    def _note_call(self, call: Call) -> None:
+        if call.op in _PROBES:
+            self.probes[call.op] += 1
+            return
+        self.modes["async" if call.async_op else "blocking"] += 1
+        if call.late is not None:
+            self.modes["late rank"] += 1
+        if call.op in ("messages", *VALUE_OPS):
+            self.values["values (objects, tensors of unknown shape, dicts)"] += 1
+            return
+        self.layouts[call.layout] += 1
+        self.values["extreme" if call.params.get("values") == EXTREME else "comfortable"] += 1
+        pieces: list[tuple[Sequence[int], str]] = [(call.shape, call.dtype)]
+        if call.op == "p2p":
+            pieces = [(m[3], m[4]) for m in call.params["messages"]]
+        for shape, dtype in pieces:
+            self.sizes[size_class(shape, dtype)] += 1
+            if call.op != "barrier":
+                self.dtypes.add(dtype)
+
+    def line(self) -> str:
+        """One line: every dimension with its counts; size classes never reached are named."""
+        parts = []
+        if self.layouts:
+            parts.append("layouts " + _counts(self.layouts))
+        if self.sizes:
+            order = [*_BY_SHAPE, *(name for name, _ in SIZE_CLASSES)]
+            missing = [s for s in order if s not in self.sizes]
+            sizes = ", ".join(f"{s} {self.sizes[s]}" for s in order if s in self.sizes)
+            parts.append(f"sizes {sizes}" + (f" (never: {', '.join(missing)})" if missing else ""))
+        if self.dtypes:
+            parts.append(f"{len(self.dtypes)} dtypes")
+        if self.values:
+            parts.append("values " + _counts(self.values))
+        if self.modes:
+            parts.append(_counts(self.modes))
+        if self.probes:
+            parts.append("probes " + _counts(self.probes))
+        return "; ".join(parts)
+
+
+def _counts(counter: collections.Counter[str]) -> str:
+    return ", ".join(f"{k} {c}" for k, c in counter.most_common())
+
+
+def note_exercised(exercised: dict[str, Exercised], test: str, example: Example) -> None:
+    """Count what a passed ``example`` of ``test`` exercised into ``exercised`` (per test)."""
+    exercised.setdefault(test, Exercised()).note(example)
+
+
+#: What no test of the suite checks; docs/conformance.md, "Not covered", says more.
+NOT_COVERED = (
+    "performance",
+    "more than one host",
+    "ranks calling different collectives (CollectiveMismatchError)",
+    "pg_core.rendezvous",
+    "any-source receives inside sequences, concurrent_groups and subgroups",
+)
+
+
+def exercised_lines(
+    tests: Sequence[str],
+    examples: collections.Counter[str],
+    exercised: dict[str, Exercised],
+    notes: dict[str, str],
+) -> list[str]:
+    """The summary's section on what each test exercised, in the order of ``tests``: the
+    dimensions its passed examples reached (:class:`Exercised`), what a test that is not
+    drawn measured (its note), the tests that ran nothing, and what the suite never checks."""
+    lines = ["", "what each test exercised (passed examples)"]
+    for test in tests:
+        if test in exercised:
+            lines.append(f"  {test}: {exercised[test].line()}")
+        if test in notes:
+            lines.append(f"  {test}: {notes[test]}")
+    idle = [t for t in tests if not examples[t]]
+    if idle:
+        lines.append(f"  not run (not applicable, not selected, or failed before an example passed): {', '.join(idle)}")
+    lines.append(f"  never checked by this suite: {'; '.join(NOT_COVERED)}")
+    return lines

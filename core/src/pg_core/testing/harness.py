@@ -197,6 +197,8 @@ class Conformance:
         self.sizes: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.notes: dict[str, str] = {}
+        #: test -> what its passed examples exercised (:class:`~pg_core.testing.coverage.Exercised`)
+        self.exercised: dict[str, Any] = {}
         #: op -> (device, dtype, reduce op) -> the (world size, async) pairs it passed with values
         self.covered: dict[str, dict[tuple[str, str, str | None], set[tuple[int, bool]]]] = collections.defaultdict(
             lambda: collections.defaultdict(set)
@@ -384,6 +386,9 @@ class Conformance:
         finally:
             self.seconds[test] += time.monotonic() - start
         self.judge(test, example, results)
+        from .coverage import note_exercised
+
+        note_exercised(self.exercised, test, example)
         for lane in example.lanes:
             for call in lane.calls:
                 for op, combo in _combos(call, example.device):
@@ -818,8 +823,9 @@ class Conformance:
             sizes = ",".join(f"{n}:{c}" for n, c in sorted(self.sizes[test].items()))
             calls = ", ".join(f"{op} {c}" for op, c in self.calls[test].most_common())
             lines.append(f"{test:<24} {self.examples[test]:>8}  {sizes:<24} {self.seconds[test]:>7.1f}  {calls}")
-        for test, note in self.notes.items():
-            lines.append(f"{test}: {note}")
+        from .coverage import exercised_lines
+
+        lines += exercised_lines(TESTS, self.examples, self.exercised, self.notes)
         declared = self.declared_combinations()
         if any(self.covered.values()):
             sizes_run = {n for combos in self.covered.values() for runs in combos.values() for n, _ in runs}
