@@ -202,6 +202,22 @@ def test_control_passes(control: str, test: str, world_sizes: tuple[int, ...], r
 
 
 @pytest.mark.timeout(120)
+def test_summary_says_what_each_test_exercised(rank_pools) -> None:
+    """The summary lists, per test, what its passed examples reached and what a test that is not drawn
+    measured (liveness: how soon each blocked operation woke), and names the tests that ran nothing."""
+    checker = Conformance(ref("CONTROL"), world_sizes=(1, 2), profile=PROFILE, max_examples=6, pools=rank_pools)
+    checker.check("all_reduce")
+    checker.check("liveness")
+    text = checker.summary()
+    line = next(row for row in text.splitlines() if row.startswith("  all_reduce: "))
+    assert "layouts " in line and "sizes " in line and "dtypes" in line and "blocking " in line, text
+    assert "  liveness: cpu: abort: recv woke in " in text and "barrier woke in " in text, text
+    assert "send 32 MiB to a stopped peer woke in " in text, text  # pg-tcp does not take it all in
+    idle = next(row for row in text.splitlines() if row.startswith("  not run"))
+    assert "broadcast" in idle and "all_reduce" not in idle.split(":", 1)[1], text
+
+
+@pytest.mark.timeout(120)
 def test_state_is_invisible_to_single_calls(rank_pools) -> None:
     """The stale accumulator passes every single-call example: only a sequence of calls can catch it."""
     single = suite("STALE_ACCUMULATOR", ALL_SIZES, "all_reduce", rank_pools)
