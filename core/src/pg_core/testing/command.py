@@ -25,8 +25,10 @@ _DESCRIPTION = (
     "layout, reduce op, roots, tags, async waits, sequences, concurrent groups, objects, tensors of unknown "
     "shape, tensor dicts, subgroups); persistent rank processes "
     "run them; every rank's output is checked against a float64 reference computed here. Undeclared "
-    "combinations must raise NotSupportedError. A failure prints the shrunk example and a one-line "
-    "command that replays exactly it. Same as `pytest --pg-backend NAME --pyargs pg_core.testing`."
+    "combinations must raise NotSupportedError; abort() must wake operations blocked in other threads, and "
+    "nothing may outlive shutdown(). A failure prints the shrunk example and a one-line "
+    "command that replays exactly it; the summary says what each test exercised. "
+    "Same as `pytest --pg-backend NAME --pyargs pg_core.testing`."
 )
 
 
