@@ -303,3 +303,72 @@ def test_truncating_backend_from_scratch_is_caught(rank_pools) -> None:
 
     control.check("receives")
     assert control.examples["receives"] >= 1
+
+
+def _mismatch_records(plan, buffer, error, *, follow: bool) -> list[list[dict[str, object]]]:
+    """What ranks 0 and 1 report for every case of ``plan``: rank 1's buffer made by ``buffer(k, case)``,
+    its error ``error`` (a class name, or None), and the right-sized message after it where ``follow``."""
+    import torch
+    from pg_core.testing.cases import dtype_of
+    from pg_core.testing.receives import _bytes_of, _filled
+
+    def mro(name: str | None) -> dict[str, object] | None:
+        if name is None:
+            return None
+        return {"type": name, "mro": [name, "PGError", "RuntimeError", "Exception"], "message": "refused"}
+
+    sender = [{"error": None, "follow_error": None} for _ in plan]
+    receiver = []
+    for k, m in enumerate(plan):
+        rec: dict[str, object] = {"error": mro(error), "follow_error": None, "buffer": buffer(k, m)}
+        if follow:
+            rec["follow"] = _bytes_of(_filled(dtype_of(m.into[0]), m.into[1], k + 5000))
+        receiver.append(rec)
+    assert all(isinstance(r["buffer"], torch.Tensor) for r in receiver)
+    return [sender, receiver]
+
+
+def test_mismatched_receives_are_judged_as_the_contract_says() -> None:
+    """The receive-mismatch rules, on what ranks report: a refusal with the buffer as it was, or holding the
+    message's bytes at their offsets (a zero-copy receive), passes; a receive that returns, or a buffer
+    zero-padded, fails; a backend declaring checks_message_size=False may time out instead."""
+    import torch
+    from pg_core.testing.cases import dtype_of
+    from pg_core.testing.receives import _bytes_of, _filled, _judge_mismatches, mismatch_plan
+
+    plan = mismatch_plan([torch.float32, torch.int32], any_source=False)
+    assert {m.case for m in plan} >= {"one element short", "one element long", "an empty message"}
+
+    def before(k: int, m) -> torch.Tensor:
+        return _bytes_of(_filled(dtype_of(m.into[0]), m.into[1], k + 9000))
+
+    def message(k: int, m) -> torch.Tensor:
+        return _bytes_of(_filled(dtype_of(m.sent[0]), m.sent[1], k))
+
+    def in_place(k: int, m) -> torch.Tensor:  # what MPI_Irecv straight into the tensor leaves
+        got, sent = before(k, m), message(k, m)
+        n = min(got.numel(), sent.numel())
+        got[:n] = sent[:n]
+        return got
+
+    def padded(k: int, m) -> torch.Tensor:
+        got = torch.zeros_like(before(k, m))
+        n = min(got.numel(), message(k, m).numel())
+        got[:n] = message(k, m)[:n]
+        return got
+
+    right = [(before, "CollectiveMismatchError", False), (in_place, "CollectiveMismatchError", False)]
+    right += [(before, "CollectiveTimeout", True), (before, "CollectiveMismatchError", True)]
+    for buffer, error, blind in right:
+        _judge_mismatches(plan, _mismatch_records(plan, buffer, error, follow=not blind), blind=blind, device="cpu")
+    wrong = [
+        (padded, "CollectiveMismatchError", False, "neither its own nor the message's"),
+        (padded, None, False, "it returned normally"),
+        (before, "CollectiveTimeout", False, "it raised CollectiveTimeout"),  # sizes are checked: a refusal
+        (padded, None, True, "checks_message_size=False"),
+    ]
+    for buffer, error, blind, said in wrong:
+        with pytest.raises(ConformanceFailure) as caught:
+            _judge_mismatches(plan, _mismatch_records(plan, buffer, error, follow=not blind), blind=blind, device="cpu")
+        assert caught.value.check == "receive-mismatch", str(caught.value)
+        assert said in caught.value.detail, caught.value.detail
