@@ -406,7 +406,8 @@ def describe(results: list[dict[str, Any]]) -> str:
         if got["blocked"]:
             bits.append(f"{what} woke in {got['seconds']:.2f} s")
         else:
-            bits.append(f"{what}: completed before abort (buffered), not blocked")
+            stopped = "" if zero.get("peer_stopped") else "; rank 1 could not be stopped"
+            bits.append(f"{what}: completed before abort (the backend took it all in{stopped}), not blocked")
     if not bits:
         bits.append("nothing declared that could block")
     release = max(r["abort"]["release"]["seconds"] for r in results)
