@@ -327,9 +327,14 @@ class StaleAccumulator(TCPBackend):
             return
         parts = _gathered(self, tensor, timeout)
         n = tensor.numel()
-        if self._acc is None or self._acc.dtype != tensor.dtype or self._acc.numel() < n:
-            self._acc = torch.zeros(n, dtype=tensor.dtype)
+        fresh = self._acc is None or self._acc.dtype != tensor.dtype or self._acc.numel() < n
+        if fresh:
+            self._acc = torch.empty(n, dtype=tensor.dtype)
+        assert self._acc is not None
         acc = self._acc[:n]  # bug: reused without zeroing, so it still holds the previous call's result
+        if fresh and parts:  # a fresh one starts from the first rank's value, as an honest fold does (-0.0, NaN)
+            acc.copy_(parts[0])
+            parts = parts[1:]
         for part in parts:
             acc.add_(part)
         tensor.view(-1).copy_(acc)
@@ -906,7 +911,8 @@ class BucketWholeStorage(TCPBackend):
 
 class SendFromStorageStart(TCPBackend):
     def _send_request(self, name: str, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> Send:
-        start = torch.empty(0, dtype=tensor.dtype).set_(tensor.untyped_storage(), 0, tensor.shape)  # bug: offset 0
+        storage = tensor.untyped_storage()
+        start = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape, tensor.stride())  # bug: offset 0
         return super()._send_request(name, start, dst, tag, timeout)
 
 

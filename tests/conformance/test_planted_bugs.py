@@ -145,6 +145,11 @@ BUGS = {
     "any-source-irecv-per-peer": Bug("ANY_SOURCE_IRECV_PER_PEER", "any_source", ("reference", "declared-must-pass")),
     # a valid rank, another sender's: the receive holds a message that rank did not send there
     "any-source-stale-sender": Bug("ANY_SOURCE_STALE_SENDER", "any_source", ("reference",)),
+    # layouts users pass and values at every size, with the full declaration: the neighbours of a bucket view
+    # change, or its receiver gets another parameter's bytes; a one-element result loses its low bits
+    "bucket-whole-storage": Bug("BUCKET_WHOLE_STORAGE", "all_reduce", ("reference",)),
+    "send-from-storage-start": Bug("SEND_FROM_STORAGE_START", "p2p", ("reference",)),
+    "one-element-via-float32": Bug("ONE_ELEMENT_VIA_FLOAT32", "coverage", ("reference",)),
     # a receive meeting a message it did not expect, and byte messages at their edges, with the full declaration
     "recv-zero-pads": Bug("RECV_ZERO_PADS", "receives", ("receive-mismatch",), world_sizes=(2,)),
     "send-bytes-drops-last-byte": Bug("SEND_BYTES_DROPS_LAST_BYTE", "receives", ("byte-messages",), world_sizes=(2,)),

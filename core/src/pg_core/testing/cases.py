@@ -87,8 +87,9 @@ class Call:
     tensor sends of a known shape on the same tags), a subgroup formation
     (``"split"``, ``"new_group"``: the subgroup is another lane of the example), or
     one of the probes ``"undeclared"``, ``"bad_input"``, ``"timeout"``. ``shape``
-    is the per-rank piece; ``layout`` is ``"contig"``, ``"strided"`` (every other
-    element of a wider buffer) or ``"transposed"``. ``late``: with ``async_op``,
+    is the per-rank piece; ``layout`` is ``"contig"`` (a fresh tensor), ``"bucket"`` (a
+    contiguous view at a non-zero offset of a flat storage, between sentinels), ``"strided"``
+    (every other element of a wider buffer) or ``"transposed"``. ``late``: with ``async_op``,
     the rank that calls last, after every other rank has checked that its ``Work``
     is not complete yet. ``params`` holds what only some ops take (``reduce``,
     ``factor``, ``root``, ``splits``, ``out_form``, ``messages``, value specs
@@ -386,9 +387,37 @@ def extreme_tensor(
     return flat[:, 0].reshape(shape)
 
 
+#: How many sentinel elements sit before and after a ``bucket`` view in its storage: at least
+#: one on each side, so a write one element past the view, a read from the storage's start and
+#: a write over the whole storage all meet a sentinel.
+BUCKET_MARGIN = (1, 6)
+
+
+def bucket_margins(key: tuple[object, ...], count: int) -> tuple[int, int]:
+    """``(before, after)``: the sentinel elements around a ``bucket`` view of ``count`` elements
+    made for ``key``. They depend on the buffer's role (the key's last part) and size, not on
+    the rank: every rank's buffer of one role has the same shape, as fresh ones do."""
+    g = _generator(key[-1], count, "bucket")
+    lo, hi = BUCKET_MARGIN
+    before, after = torch.randint(lo, hi + 1, (2,), generator=g).tolist()
+    return int(before), int(after)
+
+
 def _laid_out(values: torch.Tensor, layout: str, key: tuple[object, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(view, base)``: ``view`` holds ``values`` with ``layout``; ``base`` is the
-    whole buffer behind it, its other elements filled with junk that must survive."""
+    whole buffer behind it, its other elements filled with junk that must survive.
+
+    ``bucket`` is how parameters and gradients live in a flat bucket: a contiguous view at a
+    non-zero storage offset of a flat 1-d storage, with sentinel elements before and after it
+    (:func:`bucket_margins`). It is dense, so pg-core hands it to the backend as it is: the
+    backend must read and write exactly the view's bytes."""
+    if layout == "bucket":
+        count = values.numel()
+        before, after = bucket_margins(key, count)
+        base = random_tensor((*key, "sentinel"), (before + count + after,), values.dtype, None)
+        view = base[before : before + count].view(values.shape)
+        view.copy_(values)
+        return view, base
     if layout == "strided" and values.dim() >= 1:
         wide = (*values.shape[:-1], values.shape[-1] * 2)
         base = random_tensor((*key, "gap"), wide, values.dtype, None)

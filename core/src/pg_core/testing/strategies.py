@@ -27,7 +27,7 @@ import torch
 from ..backend import DTYPES, Capabilities
 from ..ops import COLLECTIVE_OPS, OPTIONAL_OPS, RedOpType
 from ..tags import TagMap
-from .cases import Call, Example, Lane, dtype_name
+from .cases import EXTREME, Call, Example, Lane, dtype_name
 from .rank import BAD_INPUTS
 from .values import MESSAGE_COLLECTIVES
 
@@ -39,9 +39,12 @@ _FACTORS = (2.0, 0.5, -1.5, 3.0)
 #: and 2**32 (a backend that keeps 32 bits of a tag aliases them), far out, and the top of the
 #: range (see :meth:`Target.tags`).
 _TAGS = (0, 1, 7, 2**31 - 1, 2**31, 2**32 + 1, 2**40)
-_LAYOUTS = ("contig", "strided", "transposed")
+_LAYOUTS = ("contig", "bucket", "strided", "transposed")
 #: A "large" piece is past the default algorithms' small-message threshold (64 KiB).
 _LARGE_BYTES = (66 * 1024, 200 * 1024)
+#: Byte counts where transports and algorithms change paths (small-message limits, eager
+#: buffers, socket reads): a "threshold" piece is one element below or above one of them.
+THRESHOLD_BYTES = (1024, 4 * 1024, 64 * 1024)
 _SPECIAL_FLOATS = (math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308)
 _TEXTS = ("", "é", "日本語", "🙂 ok", "a\x00b", "\u200b\ufeff\U0010fffd", "x" * 300)
 _DICT_NAMES = ("k", "v", "layer.0", "block_table", "é", "")
@@ -122,8 +125,18 @@ class Target:
         return out
 
 
+def threshold_pieces(dtype: torch.dtype, *, allow_large: bool = True) -> list[tuple[int, ...]]:
+    """1-d pieces of ``dtype`` one element below and above each of :data:`THRESHOLD_BYTES`
+    (64 KiB only where large pieces are allowed)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    limits = [b for b in THRESHOLD_BYTES if allow_large or b < 64 * 1024]
+    return [(b // item + delta,) for b in limits for delta in (-1, 1)]
+
+
 def _piece(draw: Any, dtype: torch.dtype, *, allow_0d: bool = True, allow_large: bool = True) -> tuple[int, ...]:
-    kinds = ["small", "small", "small", "empty", "medium"]
+    """A piece of one size class: small, one element (any number of dimensions), 0-element,
+    0-d, medium, one element below or above a threshold (:func:`threshold_pieces`), or large."""
+    kinds = ["small", "small", "small", "one", "empty", "medium", "threshold"]
     if allow_0d:
         kinds.append("0-d")
     if allow_large:
@@ -131,6 +144,10 @@ def _piece(draw: Any, dtype: torch.dtype, *, allow_0d: bool = True, allow_large:
     kind = draw(st.sampled_from(kinds))
     if kind == "0-d":
         return ()
+    if kind == "one":
+        return (1,) * draw(st.integers(1, 3))
+    if kind == "threshold":
+        return tuple(draw(st.sampled_from(threshold_pieces(dtype, allow_large=allow_large))))
     if kind == "empty":
         dims = draw(st.lists(st.integers(0, 4), min_size=1, max_size=3))
         zero_at = draw(st.integers(0, len(dims) - 1))
@@ -145,7 +162,10 @@ def _piece(draw: Any, dtype: torch.dtype, *, allow_0d: bool = True, allow_large:
 
 
 def _layout(draw: Any, shape: Sequence[int]) -> str:
-    choices = ["contig"]
+    """``contig`` (a fresh tensor), ``bucket`` (a view into a flat storage, between sentinels;
+    drawn twice as often as the others, since every op must meet it), ``strided`` (1-d and up)
+    or ``transposed`` (2-d and up)."""
+    choices = ["contig", "bucket", "bucket"]
     if len(shape) >= 1:
         choices.append("strided")
     if len(shape) >= 2:
@@ -181,6 +201,8 @@ def _collective(draw: Any, target: Target, device: str, op: str, n: int, *, allo
     layout = _layout(draw, shape) if op != "barrier" else "contig"
     if op in ("all_to_all", "all_to_all_single") and layout == "transposed":
         layout = "contig"  # pieces are row blocks: a transposed layout would need two dims in every piece
+    if op != "barrier" and draw(st.booleans()):
+        params["values"] = EXTREME  # the whole range at every size class, not only coverage's
     async_op = draw(st.booleans())
     late = draw(st.one_of(st.none(), st.integers(0, n - 1))) if async_op and n > 1 else None
     return Call(op, dtype_name(dtype), shape, layout, async_op, late, params)
@@ -212,8 +234,10 @@ def _p2p(draw: Any, target: Target, device: str, n: int) -> Call:
     mode = draw(st.sampled_from(["blocking", "async", "batch"]))
     late = 0 if mode == "async" and draw(st.booleans()) else None
     shapes = [tuple(m[3]) for m in messages]
-    layout = draw(st.sampled_from(["contig", "strided"])) if all(len(s) >= 1 for s in shapes) else "contig"
-    params = {"messages": messages, "mode": mode, "recv_order": recv_order}
+    layout = draw(st.sampled_from(["contig", "bucket", *(["strided"] if all(len(s) >= 1 for s in shapes) else [])]))
+    params: dict[str, Any] = {"messages": messages, "mode": mode, "recv_order": recv_order}
+    if draw(st.booleans()):
+        params["values"] = EXTREME
     return Call("p2p", "float32", (), layout, mode != "blocking", late, params)
 
 
@@ -261,8 +285,10 @@ def _any_source(draw: Any, target: Target, device: str, n: int) -> Call:
     mode = draw(st.sampled_from(["blocking", "async"]))
     order = draw(st.permutations(range(len(messages))))
     named = [mode == "blocking" and draw(st.booleans()) for _ in messages]
-    layout = draw(st.sampled_from(["contig", "strided"])) if len(shape) >= 1 else "contig"
+    layout = draw(st.sampled_from(["contig", "bucket", *(["strided"] if len(shape) >= 1 else [])]))
     params = {"receiver": receiver, "messages": messages, "plan": any_source_plan(messages, order, named), "mode": mode}
+    if draw(st.booleans()):
+        params["values"] = EXTREME
     return Call("any_source", dtype_name(dtype), shape, layout, mode == "async", None, params)
 
 

@@ -18,7 +18,8 @@ spec                               value
 ``["dict", [[k, v], ...]]``        a dict, in that key order
 ``["tensor", dt, shape, layout,    a tensor: values from the example's seed,
 special]``                         ``nan``/``inf``/``-0.0`` planted when ``special``,
-                                   laid out ``contig``, ``strided`` or ``transposed``
+                                   laid out ``contig``, ``bucket``, ``strided``
+                                   or ``transposed``
 =================================  ==============================================
 
 :func:`build` makes the value on a rank (the sender) and on the controller (the
