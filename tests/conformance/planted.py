@@ -80,6 +80,8 @@ Errors and resources, also declared with pg-tcp's full capabilities:
 40a. ABORT_LEAVES_RECEIVES: abort() fails the queued sends, collectives and async work and closes the
     connections, but the receives that blocked ``recv`` calls posted are dropped from the queues unanswered:
     such a thread waits out its own timeout, then raises ``CollectiveTimeout`` instead of ``GroupClosedError``.
+40b. CACHED_SHARED_MEMORY: a shared memory staging area (a ``/dev/shm`` segment, mapped) kept in a
+    module-level cache per group name "for the next formation", which shutdown() never unmaps.
 
 Buffer lifetime, order and tags, with the full declaration:
 
@@ -132,6 +134,7 @@ pg-tcp's full declaration:
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import mmap
 import os
@@ -716,6 +719,30 @@ class HelperProcessLeft(TCPBackend):
         self._helper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
 
 
+#: bug: shared memory staging areas (their addresses) kept per group name "for the next formation"
+_STAGING: dict[str, int] = {}
+
+
+class CachedSharedMemory(TCPBackend):
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        if ctx.group_name not in _STAGING:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            size, ints = ctypes.c_size_t, [ctypes.c_int] * 3
+            libc.mmap.argtypes = [ctypes.c_void_p, size, *ints, ctypes.c_long]
+            path = f"/dev/shm/pg-tcp-planted-{os.getpid()}-{len(_STAGING)}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, 4096)
+                # mapped as a C library maps it: no descriptor is kept, only the mapping (shutdown() never unmaps it)
+                prot = mmap.PROT_READ | mmap.PROT_WRITE
+                _STAGING[ctx.group_name] = libc.mmap(None, 4096, prot, mmap.MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+                os.unlink(path)  # (unlinked at once, so the test leaves no file behind; the memory stays mapped)
+
+
 class AbortLeavesReceives(TCPBackend):
     def abort(self) -> None:
         # bug: "fail what is queued and close": a receive that a blocked recv posted is taken off the queues
@@ -973,6 +1000,7 @@ TIMEOUT_FROM_GROUP = _spec("timeout-from-group", TimeoutFromGroup)
 CACHED_WAKEUP_PIPE = _spec("cached-wakeup-pipe", CachedWakeupPipe)
 HELPER_PROCESS_LEFT = _spec("helper-process-left", HelperProcessLeft)
 ABORT_LEAVES_RECEIVES = _spec("abort-leaves-receives", AbortLeavesReceives)
+CACHED_SHARED_MEMORY = _spec("cached-shared-memory", CachedSharedMemory)
 ISEND_COMPLETES_EARLY = _spec("isend-completes-early", IsendCompletesEarly)
 IRECV_FILLS_LATE = _spec("irecv-fills-late", IrecvFillsLate)
 TAGS_TRUNCATED_32 = _spec("tags-truncated-32", TagsTruncated32)
