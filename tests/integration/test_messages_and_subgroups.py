@@ -373,6 +373,31 @@ def test_split_and_new_group(rank_pools):
     rank_pools(4).run(split_and_new_group, timeout=120)
 
 
+def formed_again_before_the_others_came(ctx) -> list[float]:
+    """Rank 0 forms a named subgroup, shuts it down and forms it again before rank 1 has even
+    come to the first formation (a subgroup forms without waiting for its members): the second
+    formation is a new one for both, not rank 0's old place taken twice."""
+    g = _group(ctx)
+    try:
+        if ctx.rank == 1:
+            wait_for(ctx.store, ["reformed/0"], 60)  # rank 0 is done with its first formation
+        first = g.new_group([0, 1], name="pair")
+        first.shutdown()
+        if ctx.rank == 0:
+            ctx.store.set("reformed/0", "1")
+        again = g.new_group([0, 1], name="pair")
+        t = torch.full((1,), float(ctx.rank + 1))
+        again.all_reduce(t)
+        again.shutdown()
+        return t.tolist()
+    finally:
+        g.shutdown()
+
+
+def test_a_subgroup_formed_again_before_the_others_came_to_the_first(rank_pools):
+    assert rank_pools(2).run(formed_again_before_the_others_came, timeout=120) == [[3.0], [3.0]]
+
+
 def subgroups_of_two_parents(ctx) -> None:
     """Two parents on the same ranks (in different orders), each splitting and using its
     subgroups from its own thread at the same time."""

@@ -99,12 +99,15 @@ def _text(key: str, value: bytes) -> str:
 
 def join(store: Store, namespace: str, key: str, rank: int | None, size: int) -> Membership:
     """Take a place in the current generation of ``key``: rank ``rank``, or the next in
-    arrival order when ``rank`` is ``None``. Never waits for other members."""
+    arrival order when ``rank`` is ``None``. Never waits for other members.
+
+    Skipped: a generation some member closed (it never filled: a member died before joining),
+    and one where this process held ``rank`` and left (it formed the name there and shut that
+    formation down before the others came: forming it again is a new formation)."""
     base = f"{namespace}/{key}"
     generation = int(store.add(f"{base}/generation", 0))
     for _ in range(1 << 16):
-        # a generation some member closed (it never filled: a member died before joining) is skipped
-        if not store.check([f"{base}/{generation}/closed"]):
+        if not store.check([f"{base}/{generation}/closed"]) and not _left_here(store, f"{base}/{generation}", rank):
             joined = int(store.add(f"{base}/{generation}/joined", 1))
             if joined <= size:
                 break
@@ -128,6 +131,16 @@ def join(store: Store, namespace: str, key: str, rank: int | None, size: int) ->
     if sizes != str(size):
         raise ValueError(f"group {key!r}: other members passed size={sizes}, this one size={size}")
     return Membership(namespace, key, generation, rank, size, joined)
+
+
+def _left_here(store: Store, gen: str, rank: int | None) -> bool:
+    """Whether this process held ``rank`` in the generation ``gen`` and has left it (shut down
+    or aborted). A claim still alive, or another process's, is :func:`join`'s error to raise:
+    two members passed one rank."""
+    if rank is None or not store.check([f"{gen}/left/{rank}"]):
+        return False
+    claimed = f"{gen}/rank/{rank}"
+    return store.check([claimed]) and _text(claimed, store.get(claimed)).startswith(_this_process())
 
 
 def wait_until_full(store: Store, m: Membership, timeout: float, what: str) -> None:
