@@ -946,6 +946,10 @@ def peers_of_an_aborting_rank(ctx: RankContext) -> tuple[str, str, float] | None
             else:
                 b.all_reduce(torch.ones(2), ReduceOp.SUM, timeout=60.0)
         seconds = time.time() - float(ctx.store.get("aborting/at"))
+        # rank 0 aborts (below) only once rank 2 has its verdict too: else rank 2, still waiting
+        # on both peers, may hear of rank 0's abort first (seen in CI, under load)
+        ctx.store.set(f"aborting/told/{ctx.rank}", "1")
+        ctx.store.wait(["aborting/told/0", "aborting/told/2"])
         assert info.value.peers == (1,), info.value
         return type(info.value).__name__, str(info.value), seconds
     finally:
