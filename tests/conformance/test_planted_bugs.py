@@ -378,3 +378,41 @@ def test_mismatched_receives_are_judged_as_the_contract_says() -> None:
             _judge_mismatches(plan, _mismatch_records(plan, buffer, error, follow=not blind), blind=blind, device="cpu")
         assert caught.value.check == "receive-mismatch", str(caught.value)
         assert said in caught.value.detail, caught.value.detail
+
+
+def test_bucket_layout_puts_every_buffer_of_every_op_between_sentinels() -> None:
+    """In the ``bucket`` layout every input and output of every op is a dense view at a non-zero offset of a
+    larger flat storage, with sentinels after it too, and a rank's storages have the shapes of every other
+    rank's (the checks compare them position by position)."""
+    from pg_core.testing.cases import Call, prepare
+
+    n = 3
+    splits = [[(i + j) % 3 for j in range(n)] for i in range(n)]
+    calls = [
+        Call("all_reduce", "int64", (2, 3), "bucket", params={"reduce": "SUM"}),
+        Call("broadcast", "uint8", (), "bucket", params={"root": 1}),
+        Call("reduce", "float16", (1,), "bucket", params={"reduce": "MAX", "root": 2}),
+        Call("all_gather", "bool", (0, 2), "bucket"),
+        Call("all_gather_into_tensor", "float32", (4,), "bucket", params={"out_form": "concat"}),
+        Call("reduce_scatter", "complex64", (5,), "bucket", params={"reduce": "SUM"}),
+        Call("reduce_scatter_tensor", "int8", (2,), "bucket", params={"reduce": "MIN", "out_form": "stack"}),
+        Call("all_to_all", "bfloat16", (2,), "bucket", params={"splits": splits}),
+        Call("all_to_all_single", "int32", (3,), "bucket", params={"splits": splits}),
+        Call("gather", "float64", (1, 1), "bucket", params={"root": 0}),
+        Call("scatter", "int16", (3,), "bucket", params={"root": 2}),
+        Call("p2p", "float32", (), "bucket", params={"messages": [[0, 1, 0, [3], "int64"], [2, 0, 7, [], "uint8"]]}),
+    ]
+    for call in calls:
+        per_rank = [prepare(call, (5, 0, 0), r, n) for r in range(n)]
+        for r, bufs in enumerate(per_rank):
+            pairs = list(zip(bufs.ins, bufs.in_bases, strict=True)) + list(zip(bufs.outs, bufs.out_bases, strict=True))
+            assert pairs, f"{call.op}: rank {r} has no buffers"
+            for view, base in pairs:
+                where = f"{call.op} rank {r}: a {tuple(view.shape)} view at offset {view.storage_offset()} of {base.numel()}"
+                assert base.dim() == 1 and view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr(), where
+                assert view.is_contiguous() and view.storage_offset() >= 1, where
+                assert base.numel() - view.storage_offset() - view.numel() >= 1, where
+            shapes = [b.shape for b in bufs.in_bases + bufs.out_bases]
+            if call.op not in ("broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "p2p"):
+                first = per_rank[0]
+                assert shapes == [b.shape for b in first.in_bases + first.out_bases], f"{call.op}: rank {r} differs"
