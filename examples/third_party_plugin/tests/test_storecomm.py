@@ -180,3 +180,29 @@ def test_cli_lists_the_plugin():
     assert entry["status"] == "available", entry
     assert entry["devices"] == ["cpu"], entry
     assert entry["priority"] < entries.get("tcp", {"priority": 10})["priority"], entries
+
+
+def _large_messages(ctx) -> list[int]:
+    """Messages past a store value's bound (torch's TCPStore drops a client that sends one over
+    8 MiB): sent in pieces, received whole, and the store connection still works after."""
+    group = _group(ctx)
+    try:
+        sizes = [0, 4 * 1024 * 1024, 4 * 1024 * 1024 + 1, 20 * 1024 * 1024 + 3]
+        got = []
+        for i, size in enumerate(sizes):
+            if group.rank == 0:
+                group.send(torch.arange(size, dtype=torch.uint8), 1, tag=i)
+            else:
+                buf = torch.empty(size, dtype=torch.uint8)
+                group.recv(buf, 0, tag=i)
+                assert torch.equal(buf, torch.arange(size, dtype=torch.uint8))
+                got.append(size)
+        group.barrier()
+        return got
+    finally:
+        group.shutdown()
+
+
+def test_messages_past_a_store_values_bound_arrive_whole(rank_pools):
+    _, received = rank_pools(2).run(_large_messages, timeout=120)
+    assert received == [0, 4 * 1024 * 1024, 4 * 1024 * 1024 + 1, 20 * 1024 * 1024 + 3]

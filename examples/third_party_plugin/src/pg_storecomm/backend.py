@@ -3,7 +3,10 @@
 ``send`` writes the tensor's bytes under ``msg/{src}->{dst}/{tag}/{n}``, where ``n``
 counts the messages this rank sent to ``dst`` with ``tag``; ``recv`` waits for the key
 with the next ``n`` it expects from ``(src, tag)``, reads it into the tensor and deletes
-it. A store write never waits for the receiver, so ``send`` satisfies the contract's
+it. A store value is bounded (torch's TCPStore drops a client that sends one over 8 MiB), so
+a message travels in pieces of at most :data:`PIECE_BYTES`: the pieces after the first under
+``.../{n}/{i}``, then the key itself, holding the number of pieces and the first one (written
+last: a receiver that sees it finds every piece there). A store write never waits for the receiver, so ``send`` satisfies the contract's
 "must not wait for the receiver" and the default ``isend``/``irecv`` (a helper thread)
 are enough. Every collective is ``pg_core.algorithms``' default, built on these two.
 
@@ -17,6 +20,7 @@ prompt :class:`~pg_core.errors.PeerFailureError`.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 
@@ -28,6 +32,9 @@ __all__ = ["StoreBackend"]
 
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.01
+#: the most bytes one store value carries (torch's TCPStore refuses values over 8 MiB)
+PIECE_BYTES = 4 * 1024 * 1024
+_COUNT = struct.Struct("<q")
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,8 +71,12 @@ class StoreBackend(Backend):
         with self._lock:
             n = self._sent.get((dst, tag), 0)
             self._sent[(dst, tag)] = n + 1
+        key = self._key(self.rank, dst, tag, n)
+        pieces = [data[i : i + PIECE_BYTES] for i in range(0, len(data), PIECE_BYTES)] or [b""]
         # torch's stub says str, but the c10d store takes bytes (values are byte strings)
-        self._store.set(self._key(self.rank, dst, tag, n), data)  # type: ignore[arg-type]
+        for i, piece in enumerate(pieces[1:], start=1):
+            self._store.set(f"{key}/{i}", piece)  # type: ignore[arg-type]
+        self._store.set(key, _COUNT.pack(len(pieces)) + pieces[0])  # type: ignore[arg-type]
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         self._check_open()
@@ -87,8 +98,12 @@ class StoreBackend(Backend):
                     raise self._timeout(src, tag, timeout, f"no message {key!r} in the store")
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, _POLL_MAX_S)
-            data = self._store.get(key)
-            self._store.delete_key(key)
+            head = self._store.get(key)
+            (count,) = _COUNT.unpack_from(head)
+            rest = [f"{key}/{i}" for i in range(1, count)]
+            data = head[_COUNT.size :] + b"".join(self._store.get(k) for k in rest)
+            for k in (key, *rest):
+                self._store.delete_key(k)
             self._received[(src, tag)] = n + 1  # consumed, even if it does not fit below
         finally:
             lock.release()
