@@ -38,7 +38,7 @@ import torch
 
 from ..ops import COLLECTIVE_OPS, RedOpType
 from .cases import EXTREME, VALUE_OPS, Call, Example, Lane, dtype_name
-from .strategies import Target, any_source_plan
+from .strategies import Target, any_source_plan, threshold_pieces
 
 __all__ = [
     "BATCH",
@@ -95,6 +95,7 @@ def _call(
     extreme: bool,
     root: int = 0,
     splits: list[list[int]] | None = None,
+    layout: str = "contig",
 ) -> Call:
     params: dict[str, object] = {}
     if kind is not None:
@@ -112,7 +113,7 @@ def _call(
         shape = shape[-1:]  # a row of the piece's last dimension; rows per pair from the splits
     if op == "barrier":
         shape = ()
-    return Call(op, dtype_name(dtype), shape, "contig", async_op, None, params)
+    return Call(op, dtype_name(dtype), shape, layout, async_op, None, params)
 
 
 def _p2p(
@@ -147,6 +148,10 @@ def _combinations(target: Target, device: str) -> Iterator[tuple[str, torch.dtyp
         yield "p2p", dtype, None
 
 
+#: the collectives that reduce, whose fast paths for small tensors the size classes reach
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter_tensor")
+
+
 def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
     """Every coverage call on ``device``, by the world size it runs at."""
     first, second = world_sizes(target.world_sizes)
@@ -162,8 +167,22 @@ def coverage_calls(target: Target, device: str) -> dict[int, list[Call]]:
                     continue
                 call = _p2p(dtype, _ring(n), shape, tags, async_op=async_op, extreme=extreme)
             else:
-                call = _call(op, dtype, kind, n, shape, async_op=async_op, extreme=extreme, root=i % n)
+                layout = "bucket" if extreme else "contig"  # every declared kind also meets a view with sentinels
+                call = _call(op, dtype, kind, n, shape, async_op=async_op, extreme=extreme, root=i % n, layout=layout)
             calls.setdefault(n, []).append(call)
+    # Every declared (dtype, reduce op) of the reducing collectives at every size class with each
+    # dtype's whole range: a fast path for 0-d, one-element or threshold-sized tensors meets the
+    # values a slow path does (all_reduce at every class; the others at 0-d and one element).
+    for op in _REDUCING:
+        pieces: list[tuple[int, ...]] = [(), (1,)] if op != "all_reduce" else []
+        for dtype, kind in target.declared(op, device):
+            shapes_of = pieces or [(), (1,), (7,), *threshold_pieces(dtype, allow_large=False)]
+            for shape in shapes_of:
+                if op == "reduce_scatter_tensor" and not shape:
+                    continue  # its input is n pieces: a 0-d piece has none
+                calls.setdefault(second, []).append(
+                    _call(op, dtype, kind, second, shape, async_op=False, extreme=True, root=0, layout="bucket")
+                )
     for n in target.world_sizes:  # every root, every odd one out
         for op in _ROOTED:
             declared = target.declared(op, device)

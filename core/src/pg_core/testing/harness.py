@@ -1013,6 +1013,8 @@ def _compare(got: torch.Tensor, exp: Expected) -> str | None:
     detail = f"got {_shown(g[first])}, expected {_shown(e[first])} {limit}"
     if exp.tol is not None and bool(torch.isfinite(e[first])):
         detail += f" (tolerance {exp.tol[first].item():.3g})"
+    if exp.mask is not None and not bool(exp.mask[first]):
+        detail += "; that element is outside the view: the storage around it, which must stay as it was"
     return f"{total} of {bad.numel()} elements wrong; first at index {list(first)}: {detail}"
 
 
