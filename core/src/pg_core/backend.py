@@ -46,10 +46,14 @@ the other members (Gloo's connects them all): the core never assumes it does not
 * Blocking methods return only when the operation is complete *on this rank*:
   for ``send``, the tensor may be reused; for everything else, outputs hold their
   final values.
-* ``send`` must not wait for the receiver to post its ``recv`` (buffer eagerly,
-  or let a progress thread drain incoming data); otherwise override ``isend`` and
-  ``irecv`` with truly asynchronous versions, because the inherited collectives
-  send before they receive.
+* A blocking ``send`` (and ``send_bytes``) of at most :attr:`Capabilities.eager_limit_bytes`
+  bytes must not wait for the receiver to post its ``recv`` (buffer eagerly, or let a
+  progress thread drain incoming data); a larger one may wait for the matching receive, as
+  MPI's standard-mode send and torch's Gloo ``send`` do (API 1.10; the default limit,
+  ``None``, is no limit: every send is eager, as before). ``isend``/``irecv``, where
+  overridden, are truly asynchronous, because the inherited collectives post before they
+  wait; an ``isend`` need not copy: the caller leaves the tensor untouched until its
+  ``Work`` completes.
 * ``send``/``recv`` match on (peer, tag), in order per (peer, tag) (per peer without
   tags). A ``recv`` whose tensor does not match the message's size (or its dtype, where
   the wire carries it) raises :class:`~pg_core.errors.CollectiveMismatchError` naming the
@@ -265,8 +269,9 @@ __all__ = [
 #: (:meth:`Backend.split`, with :attr:`BackendContext.split_from`); 1.7, releasing a split's handle
 #: that no subgroup took (:meth:`Backend.release_split`); 1.8, the job's secret
 #: (:attr:`BackendContext.auth_key`) for backends that authenticate their connections; 1.9,
-#: :attr:`Capabilities.checks_message_size` (a backend that cannot see a message's size says so).
-API_VERSION: Final[str] = "1.9"
+#: :attr:`Capabilities.checks_message_size` (a backend that cannot see a message's size says so); 1.10,
+#: :attr:`Capabilities.eager_limit_bytes` (a blocking send above it may wait for its receiver).
+API_VERSION: Final[str] = "1.10"
 
 #: The largest tag a backend can declare (``Capabilities.max_tag``): signed 64-bit.
 MAX_TAG: Final[int] = 2**63 - 1
@@ -345,6 +350,13 @@ class Capabilities:
     the transport carries no size (NCCL's), so such a receive fails at its timeout with
     :class:`~pg_core.errors.CollectiveTimeout` instead, its tensor still as it was. Neither may
     return with the tensor truncated, zero-padded or partly written.
+
+    ``eager_limit_bytes`` (API 1.10): a blocking ``send`` or ``send_bytes`` of at most this
+    many bytes returns without waiting for its receiver to post the matching receive; a
+    larger one may wait until it has (MPI's standard-mode send, torch's Gloo ``send``), so a
+    correct program posts its receive first or uses ``isend``/``irecv`` above it. ``None``
+    (the default): no limit, every send is eager. The core's own collectives, object and
+    message layers never rely on an eager send above it.
     """
 
     ops: frozenset[str] = frozenset(OPS)
@@ -352,6 +364,7 @@ class Capabilities:
     reduce_ops: Mapping[torch.dtype, frozenset[RedOpType]] = field(default_factory=dict)
     max_tag: int | None = MAX_TAG
     checks_message_size: bool = True
+    eager_limit_bytes: int | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.ops) - set(OPS) - set(OPTIONAL_OPS)
@@ -367,6 +380,11 @@ class Capabilities:
         ):
             raise ValueError(
                 f"Capabilities.max_tag must be None (no tags) or an int in [3, 2**63 - 1], got {self.max_tag!r}"
+            )
+        limit = self.eager_limit_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(
+                f"Capabilities.eager_limit_bytes must be None (no limit) or an int >= 0, got {limit!r}"
             )
 
     def reduce_ops_for(self, dtype: torch.dtype) -> frozenset[RedOpType]:
