@@ -441,10 +441,40 @@ def test_send_tensor_is_compared_with_send_recv_on_the_same_backend() -> None:
     send_tensor = table.split("\n\n")[0].splitlines()
     assert send_tensor[0].startswith("# send_tensor (world size 2, float32, shape unknown to the receiver")
     assert send_tensor[1].split()[-2:] == ["send_recv", "check"]  # the "vs send_recv" column
-    assert send_tensor[3].split()[-4:] == ["0.20x", "torch-gloo", "1.25x", "ok"]
+    assert send_tensor[3].split()[-5:] == ["0.20x", "torch-gloo", "1.25x", "+12.0us", "ok"]
     assert send_tensor[4].split()[-2:] == ["-", "ok"]
-    assert "# send_tensor vs send_recv is the cost of a shape the receiver does not know" in table
+    assert "send_tensor vs send_recv is the cost of a shape the receiver does not" in table
     assert json.loads(bench.format_json(rows))[1]["ref_ratio"] == pytest.approx(1.25)
+    assert json.loads(bench.format_json(rows))[1]["ref_diff_us"] == pytest.approx(12.0)
+
+
+def test_an_asynchronous_form_is_compared_with_its_blocking_op() -> None:
+    rows = [
+        _row("tcp", 50.0, op="all_reduce"),
+        _row("tcp", 53.5, op="all_reduce_async"),
+        _row("tcp", 40.0, op="send_recv"),
+        _row("tcp", 38.0, op="isend_irecv"),
+    ]
+    bench._add_ratios(rows)
+    assert rows[1].ref_op == "all_reduce" and rows[1].ref_diff_us == pytest.approx(3.5)
+    assert rows[3].ref_op == "send_recv" and rows[3].ref_diff_us == pytest.approx(-2.0)
+    assert rows[0].ref_ratio is None and rows[2].ref_ratio is None
+    tables = bench.format_table(rows).split("\n\n")
+    assert tables[1].startswith("# all_reduce_async (world size 2, float32, sum, async_op=True then wait()")
+    assert tables[1].splitlines()[2].split()[-3:] == ["1.07x", "+3.5us", "ok"]
+    assert "isend().wait() then irecv().wait()" in tables[3]
+    # the asynchronous form leaves what its op leaves, and moves as much
+    assert torch.equal(bench.expected_output("all_reduce_async", 1, 2, 4), bench.expected_output("all_reduce", 1, 2, 4))
+    assert bench.busbw_factor("all_reduce_async", 4) == bench.busbw_factor("all_reduce", 4)
+
+
+def test_async_adds_each_asynchronous_form_after_its_op() -> None:
+    cfg = bench._config(_args("--backends", "", "--ops", "all_reduce,reduce,send_recv", "--async"))
+    assert cfg.ops == ["all_reduce", "all_reduce_async", "reduce", "send_recv", "isend_irecv"]
+    assert bench._config(_args("--backends", "", "--ops", "broadcast_async")).ops == ["broadcast_async"]
+    assert "all_reduce_async" not in bench._config(_args("--backends", "")).ops  # 'all' leaves them out
+    with pytest.raises(bench.BenchError, match="unknown reduce_async"):
+        bench._config(_args("--backends", "", "--ops", "reduce_async"))
 
 
 def test_each_backend_is_compared_with_its_own_librarys_baseline() -> None:
@@ -1084,6 +1114,13 @@ def test_a_reference_op_is_measured_right_after_its_op() -> None:
         ("all_reduce", 8),
     ]
     assert sweep_order(["send_tensor", "all_reduce"], [4]) == [("send_tensor", 4), ("all_reduce", 4)]
+    # an asynchronous form right after its blocking op, size by size, whichever comes first in the list
+    assert sweep_order(["all_reduce", "all_reduce_async"], [4, 8]) == [
+        ("all_reduce", 4),
+        ("all_reduce_async", 4),
+        ("all_reduce", 8),
+        ("all_reduce_async", 8),
+    ]
 
 
 # -- --overhead: the core's own cost per call, in this process ----------------------------------------------

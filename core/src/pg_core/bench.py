@@ -40,6 +40,15 @@ data). Its table has a ``vs send_recv`` column, its median over the plain
 ``init_process_group``, which the baseline then calls in the rank processes (see
 ``_TorchGlooRunner``).
 
+**Asynchronous calls.** ``--async`` measures each selected op that has an asynchronous form
+(:data:`ASYNC_OPS`) in that form too, right after it at each size: ``all_reduce_async`` and
+``broadcast_async`` call the group with ``async_op=True`` and ``wait()`` at once,
+``isend_irecv`` is ``send_recv``'s echo with ``isend(...).wait()`` and ``irecv(...).wait()``
+(raw mpi4py: ``Iallreduce``, ``Ibcast``, ``Isend``, ``Irecv``; torch's Gloo returns a work
+either way). Its ``vs`` column is its median over the blocking op's on the same backend and
+size, and their difference in microseconds: what going asynchronous costs. The forms can
+be named in ``--ops`` too; ``all`` leaves them out.
+
 **Sizes.** ``--sizes 4,64K,1M`` lists them; ``-b 8 -e 64M -f 2`` (nccl-tests'
 spelling; also ``--minbytes``, ``--maxbytes``, ``--stepfactor`` and the older
 ``--min-bytes``, ``--max-bytes``, ``--factor``) sweeps from ``-b`` to ``-e``,
@@ -167,11 +176,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = [
+    "ASYNC_OPS",
     "BASELINE",
     "BASELINES",
     "BASELINE_OF",
     "CONTROL",
     "DTYPES",
+    "KNOWN_OPS",
     "MAX_SIZES",
     "MPI4PY",
     "OBJECT_OPS",
@@ -228,9 +239,22 @@ OBJECT_OPS: Final[tuple[str, ...]] = ("send_object", "broadcast_object")
 #: Every op the benchmark knows, in report order.
 OPS: Final[tuple[str, ...]] = TENSOR_OPS + OBJECT_OPS
 
+#: The asynchronous form of an op (``--async``; also named in ``--ops``, never part of ``all``):
+#: the same work as the op, called with ``async_op=True`` (point to point: ``isend``/``irecv``) and
+#: waited for at once, so its row beside the blocking one is what going asynchronous costs.
+ASYNC_OPS: Final[dict[str, str]] = {
+    "all_reduce": "all_reduce_async",
+    "broadcast": "broadcast_async",
+    "send_recv": "isend_irecv",
+}
+
 #: An op compared with another op on the same backend and size (besides the baseline):
-#: ``send_tensor`` (shape unknown to the receiver) with ``send_recv`` (shape known).
-REFERENCE_OPS: Final[dict[str, str]] = {"send_tensor": "send_recv"}
+#: ``send_tensor`` (shape unknown to the receiver) with ``send_recv`` (shape known); each
+#: asynchronous form (:data:`ASYNC_OPS`) with its blocking op.
+REFERENCE_OPS: Final[dict[str, str]] = {"send_tensor": "send_recv", **{a: b for b, a in ASYNC_OPS.items()}}
+
+#: Every op ``--ops`` accepts: :data:`OPS` and the asynchronous forms.
+KNOWN_OPS: Final[tuple[str, ...]] = OPS + tuple(ASYNC_OPS.values())
 
 #: The label of torch's Gloo, measured as the baseline.
 BASELINE: Final[str] = "torch-gloo"
@@ -264,10 +288,12 @@ _ROOT: Final[int] = 0  # root of broadcast and reduce
 _POISON: Final[int] = -1  # never an expected value: every expected value is positive
 _NOTHING: Final[object] = object()  # an object op's result before the op has left one
 _SPLIT_OPS: Final[frozenset[str]] = frozenset({"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"})
-_REDUCING_OPS: Final[frozenset[str]] = frozenset({"all_reduce", "reduce", "reduce_scatter_tensor"})
+_REDUCING_OPS: Final[frozenset[str]] = frozenset({"all_reduce", "all_reduce_async", "reduce", "reduce_scatter_tensor"})
 # rank 0 sends to rank 1, which echoes back; the time is rank 0's round trip / 2
-_ECHO_OPS: Final[frozenset[str]] = frozenset({"send_recv", "send_tensor", "send_object"})
-_ROOTED_OPS: Final[frozenset[str]] = frozenset({"broadcast", "reduce", "broadcast_object"})
+_ECHO_OPS: Final[frozenset[str]] = frozenset({"send_recv", "isend_irecv", "send_tensor", "send_object"})
+_ROOTED_OPS: Final[frozenset[str]] = frozenset({"broadcast", "broadcast_async", "reduce", "broadcast_object"})
+#: the blocking op whose work an asynchronous form does (its sizes, outputs and bandwidth factor)
+_BLOCKING_OF: Final[dict[str, str]] = {a: b for b, a in ASYNC_OPS.items()}
 _RTOL: Final[dict[torch.dtype, float]] = {
     torch.float16: 1e-3,
     torch.bfloat16: 1e-2,
@@ -296,13 +322,15 @@ def parse_size(text: str) -> int:
 def sweep_order(ops: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int]]:
     """(op, size) in the order they are measured: op by op, size by size, except that an
     op's reference op (:data:`REFERENCE_OPS`), when selected too, is measured right after it
-    at each size, so the ``vs`` ratio compares rows taken moments apart."""
+    at each size, and the ops that refer to it (its asynchronous form) right after it, so the
+    ``vs`` ratio compares rows taken moments apart."""
     order: list[tuple[str, int]] = []
     seen: set[tuple[str, int]] = set()
     for op in ops:
+        ref = REFERENCE_OPS.get(op)
+        others = ([ref] if ref is not None and ref in ops else []) + [o for o in ops if REFERENCE_OPS.get(o) == op]
         for size in sizes:
-            ref = REFERENCE_OPS.get(op)
-            for item in [(op, size)] + ([(ref, size)] if ref is not None and ref in ops else []):
+            for item in [(op, size)] + [(o, size) for o in others]:
                 if item not in seen:
                     seen.add(item)
                     order.append(item)
@@ -386,13 +414,14 @@ def element_count(op: str, nbytes: int, world_size: int, itemsize: int) -> int:
 def busbw_factor(op: str, world_size: int) -> float:
     """nccl-tests' bus bandwidth factor: ``busbw = algbw * factor``."""
     n = world_size
+    op = _BLOCKING_OF.get(op, op)
     if op == "all_reduce":
         return 2 * (n - 1) / n
     if op in _SPLIT_OPS:
         return (n - 1) / n
     if op in ("broadcast", "reduce", *_ECHO_OPS, *OBJECT_OPS):
         return 1.0
-    raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    raise ValueError(f"unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)}")
 
 
 def plan_iterations(probe_ns: int, warmup: int, warmup_done: int, max_iters: int, budget_s: float) -> tuple[int, int]:
@@ -492,8 +521,9 @@ def expected_output(
     """
     if op in OBJECT_OPS:
         raise ValueError(f"{op} has no tensor output: its result is request_object(count)")
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    if op not in KNOWN_OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)}")
+    op = _BLOCKING_OF.get(op, op)  # an asynchronous form leaves what its blocking op leaves
     if (op == "reduce" and rank != _ROOT) or (op in _ECHO_OPS and rank > 1):
         return None
     n = world_size
@@ -595,7 +625,10 @@ class Row:
     (``detail`` says why). ``ratio`` is this row's median over the baseline's
     median at the same op and size (pg-core backends only, when the baseline ran).
     ``ref_ratio`` is this row's median over that of ``ref_op`` (:data:`REFERENCE_OPS`)
-    on the same backend at the same size, when that row was measured in the run.
+    on the same backend at the same size, when that row was measured in the run, and
+    ``ref_diff_us`` their difference (this row's median minus that one's, microseconds):
+    for an asynchronous form (:data:`ASYNC_OPS`), what ``async_op=True`` plus ``wait()``
+    costs over the blocking call.
     For object ops ``dtype`` is ``"object"``, ``count`` the payload's bytes and
     ``size`` the pickled object's bytes.
     """
@@ -621,6 +654,7 @@ class Row:
     ratio_to: str | None = None
     ref_ratio: float | None = None
     ref_op: str | None = None
+    ref_diff_us: float | None = None
     rounds: int = 1  # --rounds: blocks the timed iterations came in, interleaved with the other rows'
     #: with ``--rounds R`` (R > 1): the median of each round's iterations, in round order
     round_median_us: list[float] | None = None
@@ -662,6 +696,7 @@ def _add_ratios(rows: list[Row]) -> None:
         other = None if ref_op is None else same.get((ref_op, row.size, row.backend))
         if other is not None and other.median_us:
             row.ref_ratio = row.median_us / other.median_us
+            row.ref_diff_us = row.median_us - other.median_us
             row.ref_op = ref_op
 
 
@@ -747,7 +782,8 @@ def format_table(rows: Sequence[Row], about: Sequence[str] = ()) -> str:
                 ratio,
             ]
             if ref_op is not None:
-                line.append("-" if r.ref_ratio is None else f"{r.ref_ratio:.2f}x")
+                diff = "" if r.ref_diff_us is None else f" {r.ref_diff_us:+.1f}us"
+                line.append("-" if r.ref_ratio is None else f"{r.ref_ratio:.2f}x{diff}")
             lines.append([*line, check])
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         out.append(f"# {op} ({_what(op, mine[0])})")
@@ -771,8 +807,9 @@ def format_table(rows: Sequence[Row], about: Sequence[str] = ()) -> str:
         out.append("# Object ops: size is the pickled object's bytes (protocol 5), count its payload's bytes.")
     if any(r.op in REFERENCE_OPS for r in rows):
         out.append(
-            "# vs OP: median time / OP's median on the same backend and size (needs OP in --ops too);\n"
-            "# send_tensor vs send_recv is the cost of a shape the receiver does not know."
+            "# vs OP: median time / OP's median on the same backend and size (needs OP in --ops too), and\n"
+            "# median minus OP's median; send_tensor vs send_recv is the cost of a shape the receiver does not\n"
+            "# know; an asynchronous form (--async) vs its op is the cost of async_op=True plus wait()."
         )
     return "\n".join(out)
 
@@ -789,6 +826,8 @@ def _what(op: str, first: Row) -> str:
         what += f", root {_ROOT}"
     if op == "send_tensor":
         what += ", shape unknown to the receiver"
+    if op in _BLOCKING_OF:
+        what += ", async_op=True then wait()" if op != "isend_irecv" else ", isend().wait() then irecv().wait()"
     if op in _ECHO_OPS:
         what += ", ranks 0<->1, one-way time = round trip / 2"
     if first.rounds > 1:
@@ -978,13 +1017,17 @@ class _Runner(Protocol):
     def why_not(self, op: str, dtype: torch.dtype) -> str | None: ...
     def barrier(self) -> bool: ...
     def all_reduce(self, t: torch.Tensor) -> None: ...
+    def all_reduce_async(self, t: torch.Tensor) -> None: ...
     def broadcast(self, t: torch.Tensor, src: int) -> None: ...
+    def broadcast_async(self, t: torch.Tensor, src: int) -> None: ...
     def reduce(self, t: torch.Tensor, dst: int) -> None: ...
     def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
     def reduce_scatter_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
     def send(self, t: torch.Tensor, dst: int) -> None: ...
     def recv(self, t: torch.Tensor, src: int) -> None: ...
+    def isend_wait(self, t: torch.Tensor, dst: int) -> None: ...
+    def irecv_wait(self, t: torch.Tensor, src: int) -> None: ...
     def send_tensor(self, t: torch.Tensor, dst: int) -> None: ...
     def recv_tensor(self, src: int) -> torch.Tensor: ...
     def send_object(self, obj: object, dst: int) -> None: ...
@@ -1026,7 +1069,7 @@ class _PgCoreRunner:
             return None  # built by the core on whatever the backend declares
         reduce_op = ReduceOp.SUM if op in _REDUCING_OPS else None
         of = None if op == "send_object" else dtype
-        for name in ("send", "recv") if op in _ECHO_OPS else (op,):
+        for name in ("send", "recv") if op in _ECHO_OPS else (_BLOCKING_OF.get(op, op),):
             if not self.group.supports(name, "cpu", of, reduce_op):
                 return f"{self.label} does not declare {name}" + ("" if of is None else f" for {dtype_name(of)}")
         return None
@@ -1040,8 +1083,14 @@ class _PgCoreRunner:
     def all_reduce(self, t: torch.Tensor) -> None:
         self.group.all_reduce(t)
 
+    def all_reduce_async(self, t: torch.Tensor) -> None:
+        self.group.all_reduce(t, async_op=True).wait()  # type: ignore[union-attr]
+
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         self.group.broadcast(t, src)
+
+    def broadcast_async(self, t: torch.Tensor, src: int) -> None:
+        self.group.broadcast(t, src, async_op=True).wait()  # type: ignore[union-attr]
 
     def reduce(self, t: torch.Tensor, dst: int) -> None:
         self.group.reduce(t, dst)
@@ -1060,6 +1109,12 @@ class _PgCoreRunner:
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         self.group.recv(t, src)
+
+    def isend_wait(self, t: torch.Tensor, dst: int) -> None:
+        self.group.isend(t, dst).wait()
+
+    def irecv_wait(self, t: torch.Tensor, src: int) -> None:
+        self.group.irecv(t, src).wait()
 
     def send_tensor(self, t: torch.Tensor, dst: int) -> None:
         self.group.send_tensor(t, dst)
@@ -1147,7 +1202,14 @@ class _TorchGlooRunner:
     def all_reduce(self, t: torch.Tensor) -> None:
         self.pg.allreduce([t]).wait()
 
+    def all_reduce_async(self, t: torch.Tensor) -> None:  # torch's calls return a Work either way
+        self.pg.allreduce([t]).wait()
+
     def broadcast(self, t: torch.Tensor, src: int) -> None:
+        assert src == _ROOT
+        self.pg.broadcast([t], self._bcast).wait()
+
+    def broadcast_async(self, t: torch.Tensor, src: int) -> None:
         assert src == _ROOT
         self.pg.broadcast([t], self._bcast).wait()
 
@@ -1168,6 +1230,12 @@ class _TorchGlooRunner:
         self.pg.send([t], dst, 0).wait()
 
     def recv(self, t: torch.Tensor, src: int) -> None:
+        self.pg.recv([t], src, 0).wait()
+
+    def isend_wait(self, t: torch.Tensor, dst: int) -> None:
+        self.pg.send([t], dst, 0).wait()
+
+    def irecv_wait(self, t: torch.Tensor, src: int) -> None:
         self.pg.recv([t], src, 0).wait()
 
     def send_tensor(self, t: torch.Tensor, dst: int) -> None:
@@ -1243,8 +1311,14 @@ class _Mpi4pyRunner:
     def all_reduce(self, t: torch.Tensor) -> None:
         self.comm.Allreduce(self._mpi.IN_PLACE, t.numpy())
 
+    def all_reduce_async(self, t: torch.Tensor) -> None:
+        self.comm.Iallreduce(self._mpi.IN_PLACE, t.numpy()).Wait()
+
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         self.comm.Bcast(t.numpy(), root=src)
+
+    def broadcast_async(self, t: torch.Tensor, src: int) -> None:
+        self.comm.Ibcast(t.numpy(), root=src).Wait()
 
     def reduce(self, t: torch.Tensor, dst: int) -> None:
         if self.comm.Get_rank() == dst:
@@ -1266,6 +1340,12 @@ class _Mpi4pyRunner:
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         self.comm.Recv(t.numpy(), src, 0)
+
+    def isend_wait(self, t: torch.Tensor, dst: int) -> None:
+        self.comm.Isend(t.numpy(), dst, 0).Wait()
+
+    def irecv_wait(self, t: torch.Tensor, src: int) -> None:
+        self.comm.Irecv(t.numpy(), src, 0).Wait()
 
     def send_tensor(self, t: torch.Tensor, dst: int) -> None:
         raise NotImplementedError
@@ -1336,7 +1416,7 @@ def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: tor
     echo ops beyond rank 1)."""
     if op in ("send_tensor", "send_object", "broadcast_object"):
         return _make_returning_case(op, r, rank=rank, count=count, dtype=dtype)
-    if op in ("all_reduce", "reduce", "broadcast"):
+    if op in ("all_reduce", "all_reduce_async", "reduce", "broadcast", "broadcast_async"):
         pristine = input_values(rank, count, dtype)
         buf = pristine.clone()
 
@@ -1345,6 +1425,10 @@ def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: tor
 
         if op == "all_reduce":
             return _Case(lambda: r.all_reduce(buf), restore, _noop, lambda: buf)
+        if op == "all_reduce_async":
+            return _Case(lambda: r.all_reduce_async(buf), restore, _noop, lambda: buf)
+        if op == "broadcast_async":
+            return _Case(lambda: r.broadcast_async(buf, _ROOT), _noop, restore, lambda: buf)
         if op == "reduce":
             return _Case(lambda: r.reduce(buf, _ROOT), restore, _noop, lambda: buf)
         # broadcast: the root's buffer is unchanged; other ranks' own inputs differ from the root's
@@ -1365,7 +1449,7 @@ def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: tor
         if op == "reduce_scatter_tensor":
             return _Case(lambda: r.reduce_scatter_tensor(out, inp), refill_input, poison, lambda: out)
         return _Case(lambda: r.all_to_all_single(out, inp), _noop, poison, lambda: out)
-    if op == "send_recv":
+    if op in ("send_recv", "isend_irecv"):
         if rank > 1:
             return None
         msg = input_values(0, count, dtype)
@@ -1374,17 +1458,18 @@ def _make_case(op: str, r: _Runner, *, rank: int, n: int, count: int, dtype: tor
         def poison_got() -> None:
             got.fill_(_POISON)
 
+        send, recv = (r.send, r.recv) if op == "send_recv" else (r.isend_wait, r.irecv_wait)
         if rank == 0:
 
             def ping() -> None:
-                r.send(msg, 1)
-                r.recv(got, 1)
+                send(msg, 1)
+                recv(got, 1)
 
             return _Case(ping, _noop, poison_got, lambda: got)
 
         def pong() -> None:
-            r.recv(got, 0)
-            r.send(got, 0)
+            recv(got, 0)
+            send(got, 0)
 
         return _Case(pong, _noop, poison_got, lambda: got)
     raise ValueError(f"unknown op {op!r}")
@@ -1891,7 +1976,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "needs it) and mpi4py is installed",
     )
     parser.add_argument(
-        "--ops", default="all", metavar="LIST", help=f"comma-separated, or 'all' (default): {', '.join(OPS)}"
+        "--ops",
+        default="all",
+        metavar="LIST",
+        help=f"comma-separated, or 'all' (default): {', '.join(OPS)}; also the asynchronous forms "
+        f"{', '.join(ASYNC_OPS.values())}, which 'all' leaves out (--async adds them)",
+    )
+    parser.add_argument(
+        "--async",
+        dest="async_forms",
+        action="store_true",
+        help="also measure each selected op that has one in its asynchronous form, right after it at each size "
+        f"({', '.join(f'{a} after {b}' for b, a in ASYNC_OPS.items())}: async_op=True, or isend/irecv, then "
+        "wait()); the 'vs' column gives the cost over the blocking call, as a ratio and in microseconds",
     )
     parser.add_argument(
         "--sizes",
@@ -2032,9 +2129,11 @@ def _config(args: argparse.Namespace) -> _Config:
     if args.pin_ranks and not hasattr(os, "sched_setaffinity"):
         raise BenchError("--pin-ranks needs os.sched_setaffinity, which this platform lacks (it is Linux's)")
     ops = list(OPS) if args.ops.strip() == "all" else list(dict.fromkeys(_csv_list(args.ops)))
-    unknown = [op for op in ops if op not in OPS]
+    unknown = [op for op in ops if op not in KNOWN_OPS]
     if unknown or not ops:
-        raise BenchError(f"--ops: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(OPS)}")
+        raise BenchError(f"--ops: unknown {', '.join(unknown) or 'nothing named'}; known: {', '.join(KNOWN_OPS)}")
+    if args.async_forms:
+        ops = list(dict.fromkeys(o for op in ops for o in (op, ASYNC_OPS.get(op)) if o is not None))
     try:
         sizes = requested_sizes(args.sizes, args.min_bytes, args.max_bytes, args.factor)
     except ValueError as exc:
