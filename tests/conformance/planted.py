@@ -130,6 +130,14 @@ pg-tcp's full declaration:
     their last byte.
 52. SEND_BYTES_STOPS_AT_EMPTY_PART: send_bytes takes an empty part for the end of the list (as a C string's
     terminator), so the parts after an empty one are lost.
+
+Both sides of the eager limit (the ``eager_limit`` test, backend API 1.10; the control, ``RENDEZVOUS``, is
+pg-tcp whose sends above 64 KiB wait for their receivers' acknowledgement, declared so):
+
+53. EAGER_LIMIT_OVERSTATED: declares ``eager_limit_bytes`` 64 KiB, but its sends wait for their receivers
+    above 4 KiB (the limit read from the wrong constant).
+54. ISEND_QUEUED_NO_COPY: isend does not copy (allowed), but its work completes once the send is queued, and
+    the queue reads the caller's tensor a moment later, after the caller, told it may, has changed it.
 """
 
 from __future__ import annotations
@@ -957,6 +965,93 @@ class OneElementViaFloat32(TCPBackend):
         tensor.copy_(scalar)
 
 
+# -- 53-54: the eager limit (backend API 1.10) --------------------------------------------------------------
+
+#: Rendezvous sends acknowledge on this tag bit, above the tags they declare (``max_tag`` below it).
+_ACK_BIT = 1 << 62
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Rendezvous(TCPBackend):
+    """pg-tcp whose sends above :attr:`waits_above` bytes wait until the receiver has the message, as
+    MPI's sends do above their eager size: the receiver acknowledges it (an empty message on the tag
+    with :data:`_ACK_BIT` set) once its receive completed, and the blocking send, or the isend's work,
+    completes with that acknowledgement. Honest when it declares ``eager_limit_bytes=waits_above``
+    (:data:`RENDEZVOUS`); a receive from any source is not declared (it would not acknowledge).
+    Test-only: an acknowledgement that fails is lost, and its sender waits out its timeout."""
+
+    waits_above = 64 << 10
+
+    def _acked(self, dst: int, tag: int, timeout: float) -> None:
+        super().recv(_NO_BYTES, dst, tag | _ACK_BIT, timeout=timeout)
+
+    def _ack(self, src: int, tag: int, timeout: float) -> None:
+        super().send(_NO_BYTES, src, tag | _ACK_BIT, timeout=timeout)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        super().send(tensor, dst, tag, timeout=timeout)
+        if _nbytes(tensor) > self.waits_above:
+            self._acked(dst, tag, timeout)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        super().recv(tensor, src, tag, timeout=timeout)
+        if _nbytes(tensor) > self.waits_above:
+            self._ack(src, tag, timeout)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        sent = super().isend(tensor, dst, tag, timeout=timeout)
+        if _nbytes(tensor) <= self.waits_above:
+            return sent
+        return all_of("isend", [sent, super().irecv(_NO_BYTES, dst, tag | _ACK_BIT, timeout=timeout)])
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        work = super().irecv(tensor, src, tag, timeout=timeout)
+        if _nbytes(tensor) > self.waits_above:
+            # acknowledged as soon as the receive completes, whether or not anyone waits (MPI's
+            # rendezvous completes the send once the receive matched it), from a thread of its own:
+            # pg-tcp's progress thread, which completes the receive, must not block in a send
+            def acknowledge(done: Work) -> None:
+                if done.exception(0) is None:
+                    threading.Thread(target=self._ack, args=(src, tag, timeout), daemon=True).start()
+
+            work.add_done_callback(acknowledge)
+        return work
+
+    def send_bytes(self, data: Sequence[bytes | bytearray | memoryview], dst: int, tag: int, *, timeout: float) -> None:  # type: ignore[override]
+        super().send_bytes(data, dst, tag, timeout=timeout)
+        if sum(memoryview(part).nbytes for part in data) > self.waits_above:
+            self._acked(dst, tag, timeout)
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray | mmap.mmap:
+        data = super().recv_bytes(src, tag, timeout=timeout)
+        if len(data) > self.waits_above:
+            self._ack(src, tag, timeout)
+        return data
+
+
+class EagerLimitOverstated(Rendezvous):
+    # bug: declares eager_limit_bytes=64 KiB, but its transport's eager buffers hold 4 KiB ("the
+    # limit of the library it wraps", read from the wrong constant): sends above 4 KiB wait for
+    # their receiver
+    waits_above = 4 << 10
+
+
+class IsendQueuedNoCopy(TCPBackend):
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        # zero copy (allowed: the caller leaves the tensor alone until the work completes), but the
+        # work completes once the send is queued, and the queue's thread reads the tensor when it
+        # gets to it (bug: queued is not sent)
+        work = Work("isend")
+        send = super().send
+        threading.Timer(0.05, send, (tensor, dst, tag), {"timeout": timeout}).start()
+        work.set_result(None)
+        return work
+
+
 # -- the specs -------------------------------------------------------------------------------------------
 
 BROADCAST_WRONG_ROOT = _spec("broadcast-wrong-root", BroadcastWrongRoot)
@@ -1017,6 +1112,12 @@ ONE_ELEMENT_VIA_FLOAT32 = _spec("one-element-via-float32", OneElementViaFloat32)
 RECV_ZERO_PADS = _spec("recv-zero-pads", RecvZeroPads)
 SEND_BYTES_DROPS_LAST_BYTE = _spec("send-bytes-drops-last-byte", SendBytesDropsLastByte)
 SEND_BYTES_STOPS_AT_EMPTY_PART = _spec("send-bytes-stops-at-empty-part", SendBytesStopsAtEmptyPart)
+#: Point to point and messages, every dtype, tags below the acknowledgements', and a 64 KiB eager limit.
+RENDEZVOUS_CAPS = Capabilities(
+    ops=frozenset({"send", "recv"}), dtypes=frozenset(DTYPES), max_tag=_ACK_BIT - 1, eager_limit_bytes=64 << 10
+)
+EAGER_LIMIT_OVERSTATED = _spec("eager-limit-overstated", EagerLimitOverstated, RENDEZVOUS_CAPS)
+ISEND_QUEUED_NO_COPY = _spec("isend-queued-no-copy", IsendQueuedNoCopy)
 
 # -- the unmodified backend under each declaration above ---------------------------------------------------
 
@@ -1029,3 +1130,5 @@ CONTROL_BARRIER = _spec("control-barrier", TCPBackend, BARRIER_CAPS)
 CONTROL_MESSAGES = _spec("control-messages", TCPBackend, MESSAGE_CAPS)
 CONTROL_EMULATED = _spec("control-emulated", Emulated, MESSAGE_CAPS)
 COALESCING = _spec("coalescing", Coalescing)
+#: pg-tcp whose sends above 64 KiB wait for their receivers, declared so (the control of the eager limit's bugs).
+RENDEZVOUS = _spec("rendezvous", Rendezvous, RENDEZVOUS_CAPS)

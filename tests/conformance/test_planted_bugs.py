@@ -157,6 +157,10 @@ BUGS = {
     "send-bytes-stops-at-empty-part": Bug(
         "SEND_BYTES_STOPS_AT_EMPTY_PART", "receives", ("byte-messages",), world_sizes=(2,)
     ),
+    # both sides of the eager limit: a send at most the declared limit that waits for its receiver; an isend whose
+    # work completes before the tensor was read (the receiver gets what the caller wrote afterwards)
+    "eager-limit-overstated": Bug("EAGER_LIMIT_OVERSTATED", "eager_limit", ("eager-limit",), "RENDEZVOUS", (2,)),
+    "isend-queued-no-copy": Bug("ISEND_QUEUED_NO_COPY", "eager_limit", ("reference",), world_sizes=(2,)),
 }
 
 #: The conformance runs of the controls: every (declaration, test, world sizes) a bug above runs.

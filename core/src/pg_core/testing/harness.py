@@ -43,6 +43,9 @@ Checks, by the name a failure carries:
     (:mod:`~pg_core.testing.receives`).
 ``byte-messages``
     a byte message arrived with another length or other bytes than were sent.
+``eager-limit``
+    a blocking send of at most the declared ``eager_limit_bytes`` (any size, where none is
+    declared) waited for its receiver to post the receive (:mod:`~pg_core.testing.eager`).
 ``dead-peer``
     a peer's death gave neither ``PeerFailureError`` nor ``CollectiveTimeout``.
 ``liveness``
@@ -86,6 +89,7 @@ TESTS: tuple[str, ...] = (
     "p2p",
     "any_source",
     "receives",
+    "eager_limit",
     "objects",
     "unknown_shape",
     "subgroups",
@@ -266,6 +270,11 @@ class Conformance:
             from .receives import check_receives
 
             check_receives(self)
+            return
+        if test == "eager_limit":
+            from .eager import check_eager_limit
+
+            check_eager_limit(self)
             return
         from hypothesis import HealthCheck, Phase, Verbosity, given, settings
         from hypothesis.errors import FlakyFailure

@@ -329,7 +329,8 @@ def check_receives(suite: Conformance) -> None:
     suite.notes["receives"] = "; ".join(notes)
 
 
-def _run(suite: Conformance, n: int, fn: Any, *args: Any) -> list[Any]:
+def _run(suite: Conformance, n: int, fn: Any, *args: Any, test: str = "receives") -> list[Any]:
+    """Run ``fn(ctx, *args)`` on the pool of world size ``n`` for conformance test ``test``."""
     from .harness import ConformanceFailure
     from .pool import RanksFailed
 
@@ -346,9 +347,9 @@ def _run(suite: Conformance, n: int, fn: Any, *args: Any) -> list[Any]:
             check = "leak"
         else:
             check = "rank-error"
-        raise ConformanceFailure(check, f"receives, world size {n}:\n{exc}") from None
+        raise ConformanceFailure(check, f"{test}, world size {n}:\n{exc}") from None
     finally:
-        suite.seconds["receives"] += time.monotonic() - start
+        suite.seconds[test] += time.monotonic() - start
 
 
 def _said(err: dict[str, Any] | None) -> str:
