@@ -12,7 +12,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # Every in-repo distribution, installed editable into one venv (the third-party example too:
 # CI proves a plugin written from the README alone installs and works).
-DISTS  := core backends/tcp_reference backends/gloo backends/nccl backends/mpi examples/third_party_plugin
+DISTS  := core backends/tcp_reference backends/gloo backends/nccl backends/mpi backends/shm examples/third_party_plugin
 STAMP  := $(VENV)/.installed
 
 # The release check (tests/integration/test_packaging.py): `make package` runs it, `make unit` leaves it out.

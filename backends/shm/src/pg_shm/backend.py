@@ -1,0 +1,240 @@
+"""``ShmBackend``: the ranks of one host over shared memory.
+
+Formation (:mod:`pg_shm.formation`) maps one segment per member and leaves nothing in
+``/dev/shm``. Point to point runs over per-pair rings (:mod:`pg_shm.rings`); the hot
+collectives over shared slots (:mod:`pg_shm.collectives`); every other collective is the
+core's default (:mod:`pg_core.algorithms`) on point to point. Waits spin briefly and then
+sleep on a futex in slices (:mod:`pg_shm.waiting`), checking the peers' processes, so a dead
+peer is a ``PeerFailureError`` within a slice and oversubscribed ranks do not burn a core.
+
+Threads: a *drainer* per member (asleep on a futex; it moves small messages out of a full
+ring when their sender asks, so sends up to the eager limit never wait for their receiver),
+and a sender thread per peer, started the first time a message does not fit in the ring
+at once. ``shutdown()`` and ``abort()`` stop them and unmap every segment once the
+operations under way have left them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pg_core.backend import Backend, BackendContext
+from pg_core.errors import GroupClosedError
+from pg_core.ops import ReduceOp
+from pg_core.work import Work
+
+from . import collectives
+from .formation import form
+from .layout import ABORTED, DOORBELL, KIND_BYTES, KIND_TENSOR, RING_META, SHUT_DOWN, STATE, Layout
+from .rings import RING_BYTES, Inbox, Outbox, make_ring, parts_of, tensor_parts
+from .segment import Word, futex_wait, futex_wake
+from .waiting import SLICE, Liveness
+
+__all__ = ["ShmBackend"]
+
+#: Bytes of each of a member's two collective slots (``slot_bytes`` option).
+DEFAULT_SLOT_BYTES = 4 << 20
+
+
+class ShmBackend(Backend):
+    """pg-shm's backend (see the module docstring and the README)."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.rank, self.size = ctx.rank, ctx.size
+        slot = ctx.byte_option("slot_bytes", DEFAULT_SLOT_BYTES, minimum=4096)
+        self.layout = Layout(ctx.size, RING_BYTES, slot // 64 * 64)
+        self._members = form(ctx, self.layout)
+        segments = self._members.segments
+        name = ctx.group_name
+        states = [None if r == self.rank else Word(s.address + STATE, 32) for r, s in enumerate(segments)]
+        self.live = Liveness(name, self._members.pids, self._members.pidfds, states)
+        self._state = Word(segments[self.rank].address + STATE, 32)
+        self._doorbell = Word(segments[self.rank].address + DOORBELL, 32)
+        self._threads: list[Outbox] = []
+        self.outboxes: dict[int, Outbox] = {}
+        self.inboxes: dict[int, Inbox] = {}
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            mine = make_ring(segments[self.rank], self.layout.ring(self.rank, peer), RING_META, RING_BYTES)
+            theirs = make_ring(segments[peer], self.layout.ring(peer, self.rank), RING_META, RING_BYTES)
+            peer_bell = Word(segments[peer].address + DOORBELL, 32)
+            self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name, lambda: None)
+            self.inboxes[peer] = Inbox(theirs, peer, self.live, name)
+        self.shared = collectives.Shared(self.rank, self.size, segments, self.layout, self.live)
+        self._life = threading.Lock()
+        self._active = 0
+        self._released = False
+        self._drainer: threading.Thread | None = None
+        if self.size > 1:
+            self._drainer = threading.Thread(target=self._drain, name=f"pg-shm {name} drainer", daemon=True)
+            self._drainer.start()
+
+    # -- point to point ----------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
+        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag, timeout, "send")
+        if work is not None:
+            self._await(work, timeout)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag, timeout, "isend")
+        return Work.completed("isend") if work is None else work
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
+        self._enter()
+        try:
+            self.inboxes[src].receive(KIND_TENSOR, tag, tensor, time.monotonic() + timeout, "recv")
+        finally:
+            self._leave()
+
+    def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
+        work = self._post(KIND_BYTES, None, parts_of(data), dst, tag, timeout, "send_bytes")
+        if work is not None:
+            self._await(work, timeout)
+
+    def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray | mmap.mmap:
+        self._enter()
+        try:
+            message = self.inboxes[src].receive(KIND_BYTES, tag, None, time.monotonic() + timeout, "recv_bytes")
+        finally:
+            self._leave()
+        assert message is not None
+        return message
+
+    def _post(
+        self, kind: int, tensor: torch.Tensor | None, parts: list[memoryview], dst: int, tag: int, timeout: float,
+        op: str,
+    ) -> Work | None:  # fmt: skip
+        self._enter()
+        try:
+            from pg_core.dtypes import dtype_code
+
+            code = dtype_code(tensor.dtype) if tensor is not None else 0
+            return self.outboxes[dst].post(kind, code, tag, parts, time.monotonic() + timeout, op)
+        finally:
+            self._leave()
+
+    def _await(self, work: Work, timeout: float) -> None:
+        work.wait(timeout + 5 * SLICE)  # the sender thread keeps the deadline; this only bounds the wait
+        if not work.is_completed():
+            self.live.check([], "send")
+        error = work.exception(0)
+        if error is not None:
+            raise error
+
+    # -- collectives over shared slots ---------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> Work | None:
+        self._enter()
+        try:
+            self.shared.all_reduce(tensor, op, time.monotonic() + timeout)
+        finally:
+            self._leave()
+        return None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> Work | None:
+        self._enter()
+        try:
+            self.shared.broadcast(tensor, src, time.monotonic() + timeout)
+        finally:
+            self._leave()
+        return None
+
+    def barrier(self, *, timeout: float) -> Work | None:
+        self._enter()
+        try:
+            self.shared.barrier(time.monotonic() + timeout)
+        finally:
+            self._leave()
+        return None
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> Work | None:
+        self._enter()
+        try:
+            self.shared.all_gather_into_tensor(output, input, time.monotonic() + timeout)
+        finally:
+            self._leave()
+        return None
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float
+    ) -> Work | None:
+        self._enter()
+        try:
+            self.shared.reduce_scatter_tensor(output, input, op, time.monotonic() + timeout)
+        finally:
+            self._leave()
+        return None
+
+    # -- life ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._close("was shut down", SHUT_DOWN)
+
+    def abort(self) -> None:
+        self._close("aborted", ABORTED)
+
+    def _close(self, why: str, state: int) -> None:
+        with self._life:
+            if self.live.closed is not None:
+                return
+            self.live.closed = why
+            self._state.value = state
+        for word in self._wake_words():
+            futex_wake(word)
+        for box in self.outboxes.values():
+            box.close()
+        if self._drainer is not None and self._drainer is not threading.current_thread():
+            self._drainer.join(timeout=5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with self._life:
+                if self._active == 0:
+                    self._release()
+                    return
+            time.sleep(0.005)  # operations under way leave within one slice of the wake-ups above
+        # still in use: the last operation to leave unmaps
+
+    def _wake_words(self) -> Sequence[int]:
+        words = [self._doorbell.address, *self.shared.wake_words()]
+        for box in self.outboxes.values():
+            words += [box.ring.head.address, box.ring.tail.address]
+        for inbox in self.inboxes.values():
+            words += [inbox.ring.head.address, inbox.ring.tail.address]
+        return words
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        for box in self.outboxes.values():
+            box.ring.release()
+        for inbox in self.inboxes.values():
+            inbox.ring.release()
+        self.shared.release()
+        self._members.close()
+
+    def _enter(self) -> None:
+        with self._life:
+            if self.live.closed is not None:
+                raise GroupClosedError(f"group {self.ctx.group_name!r}: pg-shm backend {self.live.closed}")
+            self._active += 1
+
+    def _leave(self) -> None:
+        with self._life:
+            self._active -= 1
+            if self._active == 0 and self.live.closed is not None:
+                self._release()
+
+    def _drain(self) -> None:
+        bell = self._doorbell
+        while self.live.closed is None:
+            futex_wait(bell.address, 0, SLICE)
+            if self.live.closed is not None:
+                return
+            for inbox in self.inboxes.values():
+                inbox.drain()

@@ -1,0 +1,240 @@
+"""The hot collectives over shared slots: ``all_reduce``, ``broadcast``, ``barrier``,
+``all_gather_into_tensor``, ``reduce_scatter_tensor``.
+
+Every member has two slots (sequence parity) in its segment and a ``step`` counter it alone
+writes. A collective is a sequence of *phases*, numbered alike on every member: in phase
+``s`` a member may write its slot of parity ``s % 2``, then publishes ``step = s``; readers
+wait until the writers' steps reach ``s``. A member publishes ``s`` only once it has read
+everything of phase ``s - 1``, so before writing a slot again (phase ``s + 2``) a member waits
+until every peer's step reached ``s + 1``: two slots let consecutive phases overlap with no
+extra barrier, and every phase reads only its own parity's slots.
+
+* ``all_reduce`` up to :data:`SMALL_BYTES`: one phase; every member folds every slot in rank
+  order ``0 .. size-1`` itself, so every member's bits are identical. Larger: per piece of a
+  slot, two phases: each member folds its share of the piece (rank order) and publishes it,
+  then every member copies every share. Each element is reduced once, by one member.
+* ``AVG`` divides the sum by the size; ``PREMUL_SUM`` scales each contribution at its source,
+  as :mod:`pg_core.algorithms` does; the folds are torch's own ops
+  (:data:`pg_core.algorithms.BINARY_OPS`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Final
+
+import torch
+from pg_core.algorithms import BINARY_OPS, divide_, scale_
+from pg_core.ops import RedOpType, ReduceOp
+
+from .layout import COLL_SLEEPS, STEP, Layout
+from .segment import Segment, Word, futex_wake
+from .waiting import Flag, Liveness, wait_until
+
+__all__ = ["SMALL_BYTES", "Shared"]
+
+#: Largest all_reduce folded whole by every member (one phase).
+SMALL_BYTES: Final = 64 << 10
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor.reshape(-1)
+
+
+class Shared:
+    """This member's view of every member's step counter and slots."""
+
+    def __init__(self, rank: int, size: int, segments: Sequence[Segment], layout: Layout, live: Liveness) -> None:
+        self.rank, self.size, self.live = rank, size, live
+        self.steps = [Word(s.address + STEP) for s in segments]
+        self.sleeps = [Word(s.address + COLL_SLEEPS, 32) for s in segments]
+        self._flag = Flag(self.sleeps[rank])
+        self.slot_bytes = layout.slot_bytes
+        # byte tensors over each member's two slots, through ctypes arrays: they hold no export
+        # of the mapping, so shutdown can unmap it (and nothing uses them afterwards)
+        self._slots = [
+            [
+                torch.frombuffer((ctypes.c_uint8 * layout.slot_bytes).from_address(s.address + layout.slot(p)),
+                                 dtype=torch.uint8)
+                for p in (0, 1)
+            ]
+            for s in segments
+        ]  # fmt: skip
+        self.step = 0
+        self._written = [-2, -2]  # the phase that last wrote each parity
+
+    def wake_words(self) -> list[int]:
+        return [w.address for w in self.steps]
+
+    def release(self) -> None:
+        self._slots = []
+
+    # -- phases --------------------------------------------------------------------------
+    def _begin(self, deadline: float, op: str, writes: bool) -> tuple[int, int]:
+        """The next phase's number and parity; if this member ``writes`` its slot, first wait
+        until every peer has read what that slot last held."""
+        s = self.step + 1
+        parity = s % 2
+        if writes:
+            self._wait_all(self._written[parity] + 1, deadline, op, "reading the previous use of this member's slot")
+            self._written[parity] = s
+        return s, parity
+
+    def _publish(self, s: int) -> None:
+        self.step = s
+        mine = self.steps[self.rank]
+        mine.value = s
+        for peer in range(self.size):
+            if peer != self.rank and self.sleeps[peer].value:
+                futex_wake(mine.address)
+                return
+
+    def _wait_all(self, s: int, deadline: float, op: str, doing: str, among: Sequence[int] | None = None) -> None:
+        for peer in range(self.size) if among is None else among:
+            if peer == self.rank:
+                continue
+            word = self.steps[peer]
+            if word.value >= s:
+                continue
+            late = [p for p in range(self.size) if p != self.rank and self.steps[p].value < s]
+            wait_until(
+                lambda w=word: w.value >= s,  # type: ignore[misc]
+                word,
+                self._flag,
+                self.live,
+                late,
+                deadline,
+                f"{op}: waiting for ranks {late} ({doing})",
+                op=op,
+            )
+
+    def _slot(self, rank: int, parity: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        width = torch.empty((), dtype=dtype).element_size()
+        return self._slots[rank][parity][: numel * width].view(dtype)
+
+    def _elements(self, dtype: torch.dtype) -> int:
+        return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
+
+    # -- collectives -----------------------------------------------------------------------
+    def barrier(self, deadline: float) -> None:
+        s, _ = self._begin(deadline, "barrier", writes=False)
+        self._publish(s)
+        self._wait_all(s, deadline, "barrier", "arriving")
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, deadline: float) -> None:
+        flat = _flat(tensor)
+        kind = op.type
+        if kind is RedOpType.PREMUL_SUM:
+            scale_(flat, op.factor_value(), 0)
+        if self.size == 1 or flat.numel() == 0:
+            return
+        fn = BINARY_OPS[kind]
+        if flat.nbytes <= min(SMALL_BYTES, self.slot_bytes):
+            s, parity = self._begin(deadline, "all_reduce", writes=True)
+            n = flat.numel()
+            self._slot(self.rank, parity, flat.dtype, n).copy_(flat)
+            self._publish(s)
+            self._wait_all(s, deadline, "all_reduce", "contributing")
+            slots = [self._slot(r, parity, flat.dtype, n) for r in range(self.size)]
+            fn(slots[0], slots[1], out=flat)
+            for other in slots[2:]:
+                fn(flat, other, out=flat)
+        else:
+            step = self._elements(flat.dtype)
+            for start in range(0, flat.numel(), step):
+                self._all_reduce_piece(flat[start : start + step], fn, deadline)
+        if kind is RedOpType.AVG:
+            divide_(flat, self.size, 0)
+
+    def _all_reduce_piece(self, piece: torch.Tensor, fn: object, deadline: float) -> None:
+        """Phase ``s`` (slot A): contribute, then fold this member's share of every slot A.
+        Phase ``s + 1`` (slot B): publish the share, then copy every member's share."""
+        n, size, dtype = piece.numel(), self.size, piece.dtype
+        s, a = self._begin(deadline, "all_reduce", writes=True)
+        self._slot(self.rank, a, dtype, n).copy_(piece)
+        self._publish(s)
+        self._wait_all(s, deadline, "all_reduce", "contributing")
+        bounds = [n * r // size for r in range(size + 1)]
+        lo, hi = bounds[self.rank], bounds[self.rank + 1]
+        out = piece[lo:hi]
+        if hi > lo:
+            slots = [self._slot(r, a, dtype, n)[lo:hi] for r in range(size)]
+            fn(slots[0], slots[1], out=out)  # type: ignore[operator]
+            for other in slots[2:]:
+                fn(out, other, out=out)  # type: ignore[operator]
+        s2, b = self._begin(deadline, "all_reduce", writes=True)
+        self._slot(self.rank, b, dtype, n)[lo:hi].copy_(out)
+        self._publish(s2)
+        self._wait_all(s2, deadline, "all_reduce", "reducing their shares")
+        for r in range(size):
+            if r != self.rank and bounds[r + 1] > bounds[r]:
+                piece[bounds[r] : bounds[r + 1]].copy_(self._slot(r, b, dtype, n)[bounds[r] : bounds[r + 1]])
+
+    def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> None:
+        flat = _flat(tensor)
+        if self.size == 1 or flat.numel() == 0:
+            return
+        step = self._elements(flat.dtype)
+        for start in range(0, flat.numel(), step):
+            piece = flat[start : start + step]
+            s, parity = self._begin(deadline, "broadcast", writes=self.rank == src)
+            if self.rank == src:
+                self._slot(src, parity, flat.dtype, piece.numel()).copy_(piece)
+                self._publish(s)
+            else:
+                self._wait_all(s, deadline, "broadcast", f"rank {src}'s data", among=[src])
+                piece.copy_(self._slot(src, parity, flat.dtype, piece.numel()))
+                self._publish(s)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, deadline: float) -> None:
+        src, out = _flat(input), _flat(output)
+        m = src.numel()
+        if m == 0:
+            return
+        blocks = [out[r * m : (r + 1) * m] for r in range(self.size)]
+        if self.size == 1:
+            blocks[0].copy_(src)
+            return
+        step = self._elements(src.dtype)
+        for start in range(0, m, step):
+            k = min(step, m - start)
+            s, parity = self._begin(deadline, "all_gather_into_tensor", writes=True)
+            self._slot(self.rank, parity, src.dtype, k).copy_(src[start : start + k])
+            self._publish(s)
+            self._wait_all(s, deadline, "all_gather_into_tensor", "contributing")
+            for r in range(self.size):
+                blocks[r][start : start + k].copy_(self._slot(r, parity, src.dtype, k))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, deadline: float) -> None:
+        src, out = _flat(input), _flat(output)
+        kind = op.type
+        size, m = self.size, out.numel()
+        if kind is RedOpType.PREMUL_SUM:
+            src = src.clone()  # the input is not the output here: scale a copy, never the caller's input
+            scale_(src, op.factor_value(), 0)
+        if size == 1:
+            out.copy_(src)
+            if kind is RedOpType.AVG:
+                divide_(out, size, 0)
+            return
+        if m == 0:
+            return
+        fn = BINARY_OPS[kind]
+        step = max(1, self._elements(src.dtype) // size)
+        for start in range(0, m, step):
+            k = min(step, m - start)
+            s, parity = self._begin(deadline, "reduce_scatter_tensor", writes=True)
+            mine = self._slot(self.rank, parity, src.dtype, size * k).view(size, k)
+            mine.copy_(src.view(size, m)[:, start : start + k])
+            self._publish(s)
+            self._wait_all(s, deadline, "reduce_scatter_tensor", "contributing")
+            rows = [self._slot(r, parity, src.dtype, size * k).view(size, k)[self.rank] for r in range(size)]
+            target = out[start : start + k]
+            fn(rows[0], rows[1], out=target)
+            for other in rows[2:]:
+                fn(target, other, out=target)
+        if kind is RedOpType.AVG:
+            divide_(out, size, 0)
