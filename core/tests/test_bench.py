@@ -1133,13 +1133,25 @@ def test_overhead_reports_every_op_in_three_modes(capsys: pytest.CaptureFixture[
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# core overhead (world size 1, one process, NullBackend; float32 tensors of 1 element")
     assert "median of 2 batches of 20 calls" in lines[0]
-    assert lines[1].split() == ["op", "direct", "blocking", "async+wait", "overhead", "async", "overhead"]
+    assert lines[1].split() == [
+        "op",
+        "direct",
+        "blocking",
+        "async+wait",
+        "overhead",
+        "async",
+        "overhead",
+        "launched+wait",
+        "launch",
+        "cost",
+    ]
     table = [line.split() for line in lines[2 : 2 + len(overhead.OPS)]]
     assert [row[0] for row in table] == list(overhead.OPS)
-    for row in table:  # five numbers (us per call); the differences are the last two
-        direct, blocking, async_, over, async_over = map(float, row[1:])
+    for row in table:  # seven numbers (us per call); overheads after the times they are of
+        direct, blocking, async_, over, async_over, launched, launch_cost = map(float, row[1:])
         assert over == pytest.approx(blocking - direct, abs=2e-3)
         assert async_over == pytest.approx(async_ - direct, abs=2e-3)
+        assert launch_cost == pytest.approx(launched - blocking, abs=2e-3)
     assert lines[2 + len(overhead.OPS)] == ""
     assert lines[3 + len(overhead.OPS)].startswith("# core overhead per blocking call: at most ")
     assert "the target of 3 us" in lines[3 + len(overhead.OPS)]
@@ -1154,7 +1166,8 @@ def test_overhead_as_json_for_chosen_ops(capsys: pytest.CaptureFixture[str]) -> 
         assert (r["iters"], r["repeats"], r["dtype"], r["numel"]) == (10, 1, "float32", 1)
         assert r["overhead_ns"] == pytest.approx(r["blocking_ns"] - r["direct_ns"])
         assert r["async_overhead_ns"] == pytest.approx(r["async_ns"] - r["direct_ns"])
-        assert min(r["direct_ns"], r["blocking_ns"], r["async_ns"]) > 0
+        assert r["launch_cost_ns"] == pytest.approx(r["launched_ns"] - r["blocking_ns"])
+        assert min(r["direct_ns"], r["blocking_ns"], r["async_ns"], r["launched_ns"]) > 0
 
 
 @pytest.mark.parametrize(

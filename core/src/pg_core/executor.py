@@ -136,6 +136,68 @@ class Executor:
                 running.release()
         return self._queued(op, fn if arg is _SEQ else lambda _seq: fn(arg), async_op=False, args=args, device=device)
 
+    def launch(self, op: str, fn: Callable[[int], Work], args: tuple[Any, ...] = (), device: str = "") -> Work:
+        """Launch collective ``op`` as ``fn(seq)``, which starts it and returns its work, in
+        order, in the caller's thread (a backend that launches, API 1.2): no progress thread,
+        no handoff. The work's failure latches the group, and the recorder notes the
+        collective when the work ends. Whenever anything is other than open, idle and in
+        order (an operation queued, the group closing or closed, a collective failed, a call
+        from the progress thread), it goes the way :meth:`call` goes: behind what is queued,
+        or refused."""
+        worker = self._worker_ident
+        if (
+            self._pending
+            or self._state is not None
+            or self._broken is not None
+            or (worker is not None and worker == threading.get_ident())
+        ):
+            return self.call(op, lambda seq: self._watch(op, seq, -1, fn(seq)), _SEQ, args, device)  # type: ignore[no-any-return]
+        running = self._exec_lock
+        running.acquire()
+        try:
+            if not self._pending:  # still nothing queued, now that no other collective can start
+                seq = self.seq = self._next_seq
+                self._next_seq = seq + 1
+                recorder = self._recorder
+                record = -1 if recorder is None else recorder.collective(seq, op, describe_args(op, args), device)
+                try:
+                    work = fn(seq)
+                except BaseException as exc:
+                    if recorder is not None:
+                        recorder.finished(record, exc)
+                    self.latch(op, seq, exc)
+                    raise
+                return self._watch(op, seq, record, work)
+        finally:
+            running.release()
+        return self.call(op, lambda seq: self._watch(op, seq, -1, fn(seq)), _SEQ, args, device)  # type: ignore[no-any-return]
+
+    def _watch(self, op: str, seq: int, record: int, work: Work) -> Work:
+        """``work``, launched as collective ``op`` number ``seq``: when it ends, a failure
+        latches the group and the recorder's ``record`` (``-1``: none, or noted by
+        :meth:`_invoke`) ends with it. One callback, run where the work completes."""
+        recorder = self._recorder if record >= 0 else None
+        if recorder is not None:
+            recorder.launched(record)
+        if work._done:  # (launched and finished already: no callback to register)
+            exc = work._exc
+            if exc is not None:
+                self.latch(op, seq, exc)
+            if recorder is not None:
+                recorder.finished(record, exc)
+            return work
+        latch = self.latch
+
+        def ended(done: Work) -> None:
+            exc = done._exc
+            if exc is not None:
+                latch(op, seq, exc)
+            if recorder is not None:
+                recorder.finished(record, exc)
+
+        work.add_done_callback(ended)
+        return work
+
     def lane(self, op: str, fn: Callable[[Any], Any], device: str = "") -> Callable[[Any], Any]:
         """``fn`` as a blocking collective ``op`` that runs as :meth:`call` would run it, made for
         a group's hottest call (a blocking all_reduce on a backend's prepared call): one frame, its

@@ -11,11 +11,19 @@ one element is timed three ways:
   backend (``group.all_reduce(t)``): argument checks, capability checks, staging,
   sequence numbers, dispatch, the executor's ordering, error handling;
 * ``async``: ``group.all_reduce(t, async_op=True).wait()``: the same plus a
-  :class:`~pg_core.work.Work` and the hand-over to the group's progress thread and back.
+  :class:`~pg_core.work.Work` and the hand-over to the group's progress thread and back
+  (:class:`NullBackend` does not launch);
+* ``launched``: the same call on a group formed on :class:`LaunchingNullBackend`, which
+  declares ``launches = True`` (API 1.2) and returns a work that is already complete: the
+  core's launch path (:meth:`pg_core.ProcessGroup` ``_launch``: the executor's order and
+  sequence number, the flight recorder, the failure latch's callback, the user's work),
+  without a thread, plus the backend's one :class:`~pg_core.work.Work`.
 
 ``blocking - direct`` is the **core overhead per call**, the figure the project's target
 (at most 3 us per blocking collective) is judged by; ``async - direct`` the same for an
-asynchronous call waited for at once.
+asynchronous call waited for at once; ``launched - blocking`` what an asynchronous call
+waited for at once costs over the blocking one where the backend launches (issue 33's
+target: at most 5 us, on a real backend).
 
 **How it is timed.** Every mode of every op is one closure of the same shape
 (``lambda: f(args)``), so what the loop and the closure cost cancels out of the
@@ -46,11 +54,13 @@ import torch
 
 from .backend import Backend, BackendContext, Capabilities
 from .ops import ReduceOp
+from .work import Work
 
 __all__ = [
     "MODES",
     "OPS",
     "TARGET_US",
+    "LaunchingNullBackend",
     "NullBackend",
     "OverheadRow",
     "format_table",
@@ -68,7 +78,7 @@ OPS: Final[tuple[str, ...]] = (
 )
 
 #: How each op is called, in the order they are measured and reported.
-MODES: Final[tuple[str, ...]] = ("direct", "blocking", "async")
+MODES: Final[tuple[str, ...]] = ("direct", "blocking", "async", "launched")
 
 #: The project's target: core overhead of a blocking collective, in microseconds.
 TARGET_US: Final[float] = 3.0
@@ -88,7 +98,7 @@ class NullBackend(Backend):
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         return None
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> Work | None:
         return None
 
     def prepared_all_reduce(
@@ -96,16 +106,16 @@ class NullBackend(Backend):
     ) -> Callable[[torch.Tensor], None]:
         return _nothing  # as a torch C++ backend does (C10dBackend), so the group's hot path is measured
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> Work | None:
         return None
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> Work | None:
         return None
 
     def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
         return None
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> Work | None:
         return None
 
     def reduce_scatter(
@@ -113,7 +123,9 @@ class NullBackend(Backend):
     ) -> None:
         return None
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float
+    ) -> Work | None:
         return None
 
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
@@ -138,7 +150,7 @@ class NullBackend(Backend):
     ) -> None:
         return None
 
-    def barrier(self, *, timeout: float) -> None:
+    def barrier(self, *, timeout: float) -> Work | None:
         return None
 
 
@@ -146,11 +158,45 @@ def _nothing(tensor: torch.Tensor) -> None:
     return None
 
 
+class LaunchingNullBackend(NullBackend):
+    """:class:`NullBackend` that launches (API 1.2): every collective called with
+    ``async_op=True`` returns a :class:`~pg_core.work.Work` that is already complete, so what
+    the group adds around a launch is what is left."""
+
+    launches = True
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        return Work.completed("all_reduce") if async_op else None
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
+        return Work.completed("broadcast") if async_op else None
+
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        return Work.completed("reduce") if async_op else None
+
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        return Work.completed("all_gather_into_tensor") if async_op else None
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        return Work.completed("reduce_scatter_tensor") if async_op else None
+
+    def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
+        return Work.completed("barrier") if async_op else None
+
+
 @dataclasses.dataclass
 class OverheadRow:
     """One op: nanoseconds per call, the median (and the minimum) of ``repeats`` batches
     of ``iters`` calls, per mode; ``overhead_ns`` = ``blocking_ns - direct_ns`` (the core
-    overhead per blocking call), ``async_overhead_ns`` = ``async_ns - direct_ns``."""
+    overhead per blocking call), ``async_overhead_ns`` = ``async_ns - direct_ns``,
+    ``launch_cost_ns`` = ``launched_ns - blocking_ns`` (an asynchronous call waited for at
+    once, over the blocking one, where the backend launches)."""
 
     op: str
     dtype: str
@@ -165,53 +211,63 @@ class OverheadRow:
     async_min_ns: float
     overhead_ns: float
     async_overhead_ns: float
+    launched_ns: float = 0.0
+    launched_min_ns: float = 0.0
+    launch_cost_ns: float = 0.0
 
     @property
     def overhead_us(self) -> float:
         return self.overhead_ns / 1e3
 
 
-def _calls(op: str, backend: Backend, group: Any, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
-    """The three calls of ``op``, as closures of one shape (see the module docstring)."""
+def _calls(op: str, backend: Backend, group: Any, launching: Any, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+    """The calls of ``op`` in every mode, as closures of one shape (see the module docstring);
+    ``launching`` is the group on :class:`LaunchingNullBackend`."""
     t = torch.ones(1, dtype=dtype)
     out = torch.empty(1, dtype=dtype)
     s = ReduceOp.SUM
-    b, g = backend, group
+    b, g, lg = backend, group, launching
     if op == "all_reduce":
         return {
             "direct": lambda: b.all_reduce(t, s, timeout=_TIMEOUT_S),
             "blocking": lambda: g.all_reduce(t),
             "async": lambda: g.all_reduce(t, async_op=True).wait(),
+            "launched": lambda: lg.all_reduce(t, async_op=True).wait(),
         }
     if op == "broadcast":
         return {
             "direct": lambda: b.broadcast(t, 0, timeout=_TIMEOUT_S),
             "blocking": lambda: g.broadcast(t, 0),
             "async": lambda: g.broadcast(t, 0, async_op=True).wait(),
+            "launched": lambda: lg.broadcast(t, 0, async_op=True).wait(),
         }
     if op == "reduce":
         return {
             "direct": lambda: b.reduce(t, 0, s, timeout=_TIMEOUT_S),
             "blocking": lambda: g.reduce(t, 0),
             "async": lambda: g.reduce(t, 0, async_op=True).wait(),
+            "launched": lambda: lg.reduce(t, 0, async_op=True).wait(),
         }
     if op == "all_gather_into_tensor":
         return {
             "direct": lambda: b.all_gather_into_tensor(out, t, timeout=_TIMEOUT_S),
             "blocking": lambda: g.all_gather_into_tensor(out, t),
             "async": lambda: g.all_gather_into_tensor(out, t, async_op=True).wait(),
+            "launched": lambda: lg.all_gather_into_tensor(out, t, async_op=True).wait(),
         }
     if op == "reduce_scatter_tensor":
         return {
             "direct": lambda: b.reduce_scatter_tensor(out, t, s, timeout=_TIMEOUT_S),
             "blocking": lambda: g.reduce_scatter_tensor(out, t),
             "async": lambda: g.reduce_scatter_tensor(out, t, async_op=True).wait(),
+            "launched": lambda: lg.reduce_scatter_tensor(out, t, async_op=True).wait(),
         }
     if op == "barrier":
         return {
             "direct": lambda: b.barrier(timeout=_TIMEOUT_S),
             "blocking": lambda: g.barrier(),  # noqa: PLW0108  (the same shape as the other modes)
             "async": lambda: g.barrier(async_op=True).wait(),
+            "launched": lambda: lg.barrier(async_op=True).wait(),
         }
     raise ValueError(f"unknown op {op!r}; --overhead measures {', '.join(OPS)}")
 
@@ -233,7 +289,7 @@ def measure(
     dtype: torch.dtype = torch.float32,
     progress: Callable[[str], None] | None = None,
 ) -> list[OverheadRow]:
-    """Time every op of ``ops`` in the three :data:`MODES`; see the module docstring."""
+    """Time every op of ``ops`` in every one of :data:`MODES`; see the module docstring."""
     from .group import ProcessGroup
     from .store import TCPStore
 
@@ -255,10 +311,13 @@ def measure(
     )
     backend = NullBackend(ctx)
     group = ProcessGroup(store, 0, 1, backends=NullBackend, name="overhead", timeout=timedelta(seconds=_TIMEOUT_S))
+    launching = ProcessGroup(
+        store, 0, 1, backends=LaunchingNullBackend, name="overhead-launching", timeout=timedelta(seconds=_TIMEOUT_S)
+    )
     rows: list[OverheadRow] = []
     try:
         for op in ops:
-            calls = _calls(op, backend, group, dtype)
+            calls = _calls(op, backend, group, launching, dtype)
             for call in calls.values():  # warm up: caches, the progress thread, branch predictors
                 _batch(call, max(100, iters // 10))
             samples: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -287,12 +346,16 @@ def measure(
                 async_min_ns=min(samples["async"]),
                 overhead_ns=med["blocking"] - med["direct"],
                 async_overhead_ns=med["async"] - med["direct"],
+                launched_ns=med["launched"],
+                launched_min_ns=min(samples["launched"]),
+                launch_cost_ns=med["launched"] - med["blocking"],
             )
             rows.append(row)
             if progress is not None:
                 progress(f"bench --overhead: {op}: core overhead {row.overhead_us:.2f} us per blocking call")
     finally:
         group.shutdown()
+        launching.shutdown()
         backend.shutdown()
     return rows
 
@@ -305,7 +368,7 @@ def format_table(rows: Sequence[OverheadRow]) -> str:
     if not rows:
         return "(no ops measured)"
     first = rows[0]
-    header = ["op", "direct", "blocking", "async+wait", "overhead", "async overhead"]
+    header = ["op", "direct", "blocking", "async+wait", "overhead", "async overhead", "launched+wait", "launch cost"]
     lines = [header]
     for r in rows:
         lines.append(
@@ -316,6 +379,8 @@ def format_table(rows: Sequence[OverheadRow]) -> str:
                 f"{r.async_ns / 1e3:.3f}",
                 f"{r.overhead_ns / 1e3:.3f}",
                 f"{r.async_overhead_ns / 1e3:.3f}",
+                f"{r.launched_ns / 1e3:.3f}",
+                f"{r.launch_cost_ns / 1e3:.3f}",
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -338,6 +403,8 @@ def format_table(rows: Sequence[OverheadRow]) -> str:
     out.append(
         "# direct: the backend's method on an instance; blocking: group.OP(...); async+wait:\n"
         "# group.OP(..., async_op=True).wait(). overhead = blocking - direct, async overhead = async+wait - direct.\n"
+        "# launched+wait: async+wait on a group whose backend launches (LaunchingNullBackend: its work is done at\n"
+        "# once), so no thread hop; launch cost = launched+wait - blocking, the core's launch path.\n"
         "# Compare figures from one run on one machine; repeat the run to see the spread."
     )
     return "\n".join(out)

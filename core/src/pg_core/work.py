@@ -35,24 +35,34 @@ class Work:
     the way ``MPI_Test`` does.
     """
 
-    __slots__ = ("_callbacks", "_cond", "_done", "_driver", "_exc", "_result", "op")
+    __slots__ = ("_callbacks", "_cond", "_done", "_driver", "_exc", "_lock", "_result", "op")
 
     def __init__(self, op: str = "operation", *, driver: Driver | None = None) -> None:
         self.op = op
         self._driver = driver
-        self._cond = threading.Condition(threading.Lock())
+        # A lock always (cheap); a condition on it only once a thread blocks in wait(): most
+        # works complete before anyone waits, or are driven by their waiter.
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
         self._done = False
         self._result: Any = None
         self._exc: BaseException | None = None
-        self._callbacks: list[Callable[[Work], None]] = []
+        self._callbacks: list[Callable[[Work], None]] | None = None
 
     # -- producer side -------------------------------------------------------
     @classmethod
     def completed(cls, op: str = "operation", result: Any = None) -> Work:
         """A work that is already done (for operations that finished inline)."""
         work = cls(op)
-        work.set_result(result)
+        work._result, work._done = result, True
         return work
+
+    @property
+    def done(self) -> bool:
+        """Whether the work has completed, as far as is known now: unlike :meth:`is_completed`
+        it never drives the operation (for code that only reacts to completion, such as a
+        callback chain deciding whether to go on at once)."""
+        return self._done
 
     def set_result(self, result: Any = None) -> None:
         """Complete successfully with ``result``; a second completion is ignored."""
@@ -63,22 +73,29 @@ class Work:
         self._finish(None, exc)
 
     def add_done_callback(self, fn: Callable[[Work], None]) -> None:
-        """Call ``fn(work)`` once the work completes (at once if it already has)."""
-        with self._cond:
-            if not self._done:
-                self._callbacks.append(fn)
-                return
+        """Call ``fn(work)`` once the work completes (at once, in this thread, if it already
+        has; else in the thread that completes it)."""
+        if not self._done:
+            with self._lock:
+                if not self._done:
+                    if self._callbacks is None:
+                        self._callbacks = [fn]
+                    else:
+                        self._callbacks.append(fn)
+                    return
         self._call(fn)
 
     def _finish(self, result: Any, exc: BaseException | None) -> None:
-        with self._cond:
+        with self._lock:
             if self._done:
                 return
             self._result, self._exc, self._done = result, exc, True
-            callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
-        for fn in callbacks:
-            self._call(fn)
+            callbacks, self._callbacks = self._callbacks, None
+            if self._cond is not None:
+                self._cond.notify_all()
+        if callbacks is not None:
+            for fn in callbacks:
+                self._call(fn)
 
     def _call(self, fn: Callable[[Work], None]) -> None:
         # A failing callback must not take down the thread that completes work
@@ -133,10 +150,21 @@ class Work:
             if self._driver is not None:
                 self._driver(self, 1.0 if remaining is None else min(remaining, 1.0))
                 continue
-            with self._cond:
+            with self._lock:
                 if not self._done:
+                    if self._cond is None:
+                        self._cond = threading.Condition(self._lock)
                     self._cond.wait(None if remaining is None else remaining)
         return True
+
+    def _sleep(self, timeout: float) -> None:
+        """Block until the work completes or ``timeout`` seconds pass, without driving it (for a
+        driver that has nothing to drive just now)."""
+        with self._lock:
+            if not self._done:
+                if self._cond is None:
+                    self._cond = threading.Condition(self._lock)
+                self._cond.wait(timeout)
 
     def __repr__(self) -> str:
         if not self._done:

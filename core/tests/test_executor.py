@@ -1,0 +1,154 @@
+"""The executor's launch path (:meth:`pg_core.executor.Executor.launch`), through a group on a
+backend that launches (API 1.2) and whose works the test completes by hand: order, sequence
+numbers, the flight recorder and the failure latch, without a progress thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+from pg_core import ProcessGroup
+from pg_core.backend import BackendContext
+from pg_core.errors import PeerFailureError
+from pg_core.ops import ReduceOp
+from pg_core.overhead import NullBackend
+from pg_core.store import TCPStore
+from pg_core.work import Work
+
+
+class HeldBackend(NullBackend):
+    """Launches every all_reduce and broadcast with ``async_op=True`` as a work the test
+    completes (``held``); notes every call, blocking or launched, with the thread it ran in."""
+
+    launches = True
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.calls: list[tuple[str, bool, int]] = []
+        self.held: list[Work] = []
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        return self._call("all_reduce", async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
+        return self._call("broadcast", async_op)
+
+    def _call(self, op: str, async_op: bool) -> Work | None:
+        self.calls.append((op, async_op, threading.get_ident()))
+        if not async_op:
+            return None
+        work = Work(op)
+        self.held.append(work)
+        return work
+
+
+@pytest.fixture
+def group() -> Iterator[ProcessGroup]:
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    g = ProcessGroup(store, 0, 1, backends=HeldBackend, name="launch", timeout=timedelta(seconds=10))
+    try:
+        yield g
+    finally:
+        g.shutdown()
+
+
+def _backend(g: ProcessGroup) -> HeldBackend:
+    g.all_reduce(torch.ones(1))  # creates the backend (an async call before that goes to the thread)
+    backend = g._dispatch.instance(torch.device("cpu")).backend
+    assert isinstance(backend, HeldBackend)
+    backend.calls.clear()
+    return backend
+
+
+def _collectives(g: ProcessGroup) -> list[dict[str, object]]:
+    return [e for e in g.debug_state()["entries"] if e["seq"] is not None]
+
+
+def test_a_launched_collective_runs_in_the_callers_thread_in_order(group: ProcessGroup) -> None:
+    backend = _backend(group)
+    work = group.all_reduce(torch.ones(1), async_op=True)
+    assert isinstance(work, Work) and not work.is_completed()
+    group.broadcast(torch.ones(1), 0)  # blocking, after the launch: the backend sees it second
+    assert backend.calls == [
+        ("all_reduce", True, threading.get_ident()),
+        ("broadcast", False, threading.get_ident()),
+    ]
+    assert group._executor._worker is None  # no progress thread was started
+    backend.held[0].set_result(None)
+    assert work.wait() is True
+    assert [(e["seq"], e["op"]) for e in _collectives(group)][-2:] == [(2, "all_reduce"), (3, "broadcast")]
+
+
+def test_the_recorder_notes_a_launched_collective_when_it_ends(group: ProcessGroup) -> None:
+    backend = _backend(group)
+    work = group.all_reduce(torch.ones(1), async_op=True)
+    assert work is not None
+    entry = _collectives(group)[-1]
+    assert (entry["op"], entry["state"], entry["end_ns"]) == ("all_reduce", "scheduled", None)
+    backend.held[0].set_result(None)
+    entry = _collectives(group)[-1]
+    assert entry["state"] == "completed" and entry["end_ns"] is not None
+
+
+def test_a_failed_launched_collective_latches_the_group(group: ProcessGroup) -> None:
+    backend = _backend(group)
+    work = group.all_reduce(torch.ones(1), async_op=True)
+    assert work is not None
+    group.broadcast(torch.ones(1), 0)  # launched one still running: the group is fine
+    backend.held[0].set_exception(PeerFailureError("rank 1 died", peers=[1]))
+    with pytest.raises(PeerFailureError, match="rank 1 died"):
+        work.wait()
+    entry = [e for e in _collectives(group) if e["op"] == "all_reduce"][-1]
+    assert (entry["state"], entry["error"]) == ("failed", "PeerFailureError")
+    with pytest.raises(PeerFailureError, match=r"stopped after all_reduce \(collective #2\) failed"):
+        group.broadcast(torch.ones(1), 0)
+    with pytest.raises(PeerFailureError, match="stopped after"):
+        group.all_reduce(torch.ones(1), async_op=True)
+    assert group._executor.lost == {1}
+
+
+def test_a_launch_that_raises_latches_and_is_recorded(group: ProcessGroup) -> None:
+    backend = _backend(group)
+
+    def refuse(op: str, async_op: bool) -> Work | None:
+        raise PeerFailureError("rank 1 is gone", peers=[1])
+
+    backend._call = refuse  # type: ignore[method-assign]
+    with pytest.raises(PeerFailureError, match="rank 1 is gone"):
+        group.all_reduce(torch.ones(1), async_op=True)
+    assert _collectives(group)[-1]["state"] == "failed"
+    with pytest.raises(PeerFailureError, match="stopped after"):
+        group.broadcast(torch.ones(1), 0)
+
+
+def test_a_launch_behind_a_queued_collective_waits_its_turn() -> None:
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    g = ProcessGroup(store, 0, 1, backends=HeldBackend, name="queued", timeout=timedelta(seconds=10))
+    try:
+        first = g.all_reduce(torch.ones(1), async_op=True)  # no backend yet: queued on the thread
+        second = g.all_reduce(torch.ones(1), async_op=True)  # launched, but behind the first
+        assert first is not None and second is not None
+        first.wait(10)
+        backend = g._dispatch.instance(torch.device("cpu")).backend
+        assert isinstance(backend, HeldBackend)
+        for w in backend.held:
+            w.set_result(None)
+        second.wait(10)
+        assert [(e["seq"], e["op"]) for e in _collectives(g)] == [(1, "all_reduce"), (2, "all_reduce")]
+    finally:
+        g.shutdown()
+
+
+def test_a_completed_work_costs_no_condition() -> None:
+    work = Work.completed("x", 3)
+    assert work.done and work.is_completed() and work.result() == 3 and work._cond is None
+    pending = Work("y")
+    seen: list[object] = []
+    pending.add_done_callback(lambda w: seen.append(w.result(0)))
+    timer = threading.Timer(0.05, pending.set_result, args=(7,))
+    timer.start()
+    assert pending.result(5) == 7 and seen == [7]  # a waiter that blocked was woken
+    timer.join()
