@@ -479,17 +479,15 @@ class ProcessGroup:
         self, op: str, device: torch.device, staging: Staging | None, args: tuple[Any, ...], budget: float
     ) -> Work:
         """An asynchronous collective on a backend that launches (API 1.2): launched here, in
-        the executor's order, returning the backend's work; staged outputs are copied back and
-        a failure latched when it completes."""
-        executor = self._executor
+        the executor's order (:meth:`Executor.launch`: no thread), returning the backend's work;
+        staged outputs are copied back and a failure latched when it completes."""
+        method = getattr(self._dispatch.instance(device, op).backend, op)
 
         def launch(seq: int) -> Work:
-            backend = self._dispatch.instance(device, op).backend
-            work: Work = getattr(backend, op)(*args, timeout=budget, async_op=True)
-            work.add_done_callback(lambda done: executor.latch(op, seq, done.exception(0)))
+            work: Work = method(*args, timeout=budget, async_op=True)
             return work
 
-        inner: Work = executor.run(op, launch, async_op=False, args=args, device=device.type)
+        inner = self._executor.launch(op, launch, args, device.type)
         return then(inner, staging.finish) if staging is not None and staging.back else inner
 
     def coalescing(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Batch:
