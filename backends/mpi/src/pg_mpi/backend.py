@@ -95,7 +95,7 @@ from pg_core.store import wait_for
 from pg_core.work import Work
 
 from ._mpi import OP_NAMES, TYPE_NAMES, initialized_mpi, ranks_share_cpus, user_op, wrong_integer_ops
-from .plugin import HOW_TO_LAUNCH, MAX_TAG
+from .plugin import EAGER_LIMIT, HOW_TO_LAUNCH, MAX_TAG
 
 __all__ = ["MPIBackend"]
 
@@ -230,6 +230,9 @@ class MPIBackend(Backend):
             if split_from is None
             else _adopt(ctx, self._mpi, split_from)
         )
+        #: sends up to the eager limit are MPI's buffered sends (the communicator has MPI's
+        #: automatic buffer), else copies of this backend's own
+        self._buffered = _attach_automatic_buffer(self._mpi, self._comm)
         #: collectives this rank posted on the communicator (the core hands them over one at a time)
         self._seq = 0
         #: when this rank's last collective completed (``time.monotonic()``)
@@ -896,14 +899,57 @@ class MPIBackend(Backend):
 
     # -- point to point -------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        """The tensor copied into a buffer of the message's own, posted with ``MPI_Isend``;
-        returns at once (MPI_Bsend's semantics: the send never waits for its receiver), unless
-        the copies of earlier sends still in flight fill ``max_send_copy_bytes``: then it
-        waits for them first (:meth:`_reserve`)."""
+        """Up to :data:`~pg_mpi.plugin.EAGER_LIMIT` bytes, MPI's buffered send (``MPI_Bsend`` into
+        the communicator's automatic buffer): it returns at once, whether or not the receiver
+        has posted its receive (where the library has no automatic buffer, a copy of this
+        backend's own posted with ``MPI_Isend``, within ``max_send_copy_bytes``:
+        :meth:`_reserve`). Above it, ``MPI_Isend`` from the tensor's own memory, waited for
+        (:meth:`_rendezvous`): it returns once MPI is done with the tensor, which for a large
+        message is once the receiver has posted the matching receive."""
         nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > EAGER_LIMIT:
+            self._rendezvous(tensor, dst, tag, timeout)
+            return
+        if self._buffered:
+            comm = self._check("send", [dst], sending=True)
+            try:
+                comm.Bsend([self._memory(tensor), nbytes, self._mpi.BYTE], dst, tag)
+            except self._mpi.Exception as exc:
+                raise self._error(exc, f"send to rank {dst} (tag {tag})", [dst]) from exc
+            return
         what = f"send to rank {dst} (tag {tag})"
         self._reserve(nbytes, what, timeout)
         self._copy_and_post(tensor, nbytes, dst, tag, what)
+
+    def _rendezvous(self, tensor: torch.Tensor, dst: int, tag: int, timeout: float) -> None:
+        """A blocking send above the eager limit: ``MPI_Isend`` from the tensor's memory (no
+        copy), polled until MPI is done with it or ``timeout`` passes. MPI takes no send back,
+        so one that times out (or whose peer aborted, or whose group was aborted meanwhile)
+        stays posted, its tensor held by this backend, and the error says not to modify it."""
+        what = f"send to rank {dst} (tag {tag})"
+        comm = self._check(what, [dst], sending=True)
+        try:
+            request = comm.Isend(self._bytes(tensor), dst, tag)
+        except self._mpi.Exception as exc:
+            raise self._error(exc, what, [dst]) from exc
+        try:
+            done = request.Test() or self._poll(request.Test, time.monotonic() + timeout, what=what, needs=[dst])
+        except self._mpi.Exception as exc:
+            self._keep(request, tensor)
+            raise self._error(exc, what, [dst]) from exc
+        except BaseException:  # (the peer aborted, or this group was: the message stays posted)
+            self._keep(request, tensor)
+            raise
+        if not done:
+            self._keep(request, tensor)
+            raise CollectiveTimeout(
+                f"{what}: rank {dst} has not received the message after {timeout:g} s: a send of more than "
+                f"{EAGER_LIMIT} bytes (backend 'mpi''s eager limit) waits for its receiver, so post the receive "
+                "first (irecv) or use isend. The message stays posted (MPI takes no send back): do not modify "
+                f"the tensor until rank {dst} receives it or the group is shut down",
+                op="send",
+                peers=[dst],
+            )
 
     def _copy_and_post(self, tensor: torch.Tensor, nbytes: int, dst: int, tag: int, what: str) -> None:
         """Copy the tensor into a buffer of the message's own and post it (``nbytes`` reserved)."""
@@ -920,18 +966,17 @@ class MPIBackend(Backend):
         self._post(payload, dst, tag, what, nbytes)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """Within ``max_send_copy_bytes``, :meth:`send`: the message is copied and the work is
-        done at once (a send never waits for its receiver). Beyond it, ``MPI_Isend`` from the
-        tensor's own memory, without a copy: the work completes when MPI is done with the
-        tensor (for a large message, once the receiver has taken it), and holds the tensor
-        until then, as does this backend if the work is dropped. Past ``timeout`` that work
-        fails with ``CollectiveTimeout``; the message stays posted (MPI takes no send back),
-        so the tensor must still not be modified."""
-        what = f"isend to rank {dst} (tag {tag})"
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._room(nbytes) or self._reaped_room(nbytes):
-            self._copy_and_post(tensor, nbytes, dst, tag, what)
+        """Up to the eager limit, :meth:`send` (buffered: the work is done at once). Above it,
+        ``MPI_Isend`` from the tensor's own memory, without a copy (the contract's rule: the
+        caller leaves the tensor alone until the work completes): the work completes when MPI
+        is done with the tensor (for a large message, once the receiver has taken it), and
+        holds the tensor until then, as does this backend if the work is dropped. Past
+        ``timeout`` that work fails with ``CollectiveTimeout``; the message stays posted (MPI
+        takes no send back), so the tensor must still not be modified."""
+        if tensor.numel() * tensor.element_size() <= EAGER_LIMIT:
+            self.send(tensor, dst, tag, timeout=timeout)
             return Work.completed("isend")
+        what = f"isend to rank {dst} (tag {tag})"
         comm = self._check(what, [dst], sending=True)
         try:
             request = comm.Isend(self._bytes(tensor), dst, tag)
@@ -1372,6 +1417,20 @@ class _Send:
     ) -> None:
         self.request, self.payload, self.dst = request, payload, dst
         self.copied, self.spare, self.testing = copied, spare, testing
+
+
+def _attach_automatic_buffer(mpi: Any, comm: Any) -> bool:
+    """Give ``comm`` MPI's automatic buffer for buffered sends (``MPI_Comm_attach_buffer`` with
+    ``MPI_BUFFER_AUTOMATIC``, MPI 4.1: MPI allocates what each ``MPI_Bsend`` needs, and freeing
+    the communicator does not wait for the messages); ``False`` where the library has none."""
+    automatic = getattr(mpi, "BUFFER_AUTOMATIC", None)
+    if automatic is None or not hasattr(comm, "Attach_buffer"):
+        return False
+    try:
+        comm.Attach_buffer(automatic)
+    except (mpi.Exception, NotImplementedError):
+        return False
+    return True
 
 
 def _receiving(src: int | None, tag: int) -> str:

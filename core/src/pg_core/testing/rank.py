@@ -82,6 +82,8 @@ class _Lane:
         self.device = _device(ex.device, ctx.rank)
         self.backend = backend
         self.op_timeout = op_timeout
+        #: a blocking send above this many bytes may wait for its receiver (None: never waits)
+        self.eager_limit = backend.capabilities_for(ex.device).eager_limit_bytes
         from torch.distributed import PrefixStore
 
         self.signals = PrefixStore(f"conformance/lane{index}", ctx.store)
@@ -251,10 +253,11 @@ class _Lane:
             return
         if mode == "mixed":
             # Several messages in flight on one (peer, tag), blocking and async alternating:
-            # sends first (a send does not wait for its receiver), then the receives.
+            # sends first (a send of at most the eager limit does not wait for its receiver;
+            # one above it is an isend), then the receives.
             mixed: list[Work] = []
             for i, (m, (_, dst, tag, *_r)) in enumerate(sends):
-                if i % 2:
+                if i % 2 or not self._eager(send_t[m]):
                     mixed.append(group.isend(send_t[m], dst, tag))
                 else:
                     group.send(send_t[m], dst, tag)
@@ -302,6 +305,11 @@ class _Lane:
             works.append(group.isend(send_t[m], dst, tag))
         self.works[ci] = works[::-1]  # waited newest first
 
+    def _eager(self, tensor: torch.Tensor) -> bool:
+        """Whether a blocking send of ``tensor`` returns without waiting for its receiver (the
+        backend's declared ``eager_limit_bytes``)."""
+        return self.eager_limit is None or tensor.numel() * tensor.element_size() <= self.eager_limit
+
     def _any_source(self, group: ProcessGroup, call: Call, bufs: Bufs, record: dict[str, Any]) -> None:
         """Every other rank sends its messages to the receiver, which receives them in the plan's
         order (from any source, or naming the sender) and records what each receive returned.
@@ -322,8 +330,16 @@ class _Lane:
             for work in [group.isend(t, receiver, tag) for t, tag in zip(bufs.ins, tags, strict=True)]:
                 work.wait()
         else:
+            # the receiver takes them in its own order: a message above the eager limit is an
+            # isend, which a blocking send there may wait for
+            pending = []
             for t, tag in zip(bufs.ins, tags, strict=True):
-                group.send(t, receiver, tag)
+                if self._eager(t):
+                    group.send(t, receiver, tag)
+                else:
+                    pending.append(group.isend(t, receiver, tag))
+            for work in pending:
+                work.wait()
 
     def _messages(self, group: ProcessGroup, ci: int, call: Call, record: dict[str, Any]) -> None:
         """Value messages: every rank sends its messages (all first, in the blocking mode),
@@ -337,9 +353,20 @@ class _Lane:
         self.sent[ci] = values
         got: dict[int, Any] = {}
         self.received[ci] = got
+        if call.params["mode"] == "blocking" and self.eager_limit is not None:
+            # A message's size is not known before it is encoded, and a send above the declared
+            # eager limit may wait for its receiver: every rank takes the messages in list order.
+            for m, msg in enumerate(msgs):
+                if msg[0] == self.me:
+                    _send_message(group, msg, values[m], async_op=False)
+                elif msg[1] == self.me:
+                    value = _recv_message(group, msg, buffers.get(m), async_op=False)
+                    got[m] = buffers.get(m, value)
+            return
         if call.params["mode"] == "blocking":
-            # Sends first: a blocking send must not wait for its receiver (the contract), and
-            # receives in another order than the sends prove that matching is by (peer, tag).
+            # Sends first: a blocking send must not wait for its receiver (no eager limit is
+            # declared), and receives in another order than the sends prove that matching is by
+            # (peer, tag).
             for m in sends:
                 _send_message(group, msgs[m], values[m], async_op=False)
             for m in recvs:
