@@ -19,7 +19,7 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -136,6 +136,21 @@ class ShmBackend(Backend):
         finally:
             self._leave()
         return None
+
+    def prepared_all_reduce(
+        self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
+    ) -> Callable[[torch.Tensor], None] | None:
+        """A blocking all_reduce of ``dtype`` with ``op``, looked up once (API 1.5)."""
+        shared, enter, leave = self.shared, self._enter, self._leave
+
+        def run(tensor: torch.Tensor) -> None:
+            enter()
+            try:
+                shared.all_reduce(tensor, op, time.monotonic() + timeout)
+            finally:
+                leave()
+
+        return run
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> Work | None:
         self._enter()

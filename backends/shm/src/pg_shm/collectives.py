@@ -38,6 +38,10 @@ __all__ = ["SMALL_BYTES", "Shared"]
 SMALL_BYTES: Final = 64 << 10
 
 
+def _width(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad:
         tensor = tensor.detach()
@@ -63,6 +67,7 @@ class Shared:
             ]
             for s in segments
         ]  # fmt: skip
+        self._typed: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         self.step = 0
         self._written = [-2, -2]  # the phase that last wrote each parity
 
@@ -71,6 +76,7 @@ class Shared:
 
     def release(self) -> None:
         self._slots = []
+        self._typed.clear()
 
     # -- phases --------------------------------------------------------------------------
     def _begin(self, deadline: float, op: str, writes: bool) -> tuple[int, int]:
@@ -112,11 +118,16 @@ class Shared:
             )
 
     def _slot(self, rank: int, parity: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        width = torch.empty((), dtype=dtype).element_size()
-        return self._slots[rank][parity][: numel * width].view(dtype)
+        typed = self._typed.get((rank, parity, dtype))
+        if typed is None:
+            width = _width(dtype)
+            typed = self._typed[(rank, parity, dtype)] = self._slots[rank][parity][
+                : self.slot_bytes // width * width
+            ].view(dtype)
+        return typed[:numel]
 
     def _elements(self, dtype: torch.dtype) -> int:
-        return self.slot_bytes // torch.empty((), dtype=dtype).element_size()
+        return self.slot_bytes // _width(dtype)
 
     # -- collectives -----------------------------------------------------------------------
     def barrier(self, deadline: float) -> None:

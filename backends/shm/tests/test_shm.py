@@ -1,0 +1,247 @@
+"""pg-shm across real processes: a dead peer, an abort and a shutdown seen by the others,
+nothing left in /dev/shm, no core burnt while waiting, members on two hosts refused, and
+sends up to the eager limit that never wait for their receiver.
+
+The rank functions run in the session's rank pools (``rank_pools``), whose leak check counts
+threads, descriptors, children and shared memory mappings after every call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pg_core import ProcessGroup
+from pg_core.errors import BackendUnavailableError, CollectiveTimeout, PeerFailureError
+from pg_core.registry import Registry
+from pg_core.store import wait_for
+from pg_core.testing.pool import RankContext, RankPool
+from pg_shm import plugin, rings
+from pg_shm.backend import ShmBackend
+from pg_shm.segment import HOST_ID_ENV
+
+Pools = Callable[[int], RankPool]
+
+
+def _segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("pg-shm-")}
+
+
+def _backend(group: ProcessGroup) -> ShmBackend:
+    backend = group._dispatch.instance(torch.device("cpu")).backend
+    assert isinstance(backend, ShmBackend)
+    return backend
+
+
+def killed_peer(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1 SIGKILLs itself once formed; rank 0, blocked in a recv, must hear of it."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()  # formed on both ranks: every segment mapped, every name unlinked
+    named = sorted(_segments())
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        group.recv(torch.empty(4), 1)
+    except PeerFailureError as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    else:
+        raised = "nothing"
+    seconds = time.monotonic() - started
+    group.abort()
+    return {"raised": raised, "seconds": seconds, "named_after_formation": named}
+
+
+def test_a_killed_peer_is_a_peer_failure_within_seconds_and_nothing_is_left(rank_pools: Pools) -> None:
+    before = _segments()
+    pool = RankPool(2)
+    try:
+        got = pool.run(killed_peer, timeout=60, may_exit=[1], check_leaks=False)
+    finally:
+        pool.close()
+    survivor = got[0]
+    assert survivor["raised"].startswith("PeerFailureError") and "rank 1" in survivor["raised"], survivor
+    assert survivor["seconds"] < 5, survivor
+    assert not set(survivor["named_after_formation"]) - before  # nothing of the group ever stayed named
+    assert not _segments() - before
+
+
+def stopped_peer(ctx: RankContext, how: str) -> dict[str, Any]:
+    """Rank 1 aborts or shuts down while rank 0 waits for it in a recv and in an all_reduce."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()
+    if ctx.rank == 1:
+        wait_for(ctx.store, ["waiting"], 30)
+        time.sleep(0.2)  # let rank 0 fall asleep on its futex: the peer's state must wake it
+        getattr(group, how)()
+        return {}
+    ctx.store.set("waiting", "1")
+    out: dict[str, Any] = {}
+    for op in ("recv", "all_reduce"):
+        started = time.monotonic()
+        try:
+            if op == "recv":
+                group.recv(torch.empty(4), 1)
+            else:
+                group.all_reduce(torch.ones(4))
+        except PeerFailureError as exc:
+            out[op] = (str(exc), time.monotonic() - started)
+        else:
+            out[op] = ("nothing", 0.0)
+    group.abort()
+    return out
+
+
+@pytest.mark.parametrize(("how", "words"), [("abort", "rank 1 aborted"), ("shutdown", "rank 1 shut down")])
+def test_a_peer_that_aborts_or_shuts_down_is_named_by_the_waiting_ranks(rank_pools: Pools, how: str, words: str) -> None:
+    got = rank_pools(2).run(stopped_peer, how, timeout=60)[0]
+    message, seconds = got["recv"]
+    assert words in message and seconds < 5, got
+    assert words in got["all_reduce"][0], got  # the collective after it fails on the same latch or says so
+
+
+def blocked_cpu(ctx: RankContext) -> dict[str, float] | None:
+    """Rank 0 waits 2 s in a recv for rank 1, which sleeps first: the wait's CPU time."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()
+    result = None
+    if ctx.rank == 1:
+        time.sleep(2.0)
+        group.send(torch.ones(4), 0)
+    else:
+        cpu, wall = time.process_time(), time.monotonic()
+        got = torch.empty(4)
+        group.recv(got, 1)
+        result = {"cpu": time.process_time() - cpu, "wall": time.monotonic() - wall, "value": float(got[0])}
+    group.shutdown()
+    return result
+
+
+def test_a_rank_blocked_on_a_sleeping_peer_burns_no_core(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(blocked_cpu, timeout=60)[0]
+    assert got["value"] == 1.0
+    assert got["wall"] >= 1.5, got
+    assert got["cpu"] < 0.1 * got["wall"], got  # slices of 30 ms: a few ms of CPU per second
+
+
+def small_all_reduces(ctx: RankContext, rounds: int) -> dict[str, float]:
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    t = torch.zeros(1)
+    group.barrier()
+    cpu, wall = time.process_time(), time.monotonic()
+    for i in range(rounds):
+        t.fill_(float(ctx.rank + i))
+        group.all_reduce(t)
+        assert float(t[0]) == sum(r + i for r in range(ctx.size))
+    result = {"cpu": time.process_time() - cpu, "wall": time.monotonic() - wall}
+    group.shutdown()
+    return result
+
+
+def test_four_ranks_on_two_cores_complete_small_all_reduces(rank_pools: Pools) -> None:
+    """Oversubscribed (on this project's 2-core machines): every rank completes, and the ranks
+    together use at most the machine's cores' worth of CPU (nothing spins past its peers)."""
+    got = rank_pools(4).run(small_all_reduces, 500, timeout=120)
+    wall = max(g["wall"] for g in got)
+    cpu = sum(g["cpu"] for g in got)
+    assert wall < 30, got
+    assert cpu <= (os.cpu_count() or 2) * wall * 1.05, got
+
+
+def other_hosts(ctx: RankContext) -> str:
+    os.environ[HOST_ID_ENV] = "host-a" if ctx.rank < 2 else "host-b"
+    try:
+        group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=30)
+        try:
+            group.all_reduce(torch.ones(1))
+        finally:
+            group.abort()
+    except BackendUnavailableError as exc:
+        return str(exc)
+    finally:
+        del os.environ[HOST_ID_ENV]
+    return "formed"
+
+
+def test_members_on_two_hosts_are_refused_clearly(rank_pools: Pools) -> None:
+    before = _segments()
+    for message in rank_pools(3).run(other_hosts, timeout=60):
+        assert "ranks [0, 1] on 'host-a'" in message and "ranks [2] on 'host-b'" in message, message
+        assert "tcp" in message and "gloo" in message, message
+    assert not _segments() - before
+
+
+def absent_peer(ctx: RankContext) -> str | None:
+    """Rank 1 never forms the backend: rank 0's formation times out and removes its segment."""
+    if ctx.rank == 1:
+        wait_for(ctx.store, ["done"], 60)
+        return None
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=2)
+    try:
+        group.all_reduce(torch.ones(1))
+    except CollectiveTimeout as exc:
+        return str(exc)
+    finally:
+        group.abort()
+        ctx.store.set("done", "1")
+    return "formed"
+
+
+def test_a_formation_that_times_out_leaves_nothing(rank_pools: Pools) -> None:
+    before = _segments()
+    got = rank_pools(2).run(absent_peer, timeout=60)[0]
+    assert "Timed out" in got, got
+    assert not _segments() - before
+
+
+def eager_then_large(ctx: RankContext) -> dict[str, float] | None:
+    """Rank 0 sends 64 messages of 64 KiB (4 MiB, four rings' worth) before rank 1 receives
+    any: each returns (the drainer makes room). A 3 MiB send then waits for its receive."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()
+    piece = torch.empty(16384)
+    if ctx.rank == 0:
+        started = time.monotonic()
+        for i in range(64):
+            group.send(piece.fill_(float(i)), 1)
+        eager = time.monotonic() - started
+        ctx.store.set("sent", "1")
+        large = torch.arange(3 * 262144, dtype=torch.float32)
+        started = time.monotonic()
+        group.send(large, 1)
+        blocked = time.monotonic() - started
+        group.shutdown()
+        return {"eager": eager, "blocked": blocked}
+    wait_for(ctx.store, ["sent"], 60)
+    time.sleep(1.0)
+    for i in range(64):
+        group.recv(piece, 0)
+        assert float(piece[0]) == i and float(piece[-1]) == i
+    large = torch.empty(3 * 262144)
+    group.recv(large, 0)
+    assert torch.equal(large, torch.arange(3 * 262144, dtype=torch.float32))
+    group.shutdown()
+    return None
+
+
+def test_sends_up_to_the_eager_limit_never_wait_and_larger_ones_wait_for_their_receive(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(eager_then_large, timeout=120)[0]
+    assert got["eager"] < 5, got
+    assert got["blocked"] >= 0.9, got  # the receiver slept 1 s before taking anything
+
+
+def test_the_plugin_declares_the_rings_eager_limit() -> None:
+    assert plugin.EAGER_LIMIT == rings.EAGER_LIMIT
+    assert plugin.CAPABILITIES.eager_limit_bytes == rings.EAGER_LIMIT
+    assert rings.RING_BYTES >= rings.EAGER_LIMIT + 32
+
+
+def test_backends_none_picks_shm_for_cpu() -> None:
+    spec = Registry().default_for("cpu")
+    assert spec.name == "shm", spec
