@@ -21,24 +21,22 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   rank says ``aborted`` or ``shut down`` as it goes; one that ends without a word is a rank
   that died. Errors name the group rank from it (Gloo's name a socket address), and a send
   looks at it first, so a send to a rank that died a moment ago raises instead of being lost.
-* **Point to point.** Gloo's ``send`` completes only once the receiver has posted its
-  receive, and a receive whose buffer is smaller than the message aborts the whole
-  process (``op.preamble.length <= op.nbytes``); a larger buffer takes the message and
-  leaves the rest unwritten. So a message is one Gloo message of a 16-byte header (size,
-  dtype) followed by the payload, when the payload is at most ``_INLINE`` (4 MiB); the
-  receiver posts a buffer with room for the largest such message, reads the header, and
-  copies the payload out. A larger payload follows a header-only message as a second Gloo
-  message, received straight into the tensor. The receiver refuses a message of the wrong
-  size or dtype with :class:`~pg_core.errors.CollectiveMismatchError` (after draining it,
-  so the stream stays in step). ``send`` copies the tensor into a buffer of the message's
-  own (above 4 MiB, one a finished send left: :mod:`pg_core.buffers`) and returns at once
-  (the contract's "send never waits for its receiver"); one reaper thread per backend waits
-  for Gloo's sends in order and releases their buffers (torch's Gloo send work says it is
-  complete only from inside ``wait()``, so a thread must wait); the sends reach it in
-  batches (``_REAP_SENDS``), not with a wake-up each. The copies waiting for their receivers
-  are bounded (``max_buffered_send_bytes``, default 256 MiB): past it, a send (or ``isend``)
-  waits for earlier ones to be received. Gloo itself would send from the caller's tensor, but
-  only when the receiver is there: the copy is what lets ``send`` return at once.
+* **Point to point** (:mod:`pg_gloo.messages`). Gloo's ``send`` completes only once the
+  receiver has posted its receive, at every size, and a receive whose buffer is smaller than
+  the message aborts the whole process (``op.preamble.length <= op.nbytes``). So a message
+  starts with a 16-byte header (size, dtype) that the receiver reads first. Up to the eager
+  limit the plugin declares (``Capabilities.eager_limit_bytes``, API 1.10: 256 KiB, chosen by
+  measurement in docs/decisions.md) the payload follows the header in one Gloo message, a copy
+  that a reaper thread lets go once Gloo has sent it, so ``send`` returns at once; above it,
+  the payload is a second Gloo message sent from the caller's tensor and received into the
+  receiver's, no copy on either side, and ``send`` waits until Gloo has sent it (the receiver
+  has posted its receive), as torch's own Gloo ``send`` does. A receive of the wrong size or
+  dtype is refused with :class:`~pg_core.errors.CollectiveMismatchError` before anything
+  reaches its tensor (after draining the message, so the stream stays in step). ``isend`` and
+  ``irecv`` are native: posted in the caller's thread, in the stream's order, their works
+  completed by the waiter threads that sit in Gloo's waits, and waited for in slices. The
+  eager copies waiting for their receivers are bounded (``max_buffered_send_bytes``, default
+  256 MiB): past it, an eager send waits for earlier ones to be received.
 * **Coalescing** (``group.coalescing()``, API 1.3): Gloo has none (torch's ``ProcessGroupGloo``
   says ``supports_coalescing`` is False and raises on ``_start_coalescing``), so pg-gloo does
   not claim it and the core runs a batch one call after another, in order.
@@ -55,6 +53,7 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
 
 from __future__ import annotations
 
+import collections
 import queue
 import sys
 import threading
@@ -72,8 +71,8 @@ from pg_core.store import advertise_address
 from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
-from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent
-from .waiting import SLICE, SlicedWaits, Waiters, slice_ended
+from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent, _Receive
+from .waiting import SLICE, SlicedWaits, Ticket, Waiters, slice_ended
 from .watch import ABORTED, DIED, SHUT_DOWN, PeerWatch
 
 __all__ = ["GlooBackend"]
@@ -113,6 +112,10 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
         #: first buffers (a fresh tensor of megabytes costs its page faults: pg_core.buffers)
         self._spares = SpareBuffers()
         self._reaper: threading.Thread | None = None
+        #: per (peer, tag), the receives waiting to post their first Gloo receive (see messages)
+        self._streams: dict[tuple[int, int], collections.deque[_Receive]] = {}
+        #: sends above the eager limit whose payload Gloo has not sent yet
+        self._large: set[Ticket] = set()
         self._lock = threading.Lock()
         #: held while Gloo's connections are being closed (abort, or a failed wait that cuts them)
         self._closing = threading.Lock()
@@ -332,7 +335,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
         if self._broken is not None:  # Gloo's connections are closed: nothing to drain
             self.abort(word=b"S")
             return
-        self._stop_reaper(self.ctx.timeout + 1.0)  # the sends in flight first
+        self._drain_large(self.ctx.timeout + 1.0)  # the sends in flight first
+        self._stop_reaper(self.ctx.timeout + 1.0)
         self._watch.close(b"S")
         self._waiters.close()
         super().shutdown()

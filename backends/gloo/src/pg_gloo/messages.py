@@ -1,18 +1,44 @@
 """``Messages``: pg-gloo's point to point, a layer of :class:`~pg_gloo.backend.GlooBackend`.
 
-Gloo's ``send`` completes only once the receiver has posted its receive, and a receive whose
-buffer is smaller than the message aborts the whole process (``op.preamble.length <=
-op.nbytes``); a larger buffer takes the message and leaves the rest unwritten. So a message is
-one Gloo message of a 16-byte header (size, dtype) followed by the payload, when the payload is
-at most ``_INLINE`` (4 MiB); a larger payload follows a header-only message as a second Gloo
-message, received straight into the tensor. ``send`` copies the tensor (within
-``max_buffered_send_bytes`` of copies not yet received) and returns at once; one reaper thread
-per backend waits for Gloo's sends in order and releases their buffers. The backend module's
-docstring says why, with the measurements.
+Gloo's ``send`` completes only once the receiver has posted its receive (at every size: a
+4-byte send waits for it too), and a receive whose buffer is smaller than the message aborts
+the whole process (``op.preamble.length <= op.nbytes``); a larger buffer takes the message
+and leaves the rest unwritten. So every pg-gloo message starts with a 16-byte header (size,
+dtype), and every receive's first Gloo receive has room for the largest first message there
+is, ``_FIRST`` bytes; it reads the header before anything reaches the caller's tensor.
+
+* **At most** :data:`~pg_gloo.plugin.EAGER_LIMIT_BYTES` **(the declared eager limit)**: one Gloo
+  message of the header and a copy of the payload. ``send`` (and ``isend``, whose work is then
+  done) returns at once; one reaper thread per backend waits for Gloo's sends in order and
+  drops their buffers (within ``max_buffered_send_bytes`` of copies not yet received). The
+  receiver copies the payload out of its first buffer.
+* **Above it**: a header-only Gloo message, then the payload as a second one, sent straight
+  from the caller's tensor and received straight into the receiver's: no copy on either side.
+  ``send`` waits until Gloo has sent it (the receiver has posted its receive: the contract's
+  API 1.10); ``isend`` returns a work that completes then, and the caller leaves the tensor
+  alone until it does. The receiver posts the payload's receive once the header said the
+  size and dtype are the tensor's, so a mismatch never reaches Gloo's abort: the receive
+  fails with :class:`~pg_core.errors.CollectiveMismatchError`, its tensor untouched, after
+  draining the payload into scratch memory so that the stream stays in step.
+* ``send_bytes`` copies at every size (the message's parts are joined into a buffer of its
+  own, from :mod:`pg_core.buffers` above the limit) and never waits for its receiver.
+
+**Receives, in the caller's thread.** A receive (``recv``, ``recv_bytes``, ``irecv``) posts its
+first Gloo receive when it is called, unless an earlier receive of its (peer, tag) stream has
+not read its header yet: Gloo matches one tag's messages to receives in posting order, and a
+second first-receive posted early would take the earlier message's payload. It then waits
+behind that one, in the stream's queue, and is posted the moment the earlier header is read.
+A waiter thread (:class:`~pg_gloo.waiting.Waiters`) sits in Gloo's wait and, when it returns,
+reads the header, posts the payload's receive (or copies the payload out) and posts the next
+queued receive: the receive completes without anyone waiting on it, and a caller waits for
+it in slices (:meth:`~pg_gloo.waiting.SlicedWaits._until`). The module ``pg_gloo.backend``'s
+docstring says why, with the measurements in docs/decisions.md.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import queue
 import struct
 import threading
@@ -24,10 +50,11 @@ from pg_core.backend import BackendContext, tensor_bytes
 from pg_core.buffers import SpareBuffers
 from pg_core.c10d import flat_bytes, timeout_delta
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
-from pg_core.errors import CollectiveMismatchError, CollectiveTimeout
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError
 from pg_core.work import Work
 
-from .waiting import SLICE_S
+from .plugin import EAGER_LIMIT_BYTES
+from .waiting import GRACE_S, SLICE_S, Ticket, Waiters
 from .watch import PeerWatch
 
 if TYPE_CHECKING:
@@ -42,15 +69,12 @@ _BYTES: Final = -1
 #: code, two little-endian int64.
 _HEADER: Final = struct.Struct("<qq")
 _HEAD: Final = _HEADER.size
-#: The largest payload that travels in the first Gloo message, right after the header; a
-#: larger one is a second Gloo message. The receiver posts its first receive before it knows
-#: the message (Gloo aborts the process on a message larger than its receive), so each
-#: receive takes a buffer of ``_HEAD + _INLINE`` bytes: untouched memory but for the bytes
-#: that arrive. One message, not two, because a Gloo message sent before its receive is
-#: posted waits for it, and with the reaper thread waiting on the send the second message
-#: of a pair took 1-2 ms to arrive (16 KiB to 256 KiB ping-pong, ranks pinned to cores:
-#: medians of 1.1-1.9 ms one way as two messages against 70-130 us as one).
-_INLINE: Final = 4 << 20
+#: The largest payload that travels in the first Gloo message, right after the header (the
+#: declared eager limit); a larger one is a second Gloo message.
+_INLINE: Final = EAGER_LIMIT_BYTES
+#: Every receive's first Gloo receive takes a buffer of this many bytes (a spare one: untouched
+#: memory but for the bytes that arrive), since it is posted before the message is known.
+_FIRST: Final = _HEAD + _INLINE
 
 #: Sends handed to the reaper thread together: a batch goes when it holds this many sends or
 #: this many bytes, or a payload sent after its header (its buffer is large, and goes back to
@@ -70,11 +94,50 @@ MAX_BUFFERED_SEND_BYTES: Final = 256 << 20
 #: buffer that one is part of (or None).
 Sent = tuple[Any, torch.Tensor, int, float, "torch.Tensor | None"]
 
+_log = logging.getLogger("pg_gloo")
+
+
+class _Receive:
+    """One receive: where its payload goes (``tensor``; ``None`` for ``recv_bytes``, whose
+    ``result`` is a new buffer), and ``done``, set once it has ended (``done.error`` says how)."""
+
+    __slots__ = ("deadline", "done", "result", "src", "tag", "tensor", "timeout", "what")
+
+    def __init__(self, what: str, tensor: torch.Tensor | None, src: int, tag: int, timeout: float) -> None:
+        self.what, self.tensor, self.src, self.tag, self.timeout = what, tensor, src, tag, timeout
+        self.deadline = time.monotonic() + timeout
+        self.done = Ticket()
+        self.result: bytearray | None = None
+
+    def refusal(self, nbytes: int, code: int) -> str | None:
+        """Why the message (``nbytes`` of dtype ``code``) is not this receive's, or None."""
+        tensor = self.tensor
+        if tensor is None:
+            if code == _BYTES:
+                return None
+            return (
+                f"recv_bytes from rank {self.src} (tag {self.tag}): the message is {_describe(nbytes, code)} "
+                "sent with send, not send_bytes"
+            )
+        want = tensor.numel() * tensor.element_size()
+        if nbytes == want and code == dtype_code(tensor.dtype):
+            return None
+        sent = "a send_bytes message" if code == _BYTES else _describe(nbytes, code)
+        return (
+            f"recv from rank {self.src} (tag {self.tag}): the message is {sent}, the receiving tensor "
+            f"{_describe(want, dtype_code(tensor.dtype))}"
+        )
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.done.error = error
+        self.done.set()
+
 
 class Messages:
     """Point to point over Gloo (see the module docstring); the backend holds the state."""
 
     ctx: BackendContext
+    rank: int
     _lock: threading.Lock
     _buffered: int
     _buffered_cond: threading.Condition
@@ -85,7 +148,14 @@ class Messages:
     _spares: SpareBuffers
     _reaper: threading.Thread | None
     _send_errors: dict[int, BaseException]
+    _aborted: bool
     _watch: PeerWatch
+    _waiters: Waiters
+    #: per (peer, tag): the receives whose first Gloo receive is not posted yet, behind the one
+    #: (first in line) whose header has not arrived (see the module docstring)
+    _streams: dict[tuple[int, int], collections.deque[_Receive]]
+    #: sends above the eager limit whose payload Gloo has not sent yet (``shutdown`` drains them)
+    _large: set[Ticket]
 
     if TYPE_CHECKING:
 
@@ -100,35 +170,63 @@ class Messages:
 
         def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException: ...
 
-        def _wait(
-            self,
-            post: Callable[[], Any],
-            what: str,
-            timeout: float,
-            peers: Sequence[int] = (),
-            *,
-            bounded: bool = False,
-            async_op: bool = False,
-        ) -> Work | None: ...
+        def _until(self, waited: Callable[[float], bool], what: str, timeout: float, peers: Sequence[int]) -> None: ...
 
-    # -- point to point: header and payload in one Gloo message (a large payload after it), on the caller's tag --
+        def _cut(self, why: str) -> None: ...
+
+    # -- sending ------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        code = dtype_code(tensor.dtype)
-        assert code is not None  # the core passes declared dtypes only
         nbytes = tensor.numel() * tensor.element_size()
-        self._room(nbytes, dst, timeout, "send")
         if nbytes <= _INLINE:  # (cpu: the only device pg-gloo declares point to point for)
-            self._post(_message(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
-        else:
-            spare = self._spares.take(nbytes)
-            payload = spare[:nbytes]
-            payload.copy_(flat_bytes(tensor))
-            self._post(_message(nbytes, code), payload, dst, tag, timeout=timeout, what="send", spare=spare)
+            self._send_eager(tensor, nbytes, dst, tag, timeout)
+            return
+        sent = self._send_large(tensor, nbytes, dst, tag, timeout=timeout, what="send")
+        self._until(sent.wait, "send", timeout, [dst])
+        if sent.error is not None:
+            raise sent.error
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        """The message is Gloo's (in a buffer of its own) when this returns: the work is done."""
-        self.send(tensor, dst, tag, timeout=timeout)
-        return Work.completed("isend")
+        """At most the eager limit, the message is Gloo's (in a buffer of its own) when this
+        returns: the work is done. Above it, Gloo sends from ``tensor`` itself, and the work
+        completes once it has (the caller leaves ``tensor`` alone until then)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes <= _INLINE:
+            self._send_eager(tensor, nbytes, dst, tag, timeout)
+            return Work.completed("isend")
+        return self._ended_work(
+            self._send_large(tensor, nbytes, dst, tag, timeout=timeout, what="isend"), "isend", timeout, dst
+        )
+
+    def _send_eager(self, tensor: torch.Tensor, nbytes: int, dst: int, tag: int, timeout: float) -> None:
+        code = dtype_code(tensor.dtype)
+        assert code is not None  # the core passes declared dtypes only
+        self._room(nbytes, dst, timeout, "send")
+        self._post(_message(nbytes, code, tensor_bytes(tensor)), None, dst, tag, timeout=timeout, what="send")
+
+    def _send_large(
+        self, tensor: torch.Tensor, nbytes: int, dst: int, tag: int, *, timeout: float, what: str
+    ) -> Ticket:
+        """Post a message above the eager limit: its header (eager, to the reaper), then Gloo's
+        send of the payload from ``tensor``'s memory. The ticket is set once Gloo has sent it
+        (a waiter thread waits in Gloo), its ``error`` pg-core's."""
+        code = dtype_code(tensor.dtype)
+        assert code is not None
+        self._post(_message(nbytes, code), None, dst, tag, timeout=timeout, what=what)
+        pg = self._ready(what, [dst])
+        try:
+            work = pg.send([flat_bytes(tensor)], dst, tag)
+        except RuntimeError as exc:
+            raise self._error(exc, what, timeout, [dst]) from exc
+        sent = Ticket()
+        self._large.add(sent)
+
+        def ended(error: BaseException | None) -> None:
+            sent.error = None if error is None else self._error(error, f"{what} to rank {dst}", timeout, [dst])
+            self._large.discard(sent)
+            sent.set()
+
+        self._waiters.start(work, timeout_delta(timeout), then=ended)
+        return sent
 
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
         views = [memoryview(p).cast("B") for p in data]  # the message's parts (API >= 1.1)
@@ -243,75 +341,166 @@ class Messages:
             self._buffered -= buffer.numel()
             self._buffered_cond.notify_all()
 
+    # -- receiving ----------------------------------------------------------------------------
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        nbytes, code, first, view = self._first(src, tag, timeout, "recv")
-        want = tensor.numel() * tensor.element_size()
-        if nbytes != want or code != dtype_code(tensor.dtype):
-            self._spares.give(first)
-            self._discard(nbytes, src, tag, deadline, "recv")
-            sent = "a send_bytes message" if code == _BYTES else _describe(nbytes, code)
-            raise CollectiveMismatchError(
-                f"recv from rank {src} (tag {tag}): the message is {sent}, the receiving tensor "
-                f"{_describe(want, dtype_code(tensor.dtype))}",
-                peers=[src],
-            )
-        if nbytes <= _INLINE:
-            tensor_bytes(tensor)[:] = view[_HEAD : _HEAD + nbytes]
-            self._spares.give(first)  # (view, of its memory, is used up)
-            return
-        self._spares.give(first)
-        pg = self.c10d
-        self._wait(
-            lambda: pg.recv([flat_bytes(tensor)], src, tag),
-            "recv",
-            deadline - time.monotonic(),
-            [src],
-            bounded=True,
-        )
+        received = self._receive("recv", tensor, src, tag, timeout)
+        self._until(received.done.wait, "recv", timeout, [src])
+        if received.done.error is not None:
+            raise received.done.error
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        """Posted now, in the stream's order (see the module docstring); the work completes when
+        the message is in ``tensor``, whether or not anyone waits on it."""
+        return self._ended_work(self._receive("irecv", tensor, src, tag, timeout).done, "irecv", timeout, src)
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
-        deadline = time.monotonic() + timeout
-        nbytes, code, first, view = self._first(src, tag, timeout, "recv_bytes")
-        if code != _BYTES:
+        received = self._receive("recv_bytes", None, src, tag, timeout)
+        self._until(received.done.wait, "recv_bytes", timeout, [src])
+        if received.done.error is not None:
+            raise received.done.error
+        assert received.result is not None
+        return received.result
+
+    def _receive(self, what: str, tensor: torch.Tensor | None, src: int, tag: int, timeout: float) -> _Receive:
+        """A receive, in line on its stream: its first Gloo receive posted now if nothing is
+        ahead of it, else once the receive ahead has read its header."""
+        self._ready(what, [src], receiving=True)
+        receive = _Receive(what, tensor, src, tag, timeout)
+        key = (src, tag)
+        with self._lock:
+            line = self._streams.get(key)
+            if line is None:
+                line = self._streams[key] = collections.deque()
+            line.append(receive)
+            first = len(line) == 1
+        if first:
+            self._post_first(receive)
+        return receive
+
+    def _post_first(self, receive: _Receive) -> None:
+        """Post ``receive``'s first Gloo receive; a waiter thread reads its header (:meth:`_headed`)."""
+        first = self._spares.take(_FIRST)
+        try:
+            pg = self.c10d
+            work = pg.recv([first if first.numel() == _FIRST else first[:_FIRST]], receive.src, receive.tag)
+        except (RuntimeError, PeerFailureError) as exc:  # (the second: closed by an abort meanwhile)
             self._spares.give(first)
-            self._discard(nbytes, src, tag, deadline, "recv_bytes")
-            raise CollectiveMismatchError(
-                f"recv_bytes from rank {src} (tag {tag}): the message is {_describe(nbytes, code)} sent with send, "
-                "not send_bytes",
-                peers=[src],
-            )
-        if nbytes <= _INLINE:
-            message = bytearray(view[_HEAD : _HEAD + nbytes])
-            self._spares.give(first)  # (view, of its memory, is used up)
-            return message
-        self._spares.give(first)
-        buffer = bytearray(nbytes)
-        pg = self.c10d
-        target = torch.frombuffer(buffer, dtype=torch.uint8)
-        self._wait(lambda: pg.recv([target], src, tag), "recv_bytes", deadline - time.monotonic(), [src], bounded=True)
-        return buffer
+            receive.end(self._refused(exc, receive))
+            self._next(receive)
+            return
+        self._waiters.start(
+            work,
+            timeout_delta(max(receive.deadline - time.monotonic(), 0.001)),
+            then=lambda error: self._headed(receive, first, error),
+        )
 
-    def _first(self, src: int, tag: int, timeout: float, what: str) -> tuple[int, int, torch.Tensor, memoryview]:
-        """The next message's first Gloo message from ``src`` on ``tag``: the payload's size,
-        its dtype code, the buffer it arrived in (a spare one: give it back once ``view`` is used
-        up) and a view of that buffer's bytes (which does not keep it alive). If the receive
-        fails, the buffer is not kept (Gloo may still write to it)."""
-        pg = self._ready(what, [src], receiving=True)
-        first = self._spares.take(_HEAD + _INLINE)
-        head = first if first.numel() == _HEAD + _INLINE else first[: _HEAD + _INLINE]
-        self._wait(lambda: pg.recv([head], src, tag), what, timeout, [src], bounded=True)
-        view = tensor_bytes(first)
-        nbytes, code = _HEADER.unpack_from(view)
-        return nbytes, code, first, view
+    def _refused(self, exc: BaseException, receive: _Receive) -> BaseException:
+        if self._aborted:
+            return GroupClosedError(f"{receive.what}: backend 'gloo' of group {self.ctx.group_name!r} was aborted")
+        return self._error(exc, receive.what, receive.timeout, [receive.src])
 
-    def _discard(self, nbytes: int, src: int, tag: int, deadline: float, what: str) -> None:
-        """Receive a refused message's payload, so the next receive on its stream reads the next message."""
-        if nbytes > _INLINE:
-            scratch = torch.empty(nbytes, dtype=torch.uint8)
-            self._wait(
-                lambda: self.c10d.recv([scratch], src, tag), what, deadline - time.monotonic(), [src], bounded=True
-            )
+    def _headed(self, receive: _Receive, first: torch.Tensor, error: BaseException | None) -> None:
+        """(A waiter thread, once the first Gloo receive ended.) Take the message, post its
+        payload's receive, or refuse it; then post the next receive of the stream."""
+        try:
+            if error is not None:  # the buffer is not kept: Gloo may still write to it
+                receive.end(self._refused(error, receive))
+                return
+            view = tensor_bytes(first)
+            nbytes, code = _HEADER.unpack_from(view)
+            refusal = receive.refusal(nbytes, code)
+            if nbytes <= _INLINE:
+                if refusal is None:
+                    if receive.tensor is None:
+                        receive.result = bytearray(view[_HEAD : _HEAD + nbytes])
+                    else:
+                        tensor_bytes(receive.tensor)[:] = view[_HEAD : _HEAD + nbytes]
+                self._spares.give(first)  # (view, of its memory, is used up)
+                receive.end(None if refusal is None else CollectiveMismatchError(refusal, peers=[receive.src]))
+                return
+            self._spares.give(first)
+            self._post_payload(receive, nbytes, refusal)
+        except BaseException as exc:
+            receive.end(exc)
+        finally:
+            self._next(receive)
+
+    def _post_payload(self, receive: _Receive, nbytes: int, refusal: str | None) -> None:
+        """Post the receive of a payload above the eager limit: straight into the tensor, into a
+        new buffer (``recv_bytes``), or into scratch memory when the message is refused."""
+        if refusal is not None:
+            target = torch.empty(nbytes, dtype=torch.uint8)
+        elif receive.tensor is None:
+            receive.result = bytearray(nbytes)
+            target = torch.frombuffer(receive.result, dtype=torch.uint8)
+        else:
+            target = flat_bytes(receive.tensor)
+        try:
+            work = self.c10d.recv([target], receive.src, receive.tag)
+        except (RuntimeError, PeerFailureError) as exc:
+            receive.end(self._refused(exc, receive))
+            return
+
+        def landed(error: BaseException | None, memory: torch.Tensor = target) -> None:
+            del memory  # (kept alive until Gloo is done with it)
+            if error is not None:
+                receive.end(self._refused(error, receive))
+            elif refusal is not None:
+                receive.end(CollectiveMismatchError(refusal, peers=[receive.src]))
+            else:
+                receive.end()
+
+        self._waiters.start(work, timeout_delta(max(receive.deadline - time.monotonic(), 0.001)), then=landed)
+
+    def _next(self, receive: _Receive) -> None:
+        """``receive`` has read its header (or failed): post the next receive of its stream."""
+        key = (receive.src, receive.tag)
+        with self._lock:
+            line = self._streams.get(key)
+            if not line or line[0] is not receive:
+                return
+            line.popleft()
+            if not line:
+                del self._streams[key]
+                return
+            following = line[0]
+        self._post_first(following)
+
+    # -- works -------------------------------------------------------------------------------
+    def _ended_work(self, ended: Ticket, what: str, timeout: float, peer: int) -> Work:
+        """A work that completes as ``ended`` does (with its ``error``), driven by whoever waits:
+        each slice waits for ``ended``, and between slices it looks for an abort, ``peer`` gone
+        and the deadline, as a blocking call does. Polling never blocks."""
+        deadline = time.monotonic() + timeout + GRACE_S
+
+        def drive(work: Work, budget: float) -> None:
+            if not ended.wait(min(budget, SLICE_S) if budget > 0 else 0.0):
+                if budget <= 0:
+                    return
+                try:
+                    self._alarm(what, [peer])
+                    if time.monotonic() > deadline:
+                        raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=[peer])
+                except (PeerFailureError, CollectiveTimeout) as failed:
+                    if set(getattr(failed, "peers", ()) or ()) != {peer}:
+                        self._cut(f"{what} failed: {failed}")
+                    work.set_exception(failed)
+                except GroupClosedError as closed:
+                    work.set_exception(closed)
+                return
+            if ended.error is not None:
+                work.set_exception(ended.error)
+            else:
+                work.set_result(None)
+
+        return Work(what, driver=drive)
+
+    def _drain_large(self, bound: float) -> None:
+        """Wait (at most ``bound`` seconds) for the sends above the eager limit still in flight."""
+        deadline = time.monotonic() + bound
+        for sent in list(self._large):
+            if not sent.wait(max(deadline - time.monotonic(), 0.0)):
+                return
 
 
 def _describe(nbytes: int, code: int | None) -> str:

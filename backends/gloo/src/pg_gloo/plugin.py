@@ -12,8 +12,13 @@ suite. A gap is an undeclared capability, so the core refuses it before anything
 * tags: Gloo's are ``int32`` non-negative, so ``max_tag`` is ``2**31 - 1`` and the core maps
   its own tags and the user's into that range.
 * ``recv_anysource`` (optional, API 1.4): not declared. Gloo receives from any source, but a
-  pg-gloo message with a payload over 4 MiB is a header and a payload on one tag, and an any-source receive can take
-  a payload that a receive naming its sender has not read yet (see the README).
+  pg-gloo message above the eager limit is a header and a payload on one tag, and an any-source
+  receive can take a payload that a receive naming its sender has not read yet (see the README).
+* ``eager_limit_bytes`` (API 1.10): :data:`EAGER_LIMIT_BYTES`, 256 KiB. A send of at most that
+  returns at once (a copy, in one Gloo message with its header); a larger one is sent from the
+  tensor itself and waits until the receiver has posted its receive, as torch's Gloo ``send``
+  does. Chosen by measurement (docs/decisions.md): below it the copies cost less than the
+  second Gloo message a zero-copy send takes, above it more.
 
 ``cuda`` is declared where torch was built with CUDA, with the two ops torch documents for
 Gloo on GPUs (``broadcast``, ``all_reduce``; Gloo stages them through host memory),
@@ -27,7 +32,7 @@ import torch
 from pg_core.backend import DTYPES, BackendSpec, Capabilities
 from pg_core.ops import OPS, RedOpType
 
-__all__ = ["CAPABILITIES", "CUDA_CAPABILITIES", "is_available", "pg_core_backends"]
+__all__ = ["CAPABILITIES", "CUDA_CAPABILITIES", "EAGER_LIMIT_BYTES", "is_available", "pg_core_backends"]
 
 hookimpl = pluggy.HookimplMarker("pg_core")
 
@@ -56,12 +61,26 @@ _REDUCE_OPS = {
 #: Gloo's tags are C ``int``: non-negative ones go up to 2**31 - 1.
 MAX_TAG = 2**31 - 1
 
+#: The largest send that never waits for its receiver (``Capabilities.eager_limit_bytes``); every
+#: rank of a group must agree on it, as it shapes the messages (:mod:`pg_gloo.messages`).
+EAGER_LIMIT_BYTES = 256 << 10
+
 #: cpu: every op and dtype, the reduce ops Gloo has per dtype.
-CAPABILITIES = Capabilities(ops=frozenset(OPS), dtypes=frozenset(DTYPES), reduce_ops=_REDUCE_OPS, max_tag=MAX_TAG)
+CAPABILITIES = Capabilities(
+    ops=frozenset(OPS),
+    dtypes=frozenset(DTYPES),
+    reduce_ops=_REDUCE_OPS,
+    max_tag=MAX_TAG,
+    eager_limit_bytes=EAGER_LIMIT_BYTES,
+)
 
 #: cuda (torch built with CUDA): what torch documents for Gloo on GPUs, certified on an H100.
 CUDA_CAPABILITIES = Capabilities(
-    ops=frozenset({"all_reduce", "broadcast"}), dtypes=frozenset(DTYPES), reduce_ops=_REDUCE_OPS, max_tag=MAX_TAG
+    ops=frozenset({"all_reduce", "broadcast"}),
+    dtypes=frozenset(DTYPES),
+    reduce_ops=_REDUCE_OPS,
+    max_tag=MAX_TAG,
+    eager_limit_bytes=EAGER_LIMIT_BYTES,
 )
 
 
@@ -90,7 +109,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=devices,
             capabilities={d: capabilities[d] for d in devices},
             priority=5,
-            api_version="1.2",  # collectives launch (Backend.launches)
+            api_version="1.10",  # Capabilities.eager_limit_bytes
             is_available=is_available,
             description="torch's C++ Gloo (ProcessGroupGloo), one per group, built from the group's store",
         )

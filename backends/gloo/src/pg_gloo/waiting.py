@@ -15,6 +15,7 @@ abort, a peer gone, a deadline passed.
 from __future__ import annotations
 
 import _thread
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,10 @@ SLICE: Final = timeout_delta(SLICE_S)
 #: what torch says when a wait with a timeout expires before a collective's work is done
 SLICE_EXPIRED: Final = "Operation timed out!"
 GRACE_S: Final = 2.0
+
+#: a continuation of a Gloo wait (:meth:`Waiters.start`): called with what the wait raised, or None
+Then = Callable[[BaseException | None], None]
+_Item = tuple[Any, timedelta, "Ticket", "Then | None"]
 
 
 def slice_ended(work: Any, span: timedelta) -> bool:
@@ -93,13 +98,15 @@ class Waiters:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._idle: list[queue.SimpleQueue[tuple[Any, timedelta, Ticket] | None]] = []
+        self._idle: list[queue.SimpleQueue[_Item | None]] = []
         self._lock = threading.Lock()
         self._closed = False
         self._count = 0
 
-    def start(self, work: Any, timeout: timedelta) -> Ticket:
-        """A thread now waits for Gloo's ``work`` (at most ``timeout``, Gloo's own bound)."""
+    def start(self, work: Any, timeout: timedelta, *, then: Then | None = None) -> Ticket:
+        """A thread now waits for Gloo's ``work`` (at most ``timeout``, Gloo's own bound), then
+        calls ``then(error)`` (``error``: what Gloo's wait raised, or None) before it sets the
+        ticket: a continuation that runs whether or not anyone waits."""
         ticket = Ticket()
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
@@ -109,20 +116,26 @@ class Waiters:
                 threading.Thread(
                     target=self._run, args=(inbox,), name=f"pg-gloo-{self._name}-wait-{self._count}", daemon=True
                 ).start()
-        inbox.put((work, timeout, ticket))
+        inbox.put((work, timeout, ticket, then))
         return ticket
 
-    def _run(self, inbox: queue.SimpleQueue[tuple[Any, timedelta, Ticket] | None]) -> None:
+    def _run(self, inbox: queue.SimpleQueue[_Item | None]) -> None:
         while True:
             item = inbox.get()
             if item is None:
                 return
-            work, timeout, ticket = item
+            work, timeout, ticket, then = item
             try:
                 work.wait(timeout)
             except BaseException as exc:  # Gloo's RuntimeError, for the caller to translate
                 ticket.error = exc
             del item, work
+            if then is not None:
+                try:
+                    then(ticket.error)
+                except BaseException:  # a continuation ends its own operation; never this thread
+                    logging.getLogger("pg_gloo").exception("a continuation of a Gloo wait raised")
+                del then
             with self._lock:
                 closed = self._closed
                 if not closed:
