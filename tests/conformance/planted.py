@@ -143,6 +143,7 @@ pg-tcp whose sends above 64 KiB wait for their receivers' acknowledgement, decla
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import mmap
 import os
@@ -1132,3 +1133,12 @@ CONTROL_EMULATED = _spec("control-emulated", Emulated, MESSAGE_CAPS)
 COALESCING = _spec("coalescing", Coalescing)
 #: pg-tcp whose sends above 64 KiB wait for their receivers, declared so (the control of the eager limit's bugs).
 RENDEZVOUS = _spec("rendezvous", Rendezvous, RENDEZVOUS_CAPS)
+
+
+class Rendezvous1K(Rendezvous):
+    waits_above = 1 << 10
+
+
+#: pg-tcp whose sends above 1 KiB wait for their receivers, declared so: what the core's own layers
+#: (object collectives, messages) must not deadlock on (tests/conformance/test_eager_limit.py).
+RENDEZVOUS_1K = _spec("rendezvous-1k", Rendezvous1K, dataclasses.replace(RENDEZVOUS_CAPS, eager_limit_bytes=1 << 10))

@@ -576,6 +576,8 @@ class Endpoint:
         self.device = instance.device
         self.native = instance.native_bytes
         self.scatter_gather = instance.scatter_gather
+        #: a send above this many bytes may wait for its receiver (None: none does; API 1.10)
+        self.eager_limit = instance.spec.capabilities_for(instance.device.type).eager_limit_bytes
         self._locks: dict[tuple[str, int, int], threading.Lock] = {}
         self._broken: dict[tuple[str, int, int], str] = {}
         self._guard = threading.Lock()
@@ -593,6 +595,18 @@ class Endpoint:
             with self._guard:
                 lock = self._locks.setdefault(key, threading.Lock())
         return _Stream(self, key, lock, op)
+
+    def may_wait(self, nbytes: int) -> bool:
+        """Whether sending a message of ``nbytes`` may wait for its receiver to post the
+        receive: one of its backend sends (one ``send_bytes``, or the emulation's first chunk
+        and rest) is above the backend's declared eager limit."""
+        limit = self.eager_limit
+        if limit is None:
+            return False
+        if self.native:
+            return nbytes > limit
+        cap = EAGER_BYTES - _LENGTH.size
+        return limit < EAGER_BYTES or nbytes - cap > limit
 
     def send_one(self, parts: list[Buffer], peer: int, tag: int, seconds: float, op: str) -> None:
         """Send a message that is one ``send_bytes`` (a native endpoint, no separate tensors):

@@ -10,6 +10,7 @@ number so mismatched calls raise instead of mixing.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -276,12 +277,31 @@ class Objects:
             tag = ep.instance.tags.object_collective
             parts = self._stamp(out, op, seq)
             n, me = self.size, self.rank
-            for i in range(1, n):
-                ep.send(parts, (me + i) % n, tag, deadline)
             values: list[Any] = [None] * n
-            for i in range(1, n):
+
+            def receive(i: int) -> None:
                 peer = (me - i) % n
                 values[peer] = self._value(op, seq, ep.recv(peer, tag, deadline), peer)
+
+            if not ep.may_wait(sum(memoryview(p).nbytes for p in parts)):
+                # every send returns at once: all of them, then the receives
+                for i in range(1, n):
+                    ep.send(parts, (me + i) % n, tag, deadline)
+                for i in range(1, n):
+                    receive(i)
+            else:
+                # a send may wait for its receiver (above the backend's eager limit): step i sends
+                # to me + i and receives from me - i, which splits the ranks into cycles of the
+                # ranks congruent modulo gcd(n, i); in each, its lowest rank sends first and the
+                # others receive first, so no cycle of ranks waits on itself (a rank whose sends
+                # do not wait sent everything before its receives)
+                for i in range(1, n):
+                    if me < math.gcd(n, i):
+                        ep.send(parts, (me + i) % n, tag, deadline)
+                        receive(i)
+                    else:
+                        receive(i)
+                        ep.send(parts, (me + i) % n, tag, deadline)
             values[me] = _copy(parts, me)
             return values
 
