@@ -99,7 +99,9 @@ def stopped_peer(ctx: RankContext, how: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("how", "words"), [("abort", "rank 1 aborted"), ("shutdown", "rank 1 shut down")])
-def test_a_peer_that_aborts_or_shuts_down_is_named_by_the_waiting_ranks(rank_pools: Pools, how: str, words: str) -> None:
+def test_a_peer_that_aborts_or_shuts_down_is_named_by_the_waiting_ranks(
+    rank_pools: Pools, how: str, words: str
+) -> None:
     got = rank_pools(2).run(stopped_peer, how, timeout=60)[0]
     message, seconds = got["recv"]
     assert words in message and seconds < 5, got

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from pg_core.backend import Backend, BackendContext
+from pg_core.dtypes import dtype_code
 from pg_core.errors import GroupClosedError
 from pg_core.ops import ReduceOp
 from pg_core.work import Work
@@ -65,7 +66,7 @@ class ShmBackend(Backend):
             mine = make_ring(segments[self.rank], self.layout.ring(self.rank, peer), RING_META, RING_BYTES)
             theirs = make_ring(segments[peer], self.layout.ring(peer, self.rank), RING_META, RING_BYTES)
             peer_bell = Word(segments[peer].address + DOORBELL, 32)
-            self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name, lambda: None)
+            self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name)
             self.inboxes[peer] = Inbox(theirs, peer, self.live, name)
         self.shared = collectives.Shared(self.rank, self.size, segments, self.layout, self.live)
         self._life = threading.Lock()
@@ -78,12 +79,12 @@ class ShmBackend(Backend):
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag, timeout, "send")
+        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag=tag, timeout=timeout, op="send")
         if work is not None:
             self._await(work, timeout)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag, timeout, "isend")
+        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag=tag, timeout=timeout, op="isend")
         return Work.completed("isend") if work is None else work
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
@@ -94,7 +95,7 @@ class ShmBackend(Backend):
             self._leave()
 
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
-        work = self._post(KIND_BYTES, None, parts_of(data), dst, tag, timeout, "send_bytes")
+        work = self._post(KIND_BYTES, None, parts_of(data), dst, tag=tag, timeout=timeout, op="send_bytes")
         if work is not None:
             self._await(work, timeout)
 
@@ -108,15 +109,13 @@ class ShmBackend(Backend):
         return message
 
     def _post(
-        self, kind: int, tensor: torch.Tensor | None, parts: list[memoryview], dst: int, tag: int, timeout: float,
+        self, kind: int, tensor: torch.Tensor | None, parts: list[memoryview], dst: int, *, tag: int, timeout: float,
         op: str,
     ) -> Work | None:  # fmt: skip
         self._enter()
         try:
-            from pg_core.dtypes import dtype_code
-
-            code = dtype_code(tensor.dtype) if tensor is not None else 0
-            return self.outboxes[dst].post(kind, code, tag, parts, time.monotonic() + timeout, op)
+            code = (dtype_code(tensor.dtype) or 0) if tensor is not None else 0
+            return self.outboxes[dst].post(kind, code, tag, parts, deadline=time.monotonic() + timeout, op=op)
         finally:
             self._leave()
 

@@ -112,8 +112,8 @@ class Shared:
                 self._flag,
                 self.live,
                 late,
-                deadline,
-                f"{op}: waiting for ranks {late} ({doing})",
+                deadline=deadline,
+                doing=f"{op}: waiting for ranks {late} ({doing})",
                 op=op,
             )
 

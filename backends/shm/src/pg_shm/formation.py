@@ -106,8 +106,8 @@ def form(ctx: BackendContext, layout: Layout) -> Members:
         what = f"group {ctx.group_name!r} rank {rank}: pg-shm formation (segments)"
         wait_for(store, [f"seg/{r}" for r in range(size)], ctx.timeout, what=what)
         for r in range(size):
-            pid, _, path = store.get(f"seg/{r}").decode().partition(" ")
-            published[r] = (Path(path), int(pid))
+            pid_text, _, path_text = store.get(f"seg/{r}").decode().partition(" ")
+            published[r] = (Path(path_text), int(pid_text))
         for r in range(size):
             if r == rank:
                 segments.append(own)

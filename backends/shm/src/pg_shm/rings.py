@@ -38,8 +38,6 @@ from .layout import (
     BROKEN,
     HEAD,
     HEADER,
-    KIND_BYTES,
-    KIND_TENSOR,
     RECV_SLEEPS,
     SENDER_SLEEPS,
     TAIL,
@@ -81,9 +79,9 @@ class _Ring:
 
 
 class _Job:
-    __slots__ = ("deadline", "kind", "code", "parts", "tag", "work", "nbytes")
+    __slots__ = ("code", "deadline", "kind", "nbytes", "parts", "tag", "work")
 
-    def __init__(self, kind: int, code: int, tag: int, parts: Payload, deadline: float, work: Work) -> None:
+    def __init__(self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, work: Work) -> None:
         self.kind, self.code, self.tag, self.parts, self.deadline, self.work = kind, code, tag, parts, deadline, work
         self.nbytes = _parts_bytes(parts)
 
@@ -91,15 +89,12 @@ class _Job:
 class Outbox:
     """This member's sending end of its ring to ``peer``."""
 
-    def __init__(
-        self, ring: _Ring, peer: int, live: Liveness, doorbell: Word, group: str, started: Callable[[], None]
-    ) -> None:
+    def __init__(self, ring: _Ring, peer: int, live: Liveness, doorbell: Word, group: str) -> None:
         self.ring = ring
         self.peer = peer
         self.live = live
         self.doorbell = doorbell  # the peer's drainer futex
         self.group = group
-        self._started = started  # tells the backend a sender thread exists (for shutdown's join)
         self._lock = threading.Lock()
         self._queue: deque[_Job] = deque()
         self._busy = False
@@ -109,7 +104,7 @@ class Outbox:
         self.broken: str | None = None
 
     # -- the caller's side -----------------------------------------------------------
-    def post(self, kind: int, code: int, tag: int, parts: Payload, deadline: float, op: str) -> Work | None:
+    def post(self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, op: str) -> Work | None:
         """Write the message now if it fits (``None``), else queue it for the sender thread and
         return the work that completes once it is written (large: once the peer took it)."""
         ring = self.ring
@@ -130,13 +125,12 @@ class Outbox:
                     futex_wake(ring.head.address)
                 return None
             work = Work(op)
-            self._queue.append(_Job(kind, code, tag, parts, deadline, work))
+            self._queue.append(_Job(kind, code, tag, parts, deadline=deadline, work=work))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"pg-shm {self.group} send to {self.peer}", daemon=True
                 )
                 self._thread.start()
-                self._started()
             else:
                 self._wake.notify()
             return work
@@ -194,8 +188,8 @@ class Outbox:
                 self._flag,
                 self.live,
                 [self.peer],
-                job.deadline,
-                doing,
+                deadline=job.deadline,
+                doing=doing,
                 op="send",
                 also=ask_drain if eager else None,
             )
@@ -267,9 +261,7 @@ class Inbox:
         self._kept: dict[tuple[int, int], deque[tuple[int, bytearray]]] = {}
         self._flag = Flag(ring.recv_sleeps)
 
-    def receive(
-        self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str
-    ) -> bytearray | None:
+    def receive(self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str) -> bytearray | None:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
         and dtype must match), or returned (``into=None``: a byte message)."""
         ring = self.ring
@@ -299,7 +291,15 @@ class Inbox:
                     self._stream_out(nbytes, memoryview(buffer), deadline, doing, op)
                     self._kept.setdefault((k, t), deque()).append((code, buffer))
                     futex_wake(ring.head.address)  # another thread of this member may wait for it
-            self._wait(lambda: ring.head.value != seen or bool(self._kept.get((kind, tag))), deadline, doing, op)
+            self._wait(self._moved(seen, kind, tag), deadline, doing, op)
+
+    def _moved(self, seen: int, kind: int, tag: int) -> Callable[[], bool]:
+        head = self.ring.head
+        return lambda: head.value != seen or bool(self._kept.get((kind, tag)))
+
+    def _past(self, pos: int) -> Callable[[], bool]:
+        head = self.ring.head
+        return lambda: head.value > pos
 
     def drain(self) -> None:
         """The drainer's work: move whole messages of at most the eager limit out of the ring
@@ -362,7 +362,7 @@ class Inbox:
         while pos < end:
             avail = ring.head.value - pos
             if avail <= 0:
-                self._wait(lambda: ring.head.value > pos, deadline, doing, op)
+                self._wait(self._past(pos), deadline, doing, op)
                 continue
             k = min(avail, end - pos)
             if dst is not None:
@@ -389,7 +389,9 @@ class Inbox:
                 )
             return False
 
-        wait_until(ready_or_broken, ring.head, self._flag, self.live, [self.peer], deadline, doing, op=op)
+        wait_until(
+            ready_or_broken, ring.head, self._flag, self.live, [self.peer], deadline=deadline, doing=doing, op=op
+        )
 
     def _advance(self, tail: int) -> None:
         ring = self.ring
@@ -421,10 +423,6 @@ def parts_of(data: object) -> Payload:
 
 def tensor_parts(tensor: torch.Tensor) -> Payload:
     return [memoryview_of(tensor)] if tensor.numel() else []
-
-
-def kind_code(tensor: torch.Tensor | None) -> tuple[int, int]:
-    return (KIND_TENSOR, dtype_code(tensor.dtype)) if tensor is not None else (KIND_BYTES, 0)
 
 
 def make_ring(segment: Segment, offset: int, meta: int, capacity: int) -> _Ring:

@@ -24,9 +24,10 @@ __all__ = ["SLICE", "SPINS", "Flag", "Liveness", "wait_until"]
 
 #: Longest sleep between two checks of the peers and the deadline (seconds).
 SLICE: Final = 0.03
-#: Polls of the word before sleeping (about 50-100 us of Python here, yielding the core every
-#: 16): a peer that answers within that is not paid a futex round trip, and a peer that is
-#: descheduled on this core gets it back at once.
+#: Polls of the word before sleeping (about 30-60 us of Python here): a peer that answers
+#: within that is not paid a futex round trip, and one that is descheduled costs no more than
+#: that before this rank sleeps and gives it the core. (``sched_yield`` between polls was
+#: tried: on a loaded machine each yield gave the core away for a whole time slice, ~1 ms.)
 SPINS: Final = 256
 
 
@@ -108,9 +109,9 @@ def wait_until(
     flag: Flag,
     live: Liveness,
     peers: Sequence[int],
+    *,
     deadline: float,
     doing: str,
-    *,
     op: str,
     also: Callable[[], None] | None = None,
 ) -> None:
@@ -118,11 +119,9 @@ def wait_until(
     have changed) while it is not. ``also`` runs before each sleep (a sender's drain request).
     Raises as :meth:`Liveness.check` does, and ``CollectiveTimeout`` naming ``op`` and
     ``peers`` past ``deadline`` (``time.monotonic()``)."""
-    for i in range(SPINS):
+    for _ in range(SPINS):
         if ready():
             return
-        if i % 16 == 15:
-            os.sched_yield()  # a peer descheduled on this core gets it now
     while True:
         if ready():
             return
