@@ -14,6 +14,16 @@ anything is sent:
   match in the order they were sent, and the core keeps that order per peer.
 * ``recv_anysource`` (optional, API 1.4): not declared. NCCL has no receive from any source:
   every ``ncclRecv`` names its peer.
+* ``eager_limit_bytes=0`` (API 1.10): any send may wait for its receiver. A blocking ``send``
+  returns to the host once the current stream waits for torch's work (no host
+  synchronisation), but NCCL's ``ncclSend`` completes on the GPU only once the peer's
+  ``ncclRecv`` runs (NCCL's documentation: point-to-point calls to one peer must be matched,
+  and concurrent ones grouped, or they deadlock), and a pair's sends and receives run in one
+  stream's order: two ranks that each send to the other before receiving wait on each other
+  on the GPU. So a program posts its receive first on the other rank, or uses
+  ``batch_isend_irecv``, as torch's NCCL documentation asks. Reasoned from the code and NCCL's
+  documented semantics; no GPU was at hand to measure NCCL's internal buffering, which
+  nothing documents as a guarantee.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ _FLOAT = frozenset(
 )
 _INT = frozenset({RedOpType.SUM, RedOpType.PRODUCT, RedOpType.MIN, RedOpType.MAX})
 
-#: cuda: every op and dtype; the reduce ops NCCL has per dtype; no tags.
+#: cuda: every op and dtype; the reduce ops NCCL has per dtype; no tags; every send may wait for its receiver.
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
     dtypes=frozenset(DTYPES),
@@ -53,6 +63,7 @@ CAPABILITIES = Capabilities(
         torch.int64: _INT,
     },
     max_tag=None,
+    eager_limit_bytes=0,
 )
 
 

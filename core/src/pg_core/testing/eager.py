@@ -14,8 +14,10 @@ times the limit; with no limit, one element, 64 KiB and 1 MiB, all eager):
   while rank 1 has not posted its receive: rank 1 waits, through the store, until rank 0 says its send
   returned (at most :data:`EAGER_WINDOW_S`), and only then receives. The same for a byte message on the
   group's message path (the backend's ``send_bytes``, or pg-core's emulation on ``uint8`` sends).
-* **posted first** (both directions at once): each rank posts ``irecv`` from the other, then makes a
-  blocking ``send`` to it, then waits: what MPI and torch call the correct program above the limit.
+* **posted first**: rank 1 posts ``irecv``, then rank 0 makes a blocking ``send`` to it, then rank 1
+  waits: what MPI and torch call the correct program above the limit. (Not in both directions at
+  once: on NCCL a receive runs in its stream's order, so two ranks that each post a receive before
+  their send wait for each other on the GPU; the exchange below is the two-way case.)
 * **exchange**: each rank ``isend``\\ s to the other and ``irecv``\\ s from it (rank 0 sends first, rank
   1 receives first), then waits for both: two ranks exchanging messages this way never deadlock.
 * **isend**: rank 0 ``isend``\\ s, waits for the work, and at once overwrites its tensor; rank 1
@@ -75,8 +77,7 @@ class Case:
         ways = {
             "eager": f"rank 0's blocking send of {size} to rank 1, which posted its receive only once rank 0 "
             "said the send had returned",
-            "posted": f"ranks 0 and 1 each posted irecv from the other, then sent it {size} with a blocking send, "
-            "then waited",
+            "posted": f"rank 1 posted irecv, then rank 0 sent it {size} with a blocking send, then rank 1 waited",
             "exchange": f"ranks 0 and 1 exchanged {size} with isend and irecv (rank 0 sending first, rank 1 "
             "receiving first), then waited for both",
             "isend": f"rank 0's isend of {size} to rank 1, waited for, then its tensor overwritten at once",
@@ -212,11 +213,15 @@ def run_eager(
                         raw = torch.frombuffer(bytearray(memoryview(got).cast("B")), dtype=torch.uint8)
                         record["wrong"] = _first_wrong(raw, _bytes_of(_payload(dtype, case.numel, 2 * k)))
                 elif case.how == "posted":
-                    buf = into.to(device)
-                    work = group.irecv(buf, peer, case.tag)
-                    group.send(sent.to(device), peer, case.tag)
-                    work.wait()
-                    record["wrong"] = _first_wrong(_bytes_of(buf), want)
+                    if me == 0:
+                        wait_for(signals, [f"{k}/posted"], op_timeout)
+                        group.send(sent.to(device), 1, case.tag)
+                    else:
+                        buf = into.to(device)
+                        work = group.irecv(buf, 0, case.tag)
+                        signals.set(f"{k}/posted", "1")
+                        work.wait()
+                        record["wrong"] = _first_wrong(_bytes_of(buf), want)
                 elif case.how == "exchange":
                     buf = into.to(device)
                     if me == 0:
