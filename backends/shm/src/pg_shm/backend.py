@@ -32,7 +32,7 @@ from pg_core.work import Work
 from . import collectives
 from .formation import form
 from .layout import ABORTED, DOORBELL, KIND_BYTES, KIND_TENSOR, RING_META, SHUT_DOWN, STATE, Layout
-from .rings import RING_BYTES, Inbox, Outbox, make_ring, parts_of, tensor_parts
+from .rings import RING_BYTES, Inbox, Outbox, make_ring, parts_of
 from .segment import Word, futex_wait, futex_wake
 from .waiting import SLICE, Liveness
 
@@ -79,12 +79,24 @@ class ShmBackend(Backend):
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag=tag, timeout=timeout, op="send")
+        self._enter()
+        try:
+            work = self.outboxes[dst].post_tensor(
+                tensor, dtype_code(tensor.dtype) or 0, tag, deadline=time.monotonic() + timeout, op="send"
+            )
+        finally:
+            self._leave()
         if work is not None:
             self._await(work, timeout)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
-        work = self._post(KIND_TENSOR, tensor, tensor_parts(tensor), dst, tag=tag, timeout=timeout, op="isend")
+        self._enter()
+        try:
+            work = self.outboxes[dst].post_tensor(
+                tensor, dtype_code(tensor.dtype) or 0, tag, deadline=time.monotonic() + timeout, op="isend"
+            )
+        finally:
+            self._leave()
         return Work.completed("isend") if work is None else work
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
