@@ -2,8 +2,8 @@
 a rank that starts late holds nobody past the group's timeout (MPICH's ``MPI_Init`` waits for
 every rank of the job), a collective given up on after its timeout is never completed by a
 rank that comes to it late (MPI cannot cancel a collective, and matches them by order alone),
-point to point holds a bounded number of bytes for receivers that are slow (an ``isend``
-sends from the tensor itself; copying sends wait once ``max_send_copy_bytes`` are in flight),
+point to point holds no copies for receivers that are slow (an ``isend`` sends from the tensor
+itself, and a blocking send above the eager limit waits for its receiver),
 and a rank that aborts tells the others, whose operations that need it raise
 ``PeerFailureError`` ("rank 1 aborted") at once instead of at their timeout.
 """
@@ -162,59 +162,64 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def slow_receiver(ctx: RankContext, count: int, budget: int) -> dict[str, Any]:
+def slow_receiver(ctx: RankContext, count: int) -> dict[str, Any]:
     """Rank 0 sends ``count`` x 64 MiB to rank 1, which receives only once told: first as
-    ``isend``\\ s of one tensor (copies up to ``budget``, done at once; the rest sent from the
-    tensor itself, not done before rank 1 receives), then as blocking ``send``\\ s (copies: at
-    most ``budget`` bytes of them in flight, a send beyond it waiting for rank 1)."""
+    ``isend``\\ s of one tensor (sent from the tensor itself: none done before rank 1 receives,
+    nothing copied), then as blocking ``send``\\ s (above the eager limit: each waits until rank 1
+    has posted its receive, nothing copied). Rank 1 posts each of those receives a moment after
+    rank 0 says it is sending, and says when."""
     size = 64 * MiB
-    options = {"mpi": {"max_send_copy_bytes": budget}}
-    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=60, options=options) as group:
+    with ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="mpi", timeout=60) as group:
         group.barrier()  # the backend and MPI's shared memory are set up
         if ctx.rank == 1:
             got = torch.empty(size, dtype=torch.uint8)
-            sums = []
-            for key in ("posted", "filled"):
-                wait_for(ctx.store, [key], 120)
-                for _ in range(count):
-                    group.recv(got, 0)
-                    sums.append(int(got[:: 1 << 16].sum()))
+            sums, posted_at = [], []
+            wait_for(ctx.store, ["posted"], 120)
+            for _ in range(count):
+                group.recv(got, 0)
+                sums.append(int(got[:: 1 << 16].sum()))
+            for i in range(count):
+                wait_for(ctx.store, [f"sending/{i}"], 120)
+                time.sleep(0.1)  # (what is measured: rank 0's send returns only after this receive is posted)
+                posted_at.append(time.monotonic())
+                group.recv(got, 0)
+                sums.append(int(got[:: 1 << 16].sum()))
             group.barrier()
-            return {"sums": sums}
+            return {"sums": sums, "posted_at": posted_at}
         backend = cast("MPIBackend", group._dispatch.instance(torch.device("cpu")).backend)
         data = torch.full((size,), 3, dtype=torch.uint8)
         before = _rss()
         works = [group.isend(data, 1) for _ in range(count)]
         posted = _rss()
-        done_at_once = [w.is_completed() for w in works]
+        done_at_once = sum(w.is_completed() for w in works)
         ctx.store.set("posted", "1")
         for w in works:
             w.wait()
-        out: dict[str, Any] = {"isend_growth": posted - before, "done_at_once": sum(done_at_once)}
-        out["done_first"] = done_at_once == sorted(done_at_once, reverse=True)
-        before, peak, in_flight = _rss(), 0, 0
+        out: dict[str, Any] = {"isend_growth": posted - before, "done_at_once": done_at_once}
+        before, peak, returned_at = _rss(), 0, []
         for i in range(count):
+            ctx.store.set(f"sending/{i}", "1")
             group.send(data, 1)
-            peak, in_flight = max(peak, _rss()), max(in_flight, backend._copied)
-            if (i + 1) * size >= budget:
-                ctx.store.set("filled", "1")
-        out.update(send_growth=peak - before, copied_in_flight=in_flight)
+            returned_at.append(time.monotonic())
+            peak = max(peak, _rss())
+        out.update(send_growth=peak - before, copied=backend._copied, returned_at=returned_at)
         group.barrier()
         return out
 
 
 @pytest.mark.timeout(300)
-def test_sends_to_a_slow_receiver_hold_at_most_the_budget(pools: Pools) -> None:
-    """2 GiB in 64 MiB messages to a receiver that takes them only later: the isends copy the
-    first 128 MiB (done at once, as a send never waits for its receiver) and send the rest from
-    the tensor (done only once received); the blocking sends hold at most 128 MiB of copies."""
-    count, budget = 32, 128 * MiB
-    sender, receiver = pools(2).run(slow_receiver, count, budget, timeout=240)
+def test_sends_above_the_eager_limit_wait_for_the_receiver_and_copy_nothing(pools: Pools) -> None:
+    """64 MiB messages to a receiver that takes them only later: the isends are sent from the
+    tensor (none done before it is received, no memory grows), and a blocking send above pg-mpi's
+    eager limit returns only once its receiver has posted the receive, copying nothing."""
+    count = 4
+    sender, receiver = pools(2).run(slow_receiver, count, timeout=240)
     assert receiver["sums"] == [3 * 1024] * (2 * count)
-    assert sender["done_at_once"] == budget // (64 * MiB) and sender["done_first"], sender
-    assert sender["isend_growth"] <= budget + 16 * MiB, sender
-    assert sender["copied_in_flight"] <= budget, sender
-    assert sender["send_growth"] <= budget + 64 * MiB, sender
+    assert sender["done_at_once"] == 0, sender
+    assert sender["isend_growth"] <= 16 * MiB, sender
+    assert sender["send_growth"] <= 16 * MiB and sender["copied"] == 0, sender
+    for returned, posted in zip(sender["returned_at"], receiver["posted_at"], strict=True):
+        assert returned >= posted, (sender, receiver)
 
 
 # -- a rank that aborts tells the others -----------------------------------------------------------------

@@ -38,20 +38,26 @@ group size, ``PREMUL_SUM`` the input times the factor summed by MPI; ``float16``
 do integer sums and products where the MPI library's do not wrap around as torch's do (Open
 MPI's AVX sums of 8- and 16-bit integers saturate; see :func:`~pg_mpi._mpi.wrong_integer_ops`).
 
-**Point to point.** ``isend`` is ``MPI_Isend`` from the tensor's memory (no copy): its work
-completes when MPI is done with the tensor, and this backend holds the tensor until then. A
-blocking send never waits for its receiver (the contract's rule): ``send`` and
-``send_bytes`` copy the message once into a buffer of its own (for a tensor above 256 KiB,
-one a finished send left: :mod:`pg_core.buffers`) and post it with ``MPI_Isend``
-(``MPI_Bsend``'s semantics), but at most the option ``max_send_copy_bytes`` (256 MiB) of such
-copies are in flight at once: beyond it, a send first waits (at most its timeout) for
-earlier ones to be received. The requests complete in later MPI calls of this process, and
-``shutdown`` waits for the ones still in flight. A receive is zero-copy and
-matches its message first (``MPI_Improbe``), so a message of the wrong size is drained and
-refused with :class:`~pg_core.errors.CollectiveMismatchError` instead of MPI's truncation
-error, and ``recv_bytes`` receives a message of unknown size with one receive; ``irecv``
-progresses when its work is waited for or polled. A receive from any source is the same
-receive from ``MPI_ANY_SOURCE``, returning the sender's rank.
+**Point to point.** Sends up to the declared eager limit (:data:`~pg_mpi.plugin.EAGER_LIMIT`,
+4 KiB) never wait for their receivers: ``send`` (and ``isend``, whose work is then done at
+once) is ``MPI_Bsend`` on a communicator given MPI's automatic buffer (MPI 4.1's
+``MPI_Comm_attach_buffer`` with ``MPI_BUFFER_AUTOMATIC``; MPI copies the message in C as it
+needs), or, where the library predates it, a copy of this backend's own posted with
+``MPI_Isend``, at most the option ``max_send_copy_bytes`` (256 MiB) of such copies in flight at
+once (beyond it a send first waits, at most its timeout, for earlier ones to be received).
+Above the limit nothing is copied: ``send`` is ``MPI_Isend`` from the tensor's memory, polled
+until MPI is done with it (for a large message, once the receiver has posted the matching
+receive: MPI's standard mode, as ``comm.Send``), and ``isend``'s work completes then. A send
+that times out stays posted (MPI takes no send back), its tensor held. ``send_bytes`` copies
+the message's parts into one buffer and posts it with ``MPI_Isend`` (so it returns at once,
+within the same budget); ``shutdown`` waits for the copies still in flight. A receive is
+``MPI_Irecv`` straight into the tensor (no probe, no extra message): a message of another size
+is refused with :class:`~pg_core.errors.CollectiveMismatchError` from the receive's status
+(MPI's truncation error where it is longer: MPI then has written the part that fits, and
+nothing else), and the message is consumed, so the stream stays in step; ``recv_bytes``
+matches its message first (``MPI_Improbe``) to learn its size, then receives it with one
+receive; ``irecv`` progresses when its work is waited for or polled. A receive from any source
+is the same receive from ``MPI_ANY_SOURCE``, returning the sender's rank.
 
 **Faults.** MPI reports no peer's death to the others, and MPICH's Hydra ends the job when a
 rank dies (with ``-disable-auto-cleanup`` too, as measured: the README's Faults); a survivor
@@ -82,7 +88,6 @@ from typing import Any, Final
 
 import torch
 from pg_core.backend import Backend, BackendContext, tensor_bytes
-from pg_core.buffers import SpareBuffers
 from pg_core.errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -125,11 +130,6 @@ _What = str | Callable[[], str]
 
 #: Give the CPU to another runnable process (a rank sharing this core), keeping the GIL free.
 _yield: Final[Callable[[], None]] = getattr(os, "sched_yield", lambda: time.sleep(0))
-
-#: Up to this many bytes a send copies its message into a ``bytearray`` (0.3 us for 4 bytes,
-#: 2 us for 64 KiB, against 3.8 and 9 us for ``torch.empty`` and ``copy_``); above, torch's
-#: copy is the faster (1 MiB: 83 against 127 us; 64 MiB: 21 against 40 ms).
-_BYTEARRAY_COPY: Final = 256 << 10
 
 #: The default of the option ``max_send_copy_bytes``: how many bytes of copied messages
 #: (``send``, ``send_bytes``) may wait for their receivers at once; a send beyond it waits for
@@ -197,9 +197,6 @@ class MPIBackend(Backend):
         #: sends in flight, and how many of their bytes are copies (held against the budget)
         self._sends: list[_Send] = []
         self._copied = 0
-        #: finished sends' buffers, for the next sends above ``_BYTEARRAY_COPY`` to copy into
-        #: (a fresh 64 MiB tensor costs its page faults: pg_core.buffers)
-        self._spares = SpareBuffers()
         self._send_errors: dict[int, BaseException] = {}
         #: user-defined MPI_Ops by (dtype, reduce op), made on first use, freed at shutdown
         self._user_ops: dict[tuple[torch.dtype, RedOpType], Any] = {}
@@ -952,18 +949,9 @@ class MPIBackend(Backend):
             )
 
     def _copy_and_post(self, tensor: torch.Tensor, nbytes: int, dst: int, tag: int, what: str) -> None:
-        """Copy the tensor into a buffer of the message's own and post it (``nbytes`` reserved)."""
-        if nbytes <= _BYTEARRAY_COPY:
-            self._post(bytearray(self._memory(tensor)), dst, tag, what, nbytes)
-            return
-        try:
-            payload = self._spare(nbytes)
-            payload[:nbytes].copy_(_flat_bytes(tensor))
-        except BaseException:
-            with self._lock:
-                self._copied -= nbytes
-            raise
-        self._post(payload, dst, tag, what, nbytes)
+        """Copy the tensor (at most the eager limit) into a buffer of the message's own and post
+        it (``nbytes`` reserved): a send where the library has no automatic buffer."""
+        self._post(bytearray(self._memory(tensor)), dst, tag, what, nbytes)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
         """Up to the eager limit, :meth:`send` (buffered: the work is done at once). Above it,
@@ -1235,20 +1223,13 @@ class MPIBackend(Backend):
             self._reap()
         return self._room(nbytes)
 
-    def _spare(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` for a send to copy into, the finished sends' first."""
-        if self._sends:
-            self._reap()
-        return self._spares.take(nbytes)
-
-    def _post(self, payload: bytearray | torch.Tensor, dst: int, tag: int, what: str, nbytes: int) -> None:
+    def _post(self, payload: bytearray, dst: int, tag: int, what: str, nbytes: int) -> None:
         """``MPI_Isend`` of a copy's first ``nbytes`` (reserved by :meth:`_reserve`), kept
         until MPI is done with it (a later MPI call completes it; ``shutdown`` waits for it)."""
         try:
             comm = self._check(what, [dst], sending=True)
-            buf = [payload, self._mpi.BYTE] if isinstance(payload, bytearray) else self._bytes(payload[:nbytes])
             try:
-                request = comm.Isend(buf, dst, tag)
+                request = comm.Isend([payload, self._mpi.BYTE], dst, tag)
             except self._mpi.Exception as exc:
                 raise self._error(exc, what, [dst]) from exc
         except BaseException:
@@ -1256,7 +1237,7 @@ class MPIBackend(Backend):
                 self._copied -= nbytes
             raise
         with self._lock:
-            self._sends.append(_Send(request, payload, dst, copied=nbytes, spare=isinstance(payload, torch.Tensor)))
+            self._sends.append(_Send(request, payload, dst, copied=nbytes))
         self._reap()
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
@@ -1305,7 +1286,7 @@ class MPIBackend(Backend):
         waited for is left to it."""
         with self._lock:
             pending, self._sends = self._sends, []
-        left, spare, freed = [], [], 0
+        left, freed = [], 0
         for entry in pending:
             if entry.testing is not None and not entry.testing.acquire(blocking=False):
                 left.append(entry)
@@ -1317,8 +1298,6 @@ class MPIBackend(Backend):
                     else:
                         left.append(entry)
                         continue
-                elif entry.spare:
-                    spare.append(entry.payload)
             except self._mpi.Exception as exc:
                 dst = entry.dst
                 self._send_errors.setdefault(dst, self._error(exc, f"send to rank {dst}", [dst]))
@@ -1329,10 +1308,6 @@ class MPIBackend(Backend):
         with self._lock:
             self._sends[:0] = left
             self._copied -= freed
-            if self._closed is None:
-                for buffer in spare:
-                    assert isinstance(buffer, torch.Tensor)
-                    self._spares.give(buffer)
 
     def _sent(self) -> bool:
         """Whether every send has completed (reaping the ones that have)."""
@@ -1389,7 +1364,6 @@ class MPIBackend(Backend):
             ops, self._user_ops = list(self._user_ops.values()), {}
             self._sends.clear()
             self._copied = 0
-            self._spares.clear()
         if comm is not None and not self._mpi.Is_finalized():
             comm.Free()
             for op in ops:
@@ -1399,11 +1373,10 @@ class MPIBackend(Backend):
 class _Send:
     """A send in flight: its request, the buffer MPI reads (the message's copy, or the
     tensor of an ``isend``), its destination, how many of its bytes are a copy held against
-    the budget, whether the buffer goes back to the spare buffers once sent, and, for an
-    ``isend``, the lock its work holds while testing the request (MPI lets one thread test
-    a request at a time)."""
+    the budget, and, for an ``isend``, the lock its work holds while testing the request (MPI
+    lets one thread test a request at a time)."""
 
-    __slots__ = ("copied", "dst", "payload", "request", "spare", "testing")
+    __slots__ = ("copied", "dst", "payload", "request", "testing")
 
     def __init__(
         self,
@@ -1412,11 +1385,10 @@ class _Send:
         dst: int,
         *,
         copied: int = 0,
-        spare: bool = False,
         testing: threading.Lock | None = None,
     ) -> None:
         self.request, self.payload, self.dst = request, payload, dst
-        self.copied, self.spare, self.testing = copied, spare, testing
+        self.copied, self.testing = copied, testing
 
 
 def _attach_automatic_buffer(mpi: Any, comm: Any) -> bool:
