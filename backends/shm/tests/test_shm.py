@@ -19,7 +19,6 @@ import pytest
 import torch
 from pg_core import ProcessGroup
 from pg_core.errors import BackendUnavailableError, CollectiveTimeout, PeerFailureError
-from pg_core.registry import Registry
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_shm import plugin, rings
@@ -179,6 +178,38 @@ def test_members_on_two_hosts_are_refused_clearly(rank_pools: Pools) -> None:
     assert not _segments() - before
 
 
+def unmappable(ctx: RankContext) -> str:
+    """Rank 1 cannot open the others' segments (as in a container with its own /dev/shm)."""
+    from pg_shm import segment
+
+    real = segment.Segment.open
+
+    def refuse(path: Path, size: int) -> segment.Segment:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    if ctx.rank == 1:
+        segment.Segment.open = refuse  # type: ignore[method-assign,assignment]
+    try:
+        group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=30)
+        try:
+            group.all_reduce(torch.ones(1))
+        finally:
+            group.abort()
+    except BackendUnavailableError as exc:
+        return str(exc)
+    finally:
+        segment.Segment.open = real  # type: ignore[method-assign]
+    return "formed"
+
+
+def test_members_that_do_not_share_dev_shm_all_refuse_alike(rank_pools: Pools) -> None:
+    before = _segments()
+    for message in rank_pools(3).run(unmappable, timeout=60):
+        assert "rank 1 cannot map rank 0's segment" in message and "Permission denied" in message, message
+        assert "do not share /dev/shm" in message and "tcp" in message, message
+    assert not _segments() - before
+
+
 def absent_peer(ctx: RankContext) -> str | None:
     """Rank 1 never forms the backend: rank 0's formation times out and removes its segment."""
     if ctx.rank == 1:
@@ -242,8 +273,3 @@ def test_the_plugin_declares_the_rings_eager_limit() -> None:
     assert plugin.EAGER_LIMIT == rings.EAGER_LIMIT
     assert plugin.CAPABILITIES.eager_limit_bytes == rings.EAGER_LIMIT
     assert rings.RING_BYTES >= rings.EAGER_LIMIT + 32
-
-
-def test_backends_none_picks_shm_for_cpu() -> None:
-    spec = Registry().default_for("cpu")
-    assert spec.name == "shm", spec

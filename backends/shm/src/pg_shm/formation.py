@@ -9,7 +9,8 @@ The steps, each a round through the group's (prefixed) store:
 2. every member creates its segment (named from the group's uid, its rank and a random
    token) and publishes its path and pid;
 3. every member maps every other's segment, opens a pidfd on its pid (how a wait later sees
-   it die) and says so;
+   it die) and says whether it could: one that could not makes every member refuse alike
+   (``BackendUnavailableError``: they do not share /dev/shm);
 4. once every member has mapped every segment, each unlinks its own: from then on nothing
    of the group is in /dev/shm, whatever happens to its processes (the mappings stay valid
    until the last process unmaps or dies).
@@ -117,15 +118,21 @@ def form(ctx: BackendContext, layout: Layout) -> Members:
             try:
                 segments.append(Segment.open(path, layout.total))
             except OSError as exc:
-                raise BackendUnavailableError(
-                    f"backend 'shm', group {ctx.group_name!r}: rank {rank} cannot map rank {r}'s segment {path} "
-                    f"({exc}); the members do not share /dev/shm (separate containers or hosts). "
-                    "Use backends='tcp' or 'gloo' for this group"
-                ) from exc
+                failed = f"rank {rank} cannot map rank {r}'s segment {path} ({exc})"
+                break
             pidfds.append(_pidfd(pid))
-        store.set(f"mapped/{rank}", "1")
+        else:
+            failed = ""
+        # every member says whether it mapped them all, so that all refuse alike or none does
+        store.set(f"mapped/{rank}", failed or "ok")
         what = f"group {ctx.group_name!r} rank {rank}: pg-shm formation (mappings)"
         wait_for(store, [f"mapped/{r}" for r in range(size)], ctx.timeout, what=what)
+        refusals = [text for r in range(size) if (text := store.get(f"mapped/{r}").decode()) != "ok"]
+        if refusals:
+            raise BackendUnavailableError(
+                f"backend 'shm', group {ctx.group_name!r}: {'; '.join(refusals)}: the members do not share "
+                "/dev/shm (separate containers or hosts). Use backends='tcp' or 'gloo' for this group"
+            )
     except BaseException:
         own.unlink()
         for r, (path, pid) in published.items():
