@@ -930,3 +930,82 @@ def test_backend_defaults_run_on_send_and_recv_only(size: int) -> None:
         assert_reduced(big, big_ref, torch.float64, "big all_reduce")
         assert_reduced(small, small_ref, torch.float32, "small all_reduce")
         assert same_bits(out, torch.cat([exact_data(r, (5,), torch.float32) for r in range(size)]))
+
+
+# -- run and launch: the two forms of an algorithm's steps ---------------------------------
+
+
+class _HandChannel:
+    """A channel whose works the test completes by hand (as a transport's progress would)."""
+
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.waited: list[Work] = []
+
+    def wait(self, work: Work) -> None:
+        self.waited.append(work)
+        work.wait(WAIT_S)
+
+
+def test_launch_runs_to_the_first_pending_work_here_and_the_rest_where_works_complete() -> None:
+    ch = _HandChannel()
+    first, second = Work("a"), Work("b")
+    trace: list[tuple[str, int]] = []
+    closed: list[bool] = []
+
+    def steps() -> algorithms.Steps:
+        try:
+            trace.append(("start", threading.get_ident()))
+            yield Work.completed("ready")  # complete already: no callback, straight on
+            yield first
+            trace.append(("after first", threading.get_ident()))
+            yield second
+            trace.append(("end", threading.get_ident()))
+        finally:
+            closed.append(True)
+
+    outer = algorithms.launch(ch, steps(), "op")  # type: ignore[arg-type]
+    assert trace == [("start", threading.get_ident())] and not outer.done
+    completer = threading.Thread(target=first.set_result, args=(None,))
+    completer.start()
+    completer.join()
+    assert trace[1] == ("after first", completer.ident) and not outer.done
+    second.set_result(None)
+    assert outer.wait(WAIT_S) is True and trace[-1] == ("end", threading.get_ident()) and closed == [True]
+
+
+def test_launch_raises_what_fails_before_the_first_wait_and_fails_its_work_after() -> None:
+    def bad_argument() -> algorithms.Steps:
+        raise ValueError("gather: rank 0 is the destination and needs a gather_list")
+        yield Work.completed()  # (a generator)
+
+    with pytest.raises(ValueError, match="needs a gather_list"):
+        algorithms.launch(_HandChannel(), bad_argument())  # type: ignore[arg-type]
+
+    pending = Work("recv")
+    closed: list[bool] = []
+
+    def steps() -> algorithms.Steps:
+        try:
+            yield pending
+            raise AssertionError("the steps went on after a failed work")
+        finally:
+            closed.append(True)
+
+    outer = algorithms.launch(_HandChannel(), steps(), "op")  # type: ignore[arg-type]
+    pending.set_exception(CollectiveTimeout("Timed out after 1 s in recv", op="recv"))
+    with pytest.raises(CollectiveTimeout, match="Timed out after 1 s"):
+        outer.wait(WAIT_S)
+    assert closed == [True]
+
+
+def test_run_waits_for_every_work_with_the_channels_wait() -> None:
+    ch = _HandChannel()
+    works = [Work.completed(str(i)) for i in range(3)]
+
+    def steps() -> algorithms.Steps:
+        yield from works
+
+    algorithms.run(ch, steps())  # type: ignore[arg-type]
+    assert ch.waited == works

@@ -18,11 +18,26 @@ Guarantees every algorithm here keeps:
   (latency-optimal) paths, and :attr:`Tuning.pipeline` segments of
   :attr:`Tuning.segment_bytes` on the large (bandwidth-optimal) ones, never a
   multiple of the tensor per peer;
-* reductions run on the calling thread (see :attr:`Tuning.serial_elems`);
+* reductions run on the calling thread (see :attr:`Tuning.serial_elems`), or, launched,
+  on the thread that completed the message they need;
 * every wait is bounded by the channel's deadline;
-* the only communication is the channel's ``send``/``recv``/``isend``/``irecv``/
-  ``sendrecv``/``wait``; ``send`` may be eager or rendezvous, as long as ``isend``
-  and ``irecv`` are asynchronous (the :class:`pg_core.backend.Backend` contract).
+* the only communication is the channel's ``isend``/``irecv``/``wait``; no step waits
+  for a send whose receive the peer could only post after this rank went on (a ring
+  step posts its receive, then its send, then waits), so a backend's ``send`` may be
+  eager or rendezvous (above its ``eager_limit_bytes`` it may wait for the receiver), as
+  long as ``isend`` and ``irecv`` are asynchronous (the :class:`pg_core.backend.Backend`
+  contract).
+
+**Written once, run blocking or launched.** Each collective is a generator of
+:data:`Steps` (``all_reduce_steps`` beside ``all_reduce``, and so on): it posts its
+sends and receives with ``isend``/``irecv`` and yields each work it must see completed
+before it goes on. :func:`run` (what ``all_reduce`` and the other plain functions do)
+waits for each in the caller's thread; :func:`launch` returns a :class:`Work` at once
+and advances the steps from each work's completion, in the thread that completed it,
+with no thread of its own: the launched form (API 1.2, ``Backend.launches``) of a
+backend whose transport completes works without being waited for (pg-tcp's progress
+engine). Both forms send the same messages in the same order and fold in the same
+order, so they leave the same bits.
 
 Which algorithm runs is decided from values every rank knows (group size, element
 count, dtype and the :class:`Tuning` that every function takes as ``tuning=``,
@@ -36,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -76,6 +91,8 @@ __all__ = [
 
 class Channel(Protocol):
     """Point-to-point messaging between the ranks of one group, for one operation.
+    (The algorithms use ``isend``, ``irecv`` and ``wait``; ``send``, ``recv`` and
+    ``sendrecv`` are for a backend's own code.)
 
     ``send`` returns when the tensor may be reused; ``recv`` fills the tensor
     with the next message from ``peer`` on this channel (messages between two
@@ -372,10 +389,89 @@ def _prefer_chain(size: int, segments: int) -> bool:
     return size > 2 and segments + size - 2 < _log2_ceil(size) * segments
 
 
-def _wait_all(ch: Channel, works: list[Work]) -> None:
-    for work in works:
+# -- running an algorithm: blocking, or launched ----------------------------------
+
+#: An algorithm in steps: a generator that posts its sends and receives on the channel and
+#: yields each work it must see completed before it goes on (its buffers, its folds). Every
+#: collective here is written once, as steps; :func:`run` is its blocking form and
+#: :func:`launch` its launched one.
+Steps = Generator[Work, None, None]
+
+
+def run(ch: Channel, steps: Steps) -> None:
+    """Run ``steps`` to the end in the calling thread, waiting for each work it yields with
+    ``ch.wait`` (which raises its error): the blocking form of every collective here."""
+    for work in steps:
         ch.wait(work)
+
+
+def launch(ch: Channel, steps: Steps, op: str = "collective") -> Work:
+    """Start ``steps`` and return a :class:`Work` at once: the launched form of a collective,
+    for a channel whose works complete without being waited for (a transport with its own
+    progress, such as pg-tcp's). Everything up to the first work that is not complete yet
+    runs here, in the calling thread, so an error there (a bad argument, a broken stream)
+    raises here; after that, each completed work advances the steps in the thread that
+    completed it (``Work.add_done_callback``), up to the next one still pending, with no
+    thread of its own. The returned work completes when the steps end, or fails with the
+    first error (``ch.wait``'s, as in the blocking form), after which the steps are closed.
+    Waiting on it (or polling it) drives the work the steps are at."""
+    current: list[Work | None] = [None]
+
+    def drive(_: Work, timeout: float) -> None:
+        work = current[0]
+        if work is not None and not work.done:
+            if timeout <= 0:
+                work.is_completed()
+            else:
+                work._wait_done(timeout)
+        elif timeout > 0:  # between works (another thread is advancing the steps): wait briefly
+            outer._sleep(min(timeout, 0.001))
+
+    def advance(done: Work | None) -> Work | None:
+        """Go on after ``done``: the next work still pending (now watched), or ``None`` at the end."""
+        if done is not None:
+            ch.wait(done)  # complete: returns at once, or raises its error as the blocking form would
+        for work in steps:
+            if not work.done:
+                current[0] = work
+                work.add_done_callback(resume)
+                return work
+            ch.wait(work)
+        current[0] = None
+        outer.set_result(None)
+        return None
+
+    def resume(done: Work) -> None:
+        try:
+            advance(done)
+        except BaseException as exc:
+            current[0] = None
+            steps.close()
+            outer.set_exception(exc)
+
+    outer = Work(op, driver=drive)
+    try:
+        advance(None)
+    except BaseException:
+        steps.close()
+        raise
+    return outer
+
+
+def _all(works: list[Work]) -> Steps:
+    """Wait for each of ``works`` in order, and empty the list (it is reused)."""
+    pending = works[:]
     works.clear()
+    yield from pending
+
+
+def _exchange(ch: Channel, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int) -> Steps:
+    """Send to ``dst`` while receiving from ``src`` (how ring steps exchange data without
+    deadlock): the receive is posted first, so a rendezvous send finds it."""
+    received = ch.irecv(recv_tensor, src)
+    sent = ch.isend(send_tensor, dst)
+    yield received
+    yield sent
 
 
 # -- all_reduce ------------------------------------------------------------------
@@ -391,6 +487,11 @@ def all_reduce(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tunin
     is reduced once, by one rank, and copied to the others; temporary memory is
     :attr:`Tuning.pipeline` segments.
     """
+    run(ch, all_reduce_steps(ch, tensor, op, tuning=tuning))
+
+
+def all_reduce_steps(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tuning | None = None) -> Steps:
+    """:func:`all_reduce` in steps: see :func:`run` and :func:`launch`."""
     flat = _flat(tensor)
     kind = op.type
     tune = tuning or DEFAULT_TUNING
@@ -400,21 +501,21 @@ def all_reduce(ch: Channel, tensor: torch.Tensor, op: ReduceOp, *, tuning: Tunin
     if size == 1:
         return
     if flat.nbytes <= tune.small_bytes:
-        _direct_all_reduce(ch, flat, kind, tune.serial_elems)
+        yield from _direct_all_reduce(ch, flat, kind, tune.serial_elems)
     else:
         blocks = _blocks(flat, size)
-        _ring_reduce_scatter(ch, blocks, blocks, kind, tuning=tune)
-        _ring_all_gather(ch, blocks)
+        yield from _ring_reduce_scatter(ch, blocks, blocks, kind, tuning=tune)
+        yield from _ring_all_gather(ch, blocks)
 
 
-def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial: int) -> None:
+def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial: int) -> Steps:
     """Everyone sends to everyone; each rank folds ``x0 (op) x1 (op) ...`` in rank order."""
     size, rank = ch.size, ch.rank
     fn = BINARY_OPS[kind]
     if size == 2:
         peer = 1 - rank
         other = torch.empty_like(flat)
-        ch.sendrecv(flat, peer, other, peer)
+        yield from _exchange(ch, flat, peer, other, peer)
         if rank == 0:
             elementwise(fn, flat, flat, other, serial)
         else:
@@ -431,16 +532,16 @@ def _direct_all_reduce(ch: Channel, flat: torch.Tensor, kind: RedOpType, serial:
             if i == rank:
                 if i == 0:
                     continue
-                _wait_all(ch, sends)
+                yield from _all(sends)
                 elementwise(fn, flat, acc, flat, serial)
                 acc = flat
             elif i == 0:
                 acc = bufs[0]
-                ch.recv(acc, 0)
+                yield ch.irecv(acc, 0)
             else:
-                ch.recv(incoming, i)
+                yield ch.irecv(incoming, i)
                 if acc is flat and sends:
-                    _wait_all(ch, sends)
+                    yield from _all(sends)
                 elementwise(fn, acc, acc, incoming, serial)
     if kind is RedOpType.AVG:
         divide_(flat, size, serial)
@@ -457,7 +558,7 @@ def _ring_reduce_scatter(
     *,
     tuning: Tuning,
     factor: float | complex | None = None,
-) -> None:
+) -> Steps:
     """Segmented ring reduce-scatter: on return ``acc[rank]`` holds block ``rank`` reduced.
 
     ``own[c]`` is this rank's contribution to block ``c`` (read only); ``acc[c]``
@@ -517,8 +618,8 @@ def _ring_reduce_scatter(
             pending.append(start(posted))
             posted += 1
         swork, rwork, rbuf, mine, dest, final = pending.popleft()
-        ch.wait(rwork)
-        ch.wait(swork)  # ``dest`` may be the buffer that was sent
+        yield rwork
+        yield swork  # ``dest`` may be the buffer that was sent
         if factor is not None:
             elementwise(torch.add, dest, rbuf, mine, serial, alpha=factor)
         else:
@@ -527,25 +628,25 @@ def _ring_reduce_scatter(
             divide_(dest, size, serial)
 
 
-def _ring_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> None:
+def _ring_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> Steps:
     """Ring all-gather in place: ``blocks[rank]`` is this rank's; on return every block is filled."""
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
-        ch.sendrecv(blocks[(rank - step) % size], right, blocks[(rank - step - 1) % size], left)
+        yield from _exchange(ch, blocks[(rank - step) % size], right, blocks[(rank - step - 1) % size], left)
 
 
-def _direct_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> None:
+def _direct_all_gather(ch: Channel, blocks: Sequence[torch.Tensor]) -> Steps:
     """One message from every rank to every peer: ``blocks[rank]`` is this rank's."""
     size, rank = ch.size, ch.rank
     if size == 2:
-        ch.sendrecv(blocks[rank], 1 - rank, blocks[1 - rank], 1 - rank)
+        yield from _exchange(ch, blocks[rank], 1 - rank, blocks[1 - rank], 1 - rank)
         return
     sends = [ch.isend(blocks[rank], (rank + k) % size) for k in range(1, size)]
     for k in range(1, size):
         peer = (rank - k) % size
-        ch.recv(blocks[peer], peer)
-    _wait_all(ch, sends)
+        yield ch.irecv(blocks[peer], peer)
+    yield from _all(sends)
 
 
 # -- broadcast and reduce --------------------------------------------------------
@@ -558,6 +659,11 @@ def broadcast(ch: Channel, tensor: torch.Tensor, src: int, *, tuning: Tuning | N
     tensors on three or more ranks) the tensor flows down the chain
     ``src, src+1, ...`` in segments. No temporary memory.
     """
+    run(ch, broadcast_steps(ch, tensor, src, tuning=tuning))
+
+
+def broadcast_steps(ch: Channel, tensor: torch.Tensor, src: int, *, tuning: Tuning | None = None) -> Steps:
+    """:func:`broadcast` in steps: see :func:`run` and :func:`launch`."""
     size = ch.size
     if size == 1:
         return
@@ -566,35 +672,35 @@ def broadcast(ch: Channel, tensor: torch.Tensor, src: int, *, tuning: Tuning | N
     nseg = max(1, -(-flat.numel() // seg))
     vrank = (ch.rank - src) % size
     if _prefer_chain(size, nseg):
-        _chain_broadcast(ch, flat, vrank, seg, nseg)
+        yield from _chain_broadcast(ch, flat, vrank, seg, nseg)
     else:
-        _tree_broadcast(ch, flat, vrank, src)
+        yield from _tree_broadcast(ch, flat, vrank, src)
 
 
-def _tree_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, root: int) -> None:
+def _tree_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, root: int) -> Steps:
     size = ch.size
     parent, children = binomial_tree(vrank, size)
     if parent is not None:
-        ch.recv(flat, (parent + root) % size)
+        yield ch.irecv(flat, (parent + root) % size)
     for child in reversed(children):  # largest subtree first
-        ch.send(flat, (child + root) % size)
+        yield ch.isend(flat, (child + root) % size)
 
 
-def _chain_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, seg: int, nseg: int) -> None:
+def _chain_broadcast(ch: Channel, flat: torch.Tensor, vrank: int, seg: int, nseg: int) -> Steps:
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     previous: Work | None = None
     for j in range(nseg):
         piece = flat[j * seg : (j + 1) * seg]
         if vrank > 0:
-            ch.recv(piece, left)
+            yield ch.irecv(piece, left)
         if vrank < size - 1:
             work = ch.isend(piece, right)
             if previous is not None:
-                ch.wait(previous)
+                yield previous
             previous = work
     if previous is not None:
-        ch.wait(previous)
+        yield previous
 
 
 def reduce(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning: Tuning | None = None) -> None:
@@ -606,6 +712,11 @@ def reduce(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning:
     ``dst+size-1 -> ... -> dst``; both move the tensor in segments, so temporary
     memory is a few segments.
     """
+    run(ch, reduce_steps(ch, tensor, dst, op, tuning=tuning))
+
+
+def reduce_steps(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning: Tuning | None = None) -> Steps:
+    """:func:`reduce` in steps: see :func:`run` and :func:`launch`."""
     flat = _flat(tensor)
     tune = tuning or DEFAULT_TUNING
     size = ch.size
@@ -618,9 +729,13 @@ def reduce(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp, *, tuning:
     nseg = max(1, -(-flat.numel() // seg))
     vrank = (ch.rank - dst) % size
     if _prefer_chain(size, nseg):
-        _chain_reduce(ch, flat, vrank, kind=op.type, factor=factor, seg=seg, nseg=nseg, serial=tune.serial_elems)
+        yield from _chain_reduce(
+            ch, flat, vrank, kind=op.type, factor=factor, seg=seg, nseg=nseg, serial=tune.serial_elems
+        )
     else:
-        _tree_reduce(ch, flat, vrank, dst, kind=op.type, factor=factor, seg=seg, nseg=nseg, serial=tune.serial_elems)
+        yield from _tree_reduce(
+            ch, flat, vrank, dst, kind=op.type, factor=factor, seg=seg, nseg=nseg, serial=tune.serial_elems
+        )
 
 
 def _tree_reduce(
@@ -634,7 +749,7 @@ def _tree_reduce(
     seg: int,
     nseg: int,
     serial: int,
-) -> None:
+) -> Steps:
     size = ch.size
     vparent, vchildren = binomial_tree(vrank, size)
     parent = None if vparent is None else (vparent + root) % size
@@ -657,12 +772,12 @@ def _tree_reduce(
         for child in children:
             assert rbuf is not None
             incoming = rbuf[:n]
-            ch.recv(incoming, child)
+            yield ch.irecv(incoming, child)
             dest = abuf[:n] if acc is mine and abuf is not None else acc
             elementwise(fn, dest, acc, incoming, serial)
             acc = dest
         if parent is not None:
-            ch.send(acc, parent)
+            yield ch.isend(acc, parent)
     if parent is None and kind is RedOpType.AVG:
         divide_(flat, size, serial)
 
@@ -677,7 +792,7 @@ def _chain_reduce(
     seg: int,
     nseg: int,
     serial: int,
-) -> None:
+) -> Steps:
     """Partials flow from ``vrank size-1`` down to ``vrank 0``: ``x0 (op) (x1 (op) (...))``."""
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -692,7 +807,7 @@ def _chain_reduce(
                 scaled = sbuf[: mine.numel()]
                 elementwise(torch.mul, scaled, mine, factor, serial)
                 mine = scaled
-            ch.send(mine, left)
+            yield ch.isend(mine, left)
         return
     bufs = flat.new_empty((2, seg_len))
     sends: list[Work | None] = [None, None]
@@ -701,9 +816,9 @@ def _chain_reduce(
         slot = j & 1
         previous = sends[slot]
         if previous is not None:
-            ch.wait(previous)
+            yield previous
         incoming = bufs[slot][: mine.numel()]
-        ch.recv(incoming, right)
+        yield ch.irecv(incoming, right)
         dest = mine if vrank == 0 else incoming
         if factor is not None:
             elementwise(torch.add, dest, incoming, mine, serial, alpha=factor)
@@ -716,7 +831,7 @@ def _chain_reduce(
             sends[slot] = ch.isend(dest, left)
     for work in sends:
         if work is not None:
-            ch.wait(work)
+            yield work
 
 
 # -- gathers ---------------------------------------------------------------------
@@ -730,8 +845,15 @@ def all_gather(
     Direct exchange up to :attr:`Tuning.small_bytes` per rank, a ring beyond.
     ``tensor`` may be ``output_list[rank]`` itself.
     """
+    run(ch, all_gather_steps(ch, output_list, tensor, tuning=tuning))
+
+
+def all_gather_steps(
+    ch: Channel, output_list: list[torch.Tensor], tensor: torch.Tensor, *, tuning: Tuning | None = None
+) -> Steps:
+    """:func:`all_gather` in steps: see :func:`run` and :func:`launch`."""
     blocks = [_flat(out) for out in output_list]
-    _all_gather_blocks(ch, blocks, _flat(tensor), tuning or DEFAULT_TUNING)
+    yield from _all_gather_blocks(ch, blocks, _flat(tensor), tuning or DEFAULT_TUNING)
 
 
 def all_gather_into_tensor(
@@ -741,20 +863,27 @@ def all_gather_into_tensor(
 
     ``input`` may be this rank's block of ``output``.
     """
+    run(ch, all_gather_into_tensor_steps(ch, output, input, tuning=tuning))
+
+
+def all_gather_into_tensor_steps(
+    ch: Channel, output: torch.Tensor, input: torch.Tensor, *, tuning: Tuning | None = None
+) -> Steps:
+    """:func:`all_gather_into_tensor` in steps: see :func:`run` and :func:`launch`."""
     blocks = _blocks(_flat(output), ch.size)
-    _all_gather_blocks(ch, blocks, _flat(input), tuning or DEFAULT_TUNING)
+    yield from _all_gather_blocks(ch, blocks, _flat(input), tuning or DEFAULT_TUNING)
 
 
-def _all_gather_blocks(ch: Channel, blocks: list[torch.Tensor], mine: torch.Tensor, tuning: Tuning) -> None:
+def _all_gather_blocks(ch: Channel, blocks: list[torch.Tensor], mine: torch.Tensor, tuning: Tuning) -> Steps:
     # Sends always read this rank's output block, so an input that aliases another
     # block is copied out before anything can overwrite it.
     blocks[ch.rank].copy_(mine)
     if ch.size == 1:
         return
     if mine.nbytes <= tuning.small_bytes:
-        _direct_all_gather(ch, blocks)
+        yield from _direct_all_gather(ch, blocks)
     else:
-        _ring_all_gather(ch, blocks)
+        yield from _ring_all_gather(ch, blocks)
 
 
 def gather(
@@ -771,15 +900,27 @@ def gather(
     root receives from each rank in rank order. (``tuning`` is accepted and
     unused.)
     """
+    run(ch, gather_steps(ch, tensor, gather_list, dst, tuning=tuning))
+
+
+def gather_steps(
+    ch: Channel,
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None,
+    dst: int,
+    *,
+    tuning: Tuning | None = None,
+) -> Steps:
+    """:func:`gather` in steps: see :func:`run` and :func:`launch`."""
     if ch.rank != dst:
-        ch.send(_flat(tensor), dst)
+        yield ch.isend(_flat(tensor), dst)
         return
     if gather_list is None:
         raise ValueError(f"gather: rank {dst} is the destination and needs a gather_list")
     _flat(gather_list[dst]).copy_(_flat(tensor))
     for peer in range(ch.size):
         if peer != dst:
-            ch.recv(_flat(gather_list[peer]), peer)
+            yield ch.irecv(_flat(gather_list[peer]), peer)
 
 
 def scatter(
@@ -796,14 +937,26 @@ def scatter(
     modified. Linear: the root sends to each rank in turn. (``tuning`` is
     accepted and unused.)
     """
+    run(ch, scatter_steps(ch, tensor, scatter_list, src, tuning=tuning))
+
+
+def scatter_steps(
+    ch: Channel,
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None,
+    src: int,
+    *,
+    tuning: Tuning | None = None,
+) -> Steps:
+    """:func:`scatter` in steps: see :func:`run` and :func:`launch`."""
     if ch.rank != src:
-        ch.recv(_flat(tensor), src)
+        yield ch.irecv(_flat(tensor), src)
         return
     if scatter_list is None:
         raise ValueError(f"scatter: rank {src} is the source and needs a scatter_list")
     for k in range(1, ch.size):
         peer = (src + k) % ch.size
-        ch.send(_flat(scatter_list[peer]), peer)
+        yield ch.isend(_flat(scatter_list[peer]), peer)
     _flat(tensor).copy_(_flat(scatter_list[src]))
 
 
@@ -826,8 +979,20 @@ def reduce_scatter(
     ``output``, a segmented ring beyond (fold in ring order); either way every
     element is reduced exactly once.
     """
+    run(ch, reduce_scatter_steps(ch, output, input_list, op, tuning=tuning))
+
+
+def reduce_scatter_steps(
+    ch: Channel,
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: ReduceOp,
+    *,
+    tuning: Tuning | None = None,
+) -> Steps:
+    """:func:`reduce_scatter` in steps: see :func:`run` and :func:`launch`."""
     pieces = [_flat(piece) for piece in input_list]
-    _reduce_scatter_blocks(ch, _flat(output), pieces, op, tuning or DEFAULT_TUNING)
+    yield from _reduce_scatter_blocks(ch, _flat(output), pieces, op, tuning or DEFAULT_TUNING)
 
 
 def reduce_scatter_tensor(
@@ -837,13 +1002,20 @@ def reduce_scatter_tensor(
 
     ``output`` may be this rank's block of ``input``.
     """
+    run(ch, reduce_scatter_tensor_steps(ch, output, input, op, tuning=tuning))
+
+
+def reduce_scatter_tensor_steps(
+    ch: Channel, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, tuning: Tuning | None = None
+) -> Steps:
+    """:func:`reduce_scatter_tensor` in steps: see :func:`run` and :func:`launch`."""
     pieces = _blocks(_flat(input), ch.size)
-    _reduce_scatter_blocks(ch, _flat(output), pieces, op, tuning or DEFAULT_TUNING)
+    yield from _reduce_scatter_blocks(ch, _flat(output), pieces, op, tuning or DEFAULT_TUNING)
 
 
 def _reduce_scatter_blocks(
     ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], op: ReduceOp, tuning: Tuning
-) -> None:
+) -> Steps:
     size = ch.size
     kind = op.type
     factor = op.factor_value() if kind is RedOpType.PREMUL_SUM else None
@@ -859,16 +1031,16 @@ def _reduce_scatter_blocks(
     elif out.nbytes <= tuning.small_bytes:
         if factor is not None:
             pieces = [torch.mul(piece, factor) for piece in pieces]
-        _direct_reduce_scatter(ch, target, pieces, kind, serial)
+        yield from _direct_reduce_scatter(ch, target, pieces, kind, serial)
     else:
-        _ring_reduce_scatter(ch, pieces, [target] * size, kind, tuning=tuning, factor=factor)
+        yield from _ring_reduce_scatter(ch, pieces, [target] * size, kind, tuning=tuning, factor=factor)
     if target is not out:
         out.copy_(target)
 
 
 def _direct_reduce_scatter(
     ch: Channel, out: torch.Tensor, pieces: list[torch.Tensor], kind: RedOpType, serial: int
-) -> None:
+) -> Steps:
     """Everyone sends each peer its piece; each rank folds its block in rank order."""
     size, rank = ch.size, ch.rank
     fn = BINARY_OPS[kind]
@@ -879,18 +1051,18 @@ def _direct_reduce_scatter(
         if i == rank:
             x = pieces[rank]
         elif i == 0:
-            ch.recv(out, 0)  # x0 lands in the output, which is the accumulator from now on
+            yield ch.irecv(out, 0)  # x0 lands in the output, which is the accumulator from now on
             acc = out
             continue
         else:
-            ch.recv(incoming, i)
+            yield ch.irecv(incoming, i)
             x = incoming
         if i:
             elementwise(fn, out, acc, x, serial)
             acc = out
     if kind is RedOpType.AVG:
         divide_(out, size, serial)
-    _wait_all(ch, sends)
+    yield from _all(sends)
 
 
 # -- all_to_all ------------------------------------------------------------------
@@ -909,7 +1081,18 @@ def all_to_all(
     ``rank-k``; all sends are posted at once, so the steps overlap. Inputs are
     left unchanged. (``tuning`` is accepted and unused.)
     """
-    _all_to_all_pieces(ch, [_flat(out) for out in output_list], [_flat(piece) for piece in input_list])
+    run(ch, all_to_all_steps(ch, output_list, input_list, tuning=tuning))
+
+
+def all_to_all_steps(
+    ch: Channel,
+    output_list: list[torch.Tensor],
+    input_list: list[torch.Tensor],
+    *,
+    tuning: Tuning | None = None,
+) -> Steps:
+    """:func:`all_to_all` in steps: see :func:`run` and :func:`launch`."""
+    yield from _all_to_all_pieces(ch, [_flat(out) for out in output_list], [_flat(piece) for piece in input_list])
 
 
 def all_to_all_single(
@@ -926,10 +1109,23 @@ def all_to_all_single(
 
     ``output`` may be ``input`` itself. (``tuning`` is accepted and unused.)
     """
+    run(ch, all_to_all_single_steps(ch, output, input, output_split_sizes, input_split_sizes, tuning=tuning))
+
+
+def all_to_all_single_steps(
+    ch: Channel,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    *,
+    tuning: Tuning | None = None,
+) -> Steps:
+    """:func:`all_to_all_single` in steps: see :func:`run` and :func:`launch`."""
     out_flat, in_flat = _flat(output), _flat(input)
     if _overlaps(out_flat, in_flat):
         in_flat = in_flat.clone()
-    _all_to_all_pieces(
+    yield from _all_to_all_pieces(
         ch,
         _split(out_flat, output_split_sizes, math.prod(output.shape[1:])),
         _split(in_flat, input_split_sizes, math.prod(input.shape[1:])),
@@ -946,14 +1142,14 @@ def _split(flat: torch.Tensor, rows: list[int], row_numel: int) -> list[torch.Te
     return pieces
 
 
-def _all_to_all_pieces(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+def _all_to_all_pieces(ch: Channel, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Steps:
     size, rank = ch.size, ch.rank
     sends = [ch.isend(inputs[(rank + k) % size], (rank + k) % size) for k in range(1, size)]
     outputs[rank].copy_(inputs[rank])
     for k in range(1, size):
         peer = (rank - k) % size
-        ch.recv(outputs[peer], peer)
-    _wait_all(ch, sends)
+        yield ch.irecv(outputs[peer], peer)
+    yield from _all(sends)
 
 
 # -- barrier ---------------------------------------------------------------------
@@ -966,6 +1162,11 @@ def barrier(ch: Channel, *, tuning: Tuning | None = None, token: torch.Tensor | 
     a channel that carries empty messages may pass an empty tensor). (``tuning`` is
     accepted and unused.)
     """
+    run(ch, barrier_steps(ch, tuning=tuning, token=token))
+
+
+def barrier_steps(ch: Channel, *, tuning: Tuning | None = None, token: torch.Tensor | None = None) -> Steps:
+    """:func:`barrier` in steps: see :func:`run` and :func:`launch`."""
     size, rank = ch.size, ch.rank
     if size == 1:
         return
@@ -974,5 +1175,5 @@ def barrier(ch: Channel, *, tuning: Tuning | None = None, token: torch.Tensor | 
     echo = torch.empty_like(token)
     distance = 1
     while distance < size:
-        ch.sendrecv(token, (rank + distance) % size, echo, (rank - distance) % size)
+        yield from _exchange(ch, token, (rank + distance) % size, echo, (rank - distance) % size)
         distance <<= 1

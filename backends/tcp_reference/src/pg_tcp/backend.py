@@ -21,6 +21,17 @@ What this file shows a plugin author
   asynchronous and its sends never wait for the receiver, the generic
   algorithms are already the right ones (direct exchanges for small tensors,
   segmented rings and chains for large ones).
+* **Collectives launch without a thread** (``launches = True``, API 1.2). Every
+  algorithm is written once as steps (:data:`pg_core.algorithms.Steps`: a generator
+  that yields the works it must wait for); a blocking call runs them in the caller's
+  thread (:func:`pg_core.algorithms.run`), a call with ``async_op=True`` starts them and
+  returns a :class:`~pg_core.work.Work` at once (:func:`pg_core.algorithms.launch`):
+  each message's completion advances the steps in whichever thread drives the
+  transport, the waiter or its progress thread. Collectives start one at a time in
+  call order (:meth:`TCPBackend._collective`), so frames keep their sequence numbers.
+  Measured (``pg-core bench --async``, docs/benchmarks.md): ``async_op=True`` plus
+  ``wait()`` within a few microseconds of the blocking call, where the group's progress
+  thread cost 60-80 us before.
 * **Native only where it is measurably faster.** Three paths are pg-tcp's own, each
   measured against :mod:`pg_core.algorithms` on this same backend and transport (a
   subclass whose ``all_reduce``/``barrier`` call the core's), side by side in one run,
@@ -35,7 +46,7 @@ from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
 import torch
@@ -86,15 +97,32 @@ class TCPChannel:
 
     Every frame it sends is stamped with the call's sequence number, opcode and
     argument plus the tensor's dtype and size; every receive expects exactly that.
-    One deadline (the call's timeout) bounds every wait.
+    One deadline (the call's timeout) bounds every wait. ``launched``: the call was
+    launched (``async_op=True``), so its ``isend``/``irecv`` works complete even while
+    nobody waits (the transport's progress thread drives them while they are pending);
+    otherwise the caller, who waits for each at once, drives them.
     """
 
-    __slots__ = ("_arg", "_deadline", "_op", "_opcode", "_seq", "_timeout", "_transport", "rank", "size")
+    __slots__ = (
+        "_arg",
+        "_attach",
+        "_deadline",
+        "_op",
+        "_opcode",
+        "_seq",
+        "_timeout",
+        "_transport",
+        "rank",
+        "size",
+    )
 
-    def __init__(self, transport: Transport, op: str, seq: int, arg: int, timeout: float) -> None:
+    def __init__(
+        self, transport: Transport, op: str, seq: int, arg: int, timeout: float, *, launched: bool = False
+    ) -> None:
         self.rank = transport.rank
         self.size = transport.size
         self._transport = transport
+        self._attach = transport.post_async if launched else transport.work_for
         self._op = op
         self._opcode = OPCODE[op]
         self._seq = seq
@@ -132,10 +160,10 @@ class TCPChannel:
         self._transport.wait(self.post_recv(tensor, peer))
 
     def isend(self, tensor: torch.Tensor, peer: int) -> Work:
-        return self._transport.work_for(self.post_send(tensor, peer))
+        return self._attach(self.post_send(tensor, peer))
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> Work:
-        return self._transport.work_for(self.post_recv(tensor, peer))
+        return self._attach(self.post_recv(tensor, peer))
 
     def sendrecv(self, send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int) -> None:
         received = self.post_recv(recv_tensor, src)
@@ -168,7 +196,12 @@ class TCPBackend(Backend):
         )
         self._transport = Transport(ctx)
         self._seq = 0
+        #: the last launched collective's work: the next collective starts once it ended
+        self._last: Work | None = None
         self._scratch_bufs: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
+
+    #: collectives launch with ``async_op=True`` (API 1.2), without a thread: see :meth:`_collective`
+    launches = True
 
     def __repr__(self) -> str:
         return f"<TCPBackend group={self.ctx.group_name!r} rank={self.rank}/{self.size}>"
@@ -259,48 +292,176 @@ class TCPBackend(Backend):
             buf = self._scratch_bufs[key] = torch.empty_like(like)
         return buf
 
-    def _channel(self, op: str, timeout: float, arg: int = 0) -> TCPChannel:
+    def _channel(self, op: str, timeout: float, arg: int = 0, *, launched: bool = False) -> TCPChannel:
         """The channel of the next collective; raises at once if it cannot succeed."""
         self._seq += 1
         self._transport.begin_collective(op, self._seq, arg)
-        return TCPChannel(self._transport, op, self._seq, arg, timeout)
+        return TCPChannel(self._transport, op, self._seq, arg, timeout, launched=launched)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
-        ch = self._channel("all_reduce", timeout, _arg(op=op))
-        small = tensor.numel() * tensor.element_size() <= self._tuning.small_bytes
-        if self.size == 1 or (small and self.size > 2):
-            algorithms.all_reduce(ch, tensor, op, tuning=self._tuning)
-        elif small:
-            _pair_all_reduce(ch, tensor, op, self._scratch(tensor))
+    def _collective(
+        self, op: str, timeout: float, arg: int, steps: Callable[[TCPChannel], algorithms.Steps], async_op: bool
+    ) -> Work | None:
+        """Run collective ``op``, whose algorithm ``steps`` gives for its channel: blocking, in
+        the caller's thread (:func:`pg_core.algorithms.run`), or launched (``async_op``), its
+        work returned at once and its steps advanced by the completion of each message
+        (:func:`pg_core.algorithms.launch`), with no thread of its own.
+
+        Collectives start one at a time, in call order, as the frames' sequence numbers
+        require: one called while a launched one is still running starts when that one ends.
+        A blocking one waits for it here (driving the transport); a launched one is chained
+        behind it, so the caller never blocks. A chained collective's timeout counts from its
+        start."""
+        last = self._last
+        if not async_op:
+            if last is not None and not last.done:
+                last.exception()  # its own deadline bounds it; a failure broke the stream, which _channel says
+            ch = self._channel(op, timeout, arg)
+            algorithms.run(ch, steps(ch))
+            return None
+        if last is None or last.done:
+            ch = self._channel(op, timeout, arg, launched=True)
+            work = algorithms.launch(ch, steps(ch), op)
         else:
-            _ring_all_reduce(ch, tensor.view(-1), op, self._tuning)
+            work = self._behind(last, op, timeout, arg, steps)
+        self._last = work
+        return work
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:
-        algorithms.broadcast(self._channel("broadcast", timeout, _arg(root=src)), tensor, src, tuning=self._tuning)
+    def _behind(
+        self, last: Work, op: str, timeout: float, arg: int, steps: Callable[[TCPChannel], algorithms.Steps]
+    ) -> Work:
+        """Collective ``op``, launched once ``last`` (the previous launched collective) ended."""
+        started: list[Work] = []
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> None:
-        ch = self._channel("reduce", timeout, _arg(root=dst, op=op))
-        algorithms.reduce(ch, tensor, dst, op, tuning=self._tuning)
+        def drive(_: Work, seconds: float) -> None:
+            inner = started[0] if started else last
+            if seconds <= 0:
+                inner.is_completed()
+            elif not inner.done:
+                inner._wait_done(seconds)
+            else:  # ended, and the callback that goes on is running in another thread
+                outer._sleep(min(seconds, 0.001))
 
-    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
-        algorithms.all_gather(self._channel("all_gather", timeout), output_list, tensor, tuning=self._tuning)
+        outer = Work(op, driver=drive)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> None:
-        ch = self._channel("all_gather_into_tensor", timeout)
-        algorithms.all_gather_into_tensor(ch, output, input, tuning=self._tuning)
+        def ended(inner: Work) -> None:
+            if inner._exc is not None:
+                outer.set_exception(inner._exc)
+            else:
+                outer.set_result(None)
+
+        def start(_: Work) -> None:
+            try:
+                ch = self._channel(op, timeout, arg, launched=True)
+                inner = algorithms.launch(ch, steps(ch), op)
+            except BaseException as exc:
+                outer.set_exception(exc)
+                return
+            started.append(inner)
+            inner.add_done_callback(ended)
+
+        last.add_done_callback(start)
+        return outer
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        small = tensor.numel() * tensor.element_size() <= self._tuning.small_bytes
+        tuning = self._tuning
+        steps: Callable[[TCPChannel], algorithms.Steps]
+        if self.size == 1 or (small and self.size > 2):
+            steps = lambda ch: algorithms.all_reduce_steps(ch, tensor, op, tuning=tuning)  # noqa: E731
+        elif small:
+            scratch = self._scratch(tensor)
+            steps = lambda ch: _pair_all_reduce(ch, tensor, op, scratch)  # noqa: E731
+        else:
+            steps = lambda ch: _ring_all_reduce(ch, tensor.view(-1), op, tuning)  # noqa: E731
+        return self._collective("all_reduce", timeout, _arg(op=op), steps, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
+        tuning = self._tuning
+        return self._collective(
+            "broadcast",
+            timeout,
+            _arg(root=src),
+            lambda ch: algorithms.broadcast_steps(ch, tensor, src, tuning=tuning),
+            async_op,
+        )
+
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        tuning = self._tuning
+        return self._collective(
+            "reduce",
+            timeout,
+            _arg(root=dst, op=op),
+            lambda ch: algorithms.reduce_steps(ch, tensor, dst, op, tuning=tuning),
+            async_op,
+        )
+
+    def all_gather(
+        self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        tuning = self._tuning
+        return self._collective(
+            "all_gather",
+            timeout,
+            0,
+            lambda ch: algorithms.all_gather_steps(ch, output_list, tensor, tuning=tuning),
+            async_op,
+        )
+
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        tuning = self._tuning
+        return self._collective(
+            "all_gather_into_tensor",
+            timeout,
+            0,
+            lambda ch: algorithms.all_gather_into_tensor_steps(ch, output, input, tuning=tuning),
+            async_op,
+        )
 
     def reduce_scatter(
-        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
-    ) -> None:
-        ch = self._channel("reduce_scatter", timeout, _arg(op=op))
-        algorithms.reduce_scatter(ch, output, input_list, op, tuning=self._tuning)
+        self,
+        output: torch.Tensor,
+        input_list: list[torch.Tensor],
+        op: ReduceOp,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        tuning = self._tuning
+        return self._collective(
+            "reduce_scatter",
+            timeout,
+            _arg(op=op),
+            lambda ch: algorithms.reduce_scatter_steps(ch, output, input_list, op, tuning=tuning),
+            async_op,
+        )
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
-        ch = self._channel("reduce_scatter_tensor", timeout, _arg(op=op))
-        algorithms.reduce_scatter_tensor(ch, output, input, op, tuning=self._tuning)
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        tuning = self._tuning
+        return self._collective(
+            "reduce_scatter_tensor",
+            timeout,
+            _arg(op=op),
+            lambda ch: algorithms.reduce_scatter_tensor_steps(ch, output, input, op, tuning=tuning),
+            async_op,
+        )
 
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
-        algorithms.all_to_all(self._channel("all_to_all", timeout), output_list, input_list)
+    def all_to_all(
+        self,
+        output_list: list[torch.Tensor],
+        input_list: list[torch.Tensor],
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        return self._collective(
+            "all_to_all", timeout, 0, lambda ch: algorithms.all_to_all_steps(ch, output_list, input_list), async_op
+        )
 
     def all_to_all_single(
         self,
@@ -310,25 +471,57 @@ class TCPBackend(Backend):
         input_split_sizes: list[int],
         *,
         timeout: float,
-    ) -> None:
-        ch = self._channel("all_to_all_single", timeout)
-        algorithms.all_to_all_single(ch, output, input, output_split_sizes, input_split_sizes)
+        async_op: bool = False,
+    ) -> Work | None:
+        return self._collective(
+            "all_to_all_single",
+            timeout,
+            0,
+            lambda ch: algorithms.all_to_all_single_steps(ch, output, input, output_split_sizes, input_split_sizes),
+            async_op,
+        )
 
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
-        algorithms.gather(self._channel("gather", timeout, _arg(root=dst)), tensor, gather_list, dst)
+    def gather(
+        self,
+        tensor: torch.Tensor,
+        gather_list: list[torch.Tensor] | None,
+        dst: int,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        return self._collective(
+            "gather",
+            timeout,
+            _arg(root=dst),
+            lambda ch: algorithms.gather_steps(ch, tensor, gather_list, dst),
+            async_op,
+        )
 
     def scatter(
-        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
-    ) -> None:
-        algorithms.scatter(self._channel("scatter", timeout, _arg(root=src)), tensor, scatter_list, src)
+        self,
+        tensor: torch.Tensor,
+        scatter_list: list[torch.Tensor] | None,
+        src: int,
+        *,
+        timeout: float,
+        async_op: bool = False,
+    ) -> Work | None:
+        return self._collective(
+            "scatter",
+            timeout,
+            _arg(root=src),
+            lambda ch: algorithms.scatter_steps(ch, tensor, scatter_list, src),
+            async_op,
+        )
 
-    def barrier(self, *, timeout: float) -> None:
+    def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
         """The core's dissemination barrier with an empty token instead of a one-byte one: a
         frame that is only a header completes on the read that finds it. Medians against
         the default token on this transport (200 barriers x 15 interleaved batches, two
         runs): 2 ranks 53 vs 84 and 47 vs 63 us, 3 ranks 248 vs 334 and 192 vs 229 us,
         4 ranks 281 vs 377 and 241 vs 276 us."""
-        algorithms.barrier(self._channel("barrier", timeout), token=_EMPTY)
+        return self._collective("barrier", timeout, 0, lambda ch: algorithms.barrier_steps(ch, token=_EMPTY), async_op)
 
     # -- life ------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -346,23 +539,22 @@ class TCPBackend(Backend):
         return self._transport.closed
 
 
-def _pair_all_reduce(ch: TCPChannel, tensor: torch.Tensor, op: ReduceOp, scratch: torch.Tensor) -> None:
+def _pair_all_reduce(ch: TCPChannel, tensor: torch.Tensor, op: ReduceOp, scratch: torch.Tensor) -> algorithms.Steps:
     """Two ranks, small tensor: swap contributions in one round and fold ``x0 (op) x1``.
 
     The same fold as :func:`pg_core.algorithms.all_reduce`'s direct path, without its
-    ``Work`` objects and temporary allocations: at this size the Python overhead is
-    the latency. ``scratch`` receives the peer's contribution. Measured against the
-    core's direct path (``pg-core bench``, 2 ranks, two runs): 4 B 85 vs 93 us and 106
-    vs 104 us (within noise), 64 KiB 75 vs 112 us and 111 vs 180 us (0.6-0.7x).
+    temporary allocations: at this size the Python overhead is the latency. ``scratch``
+    receives the peer's contribution. Measured against the core's direct path
+    (``pg-core bench``, 2 ranks, two runs): 4 B 85 vs 93 us and 106 vs 104 us (within
+    noise), 64 KiB 75 vs 112 us and 111 vs 180 us (0.6-0.7x).
     """
     kind = op.type
     if kind is RedOpType.PREMUL_SUM:
         tensor.mul_(op.factor_value())
     peer = 1 - ch.rank
-    transport = ch._transport
-    received = ch.post_recv(scratch, peer)
-    transport.wait(ch.post_send(tensor, peer))
-    transport.wait(received)
+    received = ch.irecv(scratch, peer)
+    yield ch.isend(tensor, peer)
+    yield received
     first, second = (tensor, scratch) if ch.rank == 0 else (scratch, tensor)
     _FOLD[kind](first, second, out=tensor)
     if kind is RedOpType.AVG:
@@ -373,7 +565,7 @@ def _pair_all_reduce(ch: TCPChannel, tensor: torch.Tensor, op: ReduceOp, scratch
 _FOLD = algorithms.BINARY_OPS
 
 
-def _ring_all_reduce(ch: TCPChannel, flat: torch.Tensor, op: ReduceOp, tuning: algorithms.Tuning) -> None:
+def _ring_all_reduce(ch: TCPChannel, flat: torch.Tensor, op: ReduceOp, tuning: algorithms.Tuning) -> algorithms.Steps:
     """Large all_reduce: a lock-step pipelined ring (reduce-scatter, then all-gather).
 
     Kept because it beats the core's ring on this transport: medians against
@@ -402,7 +594,6 @@ def _ring_all_reduce(ch: TCPChannel, flat: torch.Tensor, op: ReduceOp, tuning: a
     size, rank = ch.size, ch.rank
     right, left = (rank + 1) % size, (rank - 1) % size
     kind = op.type
-    transport = ch._transport
     fold = _FOLD[kind]
     serial, segment_bytes = tuning.serial_elems, tuning.segment_bytes
     if kind is RedOpType.PREMUL_SUM:
@@ -418,32 +609,31 @@ def _ring_all_reduce(ch: TCPChannel, flat: torch.Tensor, op: ReduceOp, tuning: a
         return [flat[min(lo + j * seg, hi) : min(lo + (j + 1) * seg, hi)] for j in range(nseg)]
 
     bufs = flat.new_empty((2, min(seg, longest)))
-    sends: list[Send] = []
+    sends: list[Work] = []
     outgoing = segments(rank)
     for step in range(size - 1):  # reduce-scatter
         pieces = segments((rank - step - 1) % size)
         final = step == size - 2
-        received = ch.post_recv(bufs[0][: pieces[0].numel()], left)
-        sends.append(ch.post_send(outgoing[0], right))
+        received = ch.irecv(bufs[0][: pieces[0].numel()], left)
+        sends.append(ch.isend(outgoing[0], right))
         for j, piece in enumerate(pieces):
-            transport.wait(received)
+            yield received
             incoming = bufs[j % 2][: piece.numel()]
             if j + 1 < nseg:
-                received = ch.post_recv(bufs[(j + 1) % 2][: pieces[j + 1].numel()], left)
-                sends.append(ch.post_send(outgoing[j + 1], right))
+                received = ch.irecv(bufs[(j + 1) % 2][: pieces[j + 1].numel()], left)
+                sends.append(ch.isend(outgoing[j + 1], right))
             algorithms.elementwise(fold, piece, piece, incoming, serial)
             if final and kind is RedOpType.AVG:
                 algorithms.divide_(piece, size, serial)
         outgoing = pieces
     for step in range(size - 1):  # all-gather
         pieces = segments((rank - step) % size)
-        received = ch.post_recv(pieces[0], left)
-        sends.append(ch.post_send(outgoing[0], right))
+        received = ch.irecv(pieces[0], left)
+        sends.append(ch.isend(outgoing[0], right))
         for j in range(nseg):
-            transport.wait(received)
+            yield received
             if j + 1 < nseg:
-                received = ch.post_recv(pieces[j + 1], left)
-                sends.append(ch.post_send(outgoing[j + 1], right))
+                received = ch.irecv(pieces[j + 1], left)
+                sends.append(ch.isend(outgoing[j + 1], right))
         outgoing = pieces
-    for req in sends:
-        transport.wait(req)
+    yield from sends

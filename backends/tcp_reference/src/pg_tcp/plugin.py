@@ -46,7 +46,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=("cpu",),
             capabilities=CAPABILITIES,
             priority=10,
-            api_version="1.4",  # recv_anysource (1.4); send_bytes with a list of parts (1.1); it does not launch
+            api_version="1.4",  # recv_anysource (1.4); launched collectives (1.2); send_bytes with a list of parts (1.1)
             description="pure Python over TCP sockets: the reference backend, no dependencies beyond pg-core",
         )
     ]

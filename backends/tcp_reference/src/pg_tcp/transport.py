@@ -131,9 +131,17 @@ sender whose socket is full keeps reading its incoming side while it waits, so t
 ranks sending large messages to each other never deadlock.
 
 A background progress thread exists only for asynchronous requests (``isend``/
-``irecv`` handed to the user as a ``Work``): it drives while at least one is
-outstanding, so a 64 MiB ``isend`` overlaps with the caller's compute, and sleeps
-on the condition otherwise.
+``irecv`` handed to the user as a ``Work``, and the messages of a launched collective,
+:meth:`Transport.post_async`): it drives while at least one is outstanding, so a 64 MiB
+``isend`` overlaps with the caller's compute, and sleeps on the condition otherwise.
+A thread that waits for a request of its own drives first: it takes the driver role over
+from the progress thread (whose poll it interrupts through the wake-up socketpair), and
+the progress thread stands by while such a thread is here. So the data of an
+asynchronous request waited for at once lands, and its ``Work``'s callbacks run (the
+next steps of a launched collective), in the waiter's own thread, without a thread
+switch after the data arrives. The progress thread runs at the idle scheduling class
+where there is one (``SCHED_IDLE``): being woken for each asynchronous request then
+never preempts the thread that posted it (see :meth:`Transport._progress_loop`).
 
 **Failures.** EOF or a read error from a peer marks it failed at once: every
 request that depends on it raises :class:`~pg_core.errors.PeerFailureError`
@@ -181,6 +189,7 @@ import fcntl
 import hmac
 import logging
 import mmap
+import os
 import secrets
 import select
 import socket
@@ -647,6 +656,8 @@ class Transport:
         self._idle = threading.Condition(self._lock)  # the progress thread, when nothing is asynchronous
         self._driving = False
         self._driver_ident = 0
+        self._driver_background = False  # the progress thread is the driver
+        self._foreground = 0  # threads in _drive waiting for a request of their own: they drive first
         self._closed: str | None = None  # "shut down" / "aborted": no new requests
         self._stopping = False  # the progress thread must exit
         self._posted: dict[tuple[int, int, int], deque[Recv]] = {}  # (peer or ANY, kind, tag) -> receives
@@ -1160,26 +1171,46 @@ class Transport:
             return limit
         return min(limit, req.announce_at)
 
-    def _drive(self, want: Request | None, timeout: float) -> None:
-        """One round of progress: become the driver and poll, or sleep until the driver signals."""
+    def _drive(self, want: Request | None, timeout: float, *, background: bool = False) -> None:
+        """One round of progress: become the driver and poll, or sleep until the driver signals.
+
+        A thread waiting for a request of its own (``want``) drives before the progress thread
+        (``background``): it takes the role over (the progress thread's poll is interrupted, and
+        it stands by while such a thread is here), so what completes the waiter's request, and
+        the callbacks of its work, run in the waiter's thread, with no thread switch after the
+        data arrives."""
         with self._lock:
             if (want is not None and want.done) or self._stopping:
                 return
+            if background and self._foreground:  # a waiter drives: stand by until it leaves
+                self._idle.wait(timeout)
+                return
+            foreground = want is not None
             if self._driving:
+                if foreground and self._driver_background:
+                    self._wake_driver()  # the progress thread yields on its next round
                 self._sleepers += 1
+                self._foreground += foreground
                 self._cond.wait(timeout)
                 self._sleepers -= 1
+                self._foreground -= foreground
                 return
             self._driving = True
+            self._driver_background = background
             self._driver_ident = threading.get_ident()
+            self._foreground += foreground
         try:
             self._poll_round(want, timeout)
         finally:
             with self._lock:
                 self._driving = False
+                self._driver_background = False
                 self._driver_ident = 0
+                self._foreground -= foreground
                 if self._sleepers:
                     self._cond.notify_all()
+                if foreground and not self._foreground and self._async:
+                    self._idle.notify()  # the progress thread drives what is left
             if self._finished_works:
                 self._settle()
 
@@ -2119,7 +2150,17 @@ class Transport:
     # == the progress thread ==================================================================
 
     def _progress_loop(self) -> None:
-        """Drive progress while asynchronous requests are outstanding; sleep otherwise."""
+        """Drive progress while asynchronous requests are outstanding; sleep otherwise.
+
+        The thread runs at the idle scheduling class where the platform has one (Linux's
+        ``SCHED_IDLE``): it only has to move data while the thread that posted it computes,
+        so it takes a core nobody else wants. Being woken for every asynchronous request
+        then never preempts the thread that posted it, which usually waits for it at once and
+        drives it itself: at normal priority that wake-up cost a launched 4-byte all_reduce
+        between two ranks pinned to one core each 30-60 us, at idle priority 5-20 us
+        (docs/benchmarks.md)."""
+        with contextlib.suppress(AttributeError, OSError):  # (not Linux, or refused: normal priority)
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             with self._lock:
                 while not self._async and not self._stopping:
@@ -2135,7 +2176,7 @@ class Transport:
             for req in waiting:  # never waits for the store here: other requests need this thread
                 if not req.done:
                     horizon = self._tick(req, now, horizon, block=False)
-            self._drive(None, min(max(horizon - time.monotonic(), 0.0), 0.5))
+            self._drive(None, min(max(horizon - time.monotonic(), 0.0), 0.5), background=True)
 
     # == life ===========================================================================
 
