@@ -40,6 +40,7 @@ DISTS = {
     "pg-gloo": ("backends/gloo", "pg_gloo"),
     "pg-nccl": ("backends/nccl", "pg_nccl"),
     "pg-mpi": ("backends/mpi", "pg_mpi"),
+    "pg-shm": ("backends/shm", "pg_shm"),
     "pg-storecomm": ("examples/third_party_plugin", "pg_storecomm"),
 }
 
@@ -201,7 +202,7 @@ print(json.dumps(out))
 def test_pg_core_backends_lists_every_in_repo_backend_as_available(venv: Path) -> None:
     table = _run([BIN / "pg-core", "backends"], cwd=venv, env=_outside_env(), timeout=120).stdout
     rows = {line.split()[0]: line for line in table.splitlines()[1:] if line.strip()}
-    for name, dist in (("tcp", "pg-tcp"), ("gloo", "pg-gloo"), ("storecomm", "pg-storecomm")):
+    for name, dist in (("tcp", "pg-tcp"), ("gloo", "pg-gloo"), ("shm", "pg-shm"), ("storecomm", "pg-storecomm")):
         assert name in rows, table
         assert f"{dist}=={_declared_version(dist)}" in rows[name] and rows[name].rstrip().endswith("available"), table
     entries = json.loads(
