@@ -903,15 +903,21 @@ class MPIBackend(Backend):
         :meth:`_reserve`). Above it, ``MPI_Isend`` from the tensor's own memory, waited for
         (:meth:`_rendezvous`): it returns once MPI is done with the tensor, which for a large
         message is once the receiver has posted the matching receive."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if nbytes > EAGER_LIMIT:
             self._rendezvous(tensor, dst, tag, timeout)
             return
         if self._buffered:
-            comm = self._check("send", [dst], sending=True)
+            mpi = self._mpi
+            unheard = self._sent_unheard + 1
+            if unheard < _CHECK_EVERY and self._closed is None and not self._send_errors and not self._aborted_peers:
+                self._sent_unheard = unheard  # (the hot path: _check's work only where there is something to refuse)
+                comm = self._comm
+            else:
+                comm = self._check("send", [dst], sending=True)
             try:
-                comm.Bsend([self._memory(tensor), nbytes, self._mpi.BYTE], dst, tag)
-            except self._mpi.Exception as exc:
+                comm.Bsend([mpi.buffer.fromaddress(tensor.data_ptr(), nbytes), nbytes, mpi.BYTE], dst, tag)
+            except mpi.Exception as exc:
                 raise self._error(exc, f"send to rank {dst} (tag {tag})", [dst]) from exc
             return
         what = f"send to rank {dst} (tag {tag})"
@@ -1024,11 +1030,21 @@ class MPIBackend(Backend):
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float) -> int:
         """A blocking receive from ``src`` (``None``: any source); the sender's rank."""
+        mpi = self._mpi
         peers = self._peers(src)
-        comm = self._check("recv", () if src is None else peers)
-        status = self._mpi.Status()
+        # (the hot path: _check's work only where there is something to refuse)
+        if self._closed is None and not self._send_errors:
+            comm = self._comm
+        else:
+            comm = self._check("recv", () if src is None else peers)
+        status = mpi.Status()
+        nbytes = tensor.nbytes
         try:
-            request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
+            request = comm.Irecv(
+                [mpi.buffer.fromaddress(tensor.data_ptr(), nbytes), nbytes, mpi.BYTE],
+                mpi.ANY_SOURCE if src is None else src,
+                tag,
+            )
             try:
                 if not request.Test(status) and not self._poll(
                     lambda: request.Test(status),
@@ -1040,9 +1056,11 @@ class MPIBackend(Backend):
             except PeerFailureError as exc:
                 what = _receiving(src, tag)
                 self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers, failure=exc)
-        except self._mpi.Exception as exc:
+        except mpi.Exception as exc:
             raise self._received_error(exc, tensor, _sender(src, status), tag) from exc
-        return self._check_count(status, tensor, tag)
+        if status.Get_count(mpi.BYTE) != nbytes:
+            self._check_count(status, tensor, tag)  # (raises, naming the sender)
+        return src if src is not None else int(status.Get_source())
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
         """``MPI_Irecv`` into the tensor's memory, posted now (so receives on one stream match
