@@ -168,8 +168,9 @@ def _rss() -> int:
 
 
 def test_isend_to_a_slow_receiver_holds_at_most_the_budget(rank_pools: Pools) -> None:
-    total, piece, budget = 256 << 20, EAGER_LIMIT_BYTES, 32 << 20
+    total, piece, budget = 1 << 30, EAGER_LIMIT_BYTES, 64 << 20
     sender, _ = rank_pools(2).run(slow_receiver, total, piece, budget, timeout=240)
     assert budget - piece - 16 * 128 < sender["held"] <= budget, sender  # copies up to the budget, then it waited
     growth = sender["peak"] - sender["before"]
-    assert growth < budget + (24 << 20), sender  # the budget, and the piece being copied, not 256 MiB
+    # the budget, the piece being copied and the allocator's slack (freed 4 MiB blocks it keeps), not 1 GiB
+    assert growth < budget + (128 << 20), sender

@@ -46,7 +46,7 @@ def _until(predicate: Callable[[], bool], within: float = 10.0) -> bool:
 
 
 def test_the_eager_limit_is_declared_on_every_device() -> None:
-    assert CAPABILITIES.eager_limit_bytes == CUDA_CAPABILITIES.eager_limit_bytes == LIMIT == 256 << 10
+    assert CAPABILITIES.eager_limit_bytes == CUDA_CAPABILITIES.eager_limit_bytes == LIMIT == 4 << 20
 
 
 def at_and_above_the_limit(ctx: RankContext) -> dict[str, Any]:
@@ -82,10 +82,10 @@ def test_a_send_at_the_limit_returns_before_its_receiver_and_one_above_waits_for
 
 
 def isend_without_a_copy(ctx: RankContext) -> dict[str, Any]:
-    """Rank 0 isends 4 MiB and changes the tensor before rank 1 posts its receive: Gloo sends
-    from the tensor itself (rank 1 gets the change), and the work completes only once rank 1
-    has received. An isend at the limit is a copy, done at once."""
-    n = (4 << 20) // 4
+    """Rank 0 isends twice the limit and changes the tensor before rank 1 posts its receive: Gloo
+    sends from the tensor itself (rank 1 gets the change), and the work completes only once rank
+    1 has received. An isend at the limit is a copy, done at once."""
+    n = 2 * LIMIT // 4
     with _group(ctx) as group:
         if ctx.rank == 0:
             small = torch.full((LIMIT // 4,), 3.0)
@@ -114,7 +114,7 @@ def test_isend_leaves_the_tensor_to_gloo_until_its_work_completes(rank_pools: Po
     assert receiver == {"small": 3.0, "got": [2.0, 2.0]}
 
 
-_SIZES = [4 << 20, 16, LIMIT + 4, 1 << 20, 8]  # bytes: two-part and one-part messages, mixed
+_SIZES = [2 * LIMIT, 16, LIMIT + 4, LIMIT // 2, 8]  # bytes: two-part and one-part messages, mixed
 
 
 def irecvs_in_stream_order(ctx: RankContext) -> dict[str, Any]:
@@ -152,10 +152,10 @@ def test_irecvs_are_posted_in_stream_order_and_complete_without_a_wait(rank_pool
 
 
 def mismatched_large_then_whole(ctx: RankContext) -> dict[str, Any]:
-    """Rank 0 sends 1 MiB of float32, then 1 MiB + 4 of float32 (isend: each waits for its
-    receive); rank 1 receives the first into a tensor one element too small (refused, the
-    tensor untouched) and as int32 (refused), then the second whole."""
-    n = (1 << 20) // 4
+    """Rank 0 sends twice the limit of float32 twice, then one element more (isend: each waits
+    for its receive); rank 1 receives the first into a tensor one element too small (refused,
+    the tensor untouched), the second as int32 (refused), then the third whole."""
+    n = 2 * LIMIT // 4
     with _group(ctx) as group:
         if ctx.rank == 0:
             works = [group.isend(torch.full((n,), 5.0), 1), group.isend(torch.full((n,), 6.0), 1)]
@@ -165,7 +165,7 @@ def mismatched_large_then_whole(ctx: RankContext) -> dict[str, Any]:
             group.barrier()
             return {}
         small = torch.full((n - 1,), -1.0)
-        with pytest.raises(CollectiveMismatchError, match=r"262144 x float32.*262143 x float32") as err:
+        with pytest.raises(CollectiveMismatchError, match=rf"{n} x float32.*{n - 1} x float32") as err:
             group.recv(small, 0)
         wrong = torch.full((n,), -1, dtype=torch.int32)
         with pytest.raises(CollectiveMismatchError, match="int32"):
@@ -200,7 +200,7 @@ def peer_dies_during(ctx: RankContext, what: str) -> dict[str, Any] | None:
     started = time.monotonic()
     try:
         if what == "send":
-            group.send(torch.ones((4 << 20) // 4), 1)
+            group.send(torch.ones(2 * LIMIT // 4), 1)
         else:
             group.irecv(torch.empty(4), 1).wait()
     except PeerFailureError as exc:
@@ -219,10 +219,10 @@ def test_a_peer_that_dies_during_a_large_send_or_an_irecv_is_a_peer_failure(rank
 
 
 def shutdown_with_an_isend_in_flight(ctx: RankContext) -> dict[str, Any]:
-    """Rank 0 isends 4 MiB and shuts down before rank 1 receives it: shutdown waits for the
-    send (rank 1 receives it whole), the work is then complete, and nothing is left behind (the
-    pool checks threads and sockets)."""
-    n = (4 << 20) // 4
+    """Rank 0 isends twice the limit and shuts down before rank 1 receives it: shutdown waits for
+    the send (rank 1 receives it whole), the work is then complete, and nothing is left behind
+    (the pool checks threads and sockets)."""
+    n = 2 * LIMIT // 4
     group = _group(ctx)
     if ctx.rank == 0:
         t = torch.full((n,), 4.0)
