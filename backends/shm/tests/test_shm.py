@@ -210,6 +210,38 @@ def test_members_that_do_not_share_dev_shm_all_refuse_alike(rank_pools: Pools) -
     assert not _segments() - before
 
 
+def full_dev_shm(ctx: RankContext) -> str:
+    """Rank 1 finds /dev/shm full when it creates its segment."""
+    from pg_shm import segment
+
+    real = segment.Segment.create
+
+    def full(prefix: str, size: int) -> segment.Segment:
+        raise OSError(28, "No space left on device")
+
+    if ctx.rank == 1:
+        segment.Segment.create = full  # type: ignore[method-assign,assignment]
+    try:
+        group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=30)
+        try:
+            group.barrier()
+        finally:
+            group.abort()
+    except BackendUnavailableError as exc:
+        return str(exc)
+    finally:
+        segment.Segment.create = real  # type: ignore[method-assign]
+    return "formed"
+
+
+def test_a_full_dev_shm_is_refused_by_every_member_with_what_to_do(rank_pools: Pools) -> None:
+    before = _segments()
+    for message in rank_pools(2).run(full_dev_shm, timeout=60):
+        assert "rank 1 could not create" in message and "No space left" in message, message
+        assert "slot_bytes" in message and "--shm-size" in message, message
+    assert not _segments() - before
+
+
 def absent_peer(ctx: RankContext) -> str | None:
     """Rank 1 never forms the backend: rank 0's formation times out and removes its segment."""
     if ctx.rank == 1:

@@ -38,8 +38,11 @@ from .waiting import SLICE, Liveness
 
 __all__ = ["ShmBackend"]
 
-#: Bytes of each of a member's two collective slots (``slot_bytes`` option).
-DEFAULT_SLOT_BYTES = 4 << 20
+#: Bytes of each of a member's two collective slots (``slot_bytes`` option). 64 MiB all_reduce
+#: at 2 ranks, load 7 on 2 cores (2026-11-27): 104 ms with 4 MiB slots (32 phases), 64 ms with
+#: 16 MiB (8 phases), torch's Gloo 88 ms in the same processes. A member's segment is two slots
+#: plus 1 MiB per peer: 35 MiB at 4 ranks.
+DEFAULT_SLOT_BYTES = 16 << 20
 
 
 class ShmBackend(Backend):

@@ -164,25 +164,33 @@ class Shared:
     def _all_reduce_piece(self, piece: torch.Tensor, fn: object, deadline: float) -> None:
         """Phase ``s`` (slot A): contribute, then fold this member's share of every slot A.
         Phase ``s + 1`` (slot B): publish the share, then copy every member's share."""
-        n, size, dtype = piece.numel(), self.size, piece.dtype
+        n, size, dtype, me = piece.numel(), self.size, piece.dtype, self.rank
+        bounds = [n * r // size for r in range(size + 1)]
+        lo, hi = bounds[me], bounds[me + 1]
         s, a = self._begin(deadline, "all_reduce", writes=True)
-        self._slot(self.rank, a, dtype, n).copy_(piece)
+        mine = self._slot(me, a, dtype, n)
+        # only the others read this member's slot outside its share; ranks 0 and 1 fold their share
+        # from the tensor itself (it is the fold's first output), the others need theirs kept aside
+        direct = me < 2
+        if direct:
+            mine[:lo].copy_(piece[:lo])
+            mine[hi:].copy_(piece[hi:])
+        else:
+            mine.copy_(piece)
         self._publish(s)
         self._wait_all(s, deadline, "all_reduce", "contributing")
-        bounds = [n * r // size for r in range(size + 1)]
-        lo, hi = bounds[self.rank], bounds[self.rank + 1]
         out = piece[lo:hi]
         if hi > lo:
-            slots = [self._slot(r, a, dtype, n)[lo:hi] for r in range(size)]
+            slots = [out if direct and r == me else self._slot(r, a, dtype, n)[lo:hi] for r in range(size)]
             fn(slots[0], slots[1], out=out)  # type: ignore[operator]
             for other in slots[2:]:
                 fn(out, other, out=out)  # type: ignore[operator]
         s2, b = self._begin(deadline, "all_reduce", writes=True)
-        self._slot(self.rank, b, dtype, n)[lo:hi].copy_(out)
+        self._slot(me, b, dtype, n)[lo:hi].copy_(out)
         self._publish(s2)
         self._wait_all(s2, deadline, "all_reduce", "reducing their shares")
         for r in range(size):
-            if r != self.rank and bounds[r + 1] > bounds[r]:
+            if r != me and bounds[r + 1] > bounds[r]:
                 piece[bounds[r] : bounds[r + 1]].copy_(self._slot(r, b, dtype, n)[bounds[r] : bounds[r + 1]])
 
     def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> None:

@@ -96,7 +96,16 @@ def form(ctx: BackendContext, layout: Layout) -> Members:
     do not come, ``OSError`` for a full /dev/shm; nothing it made is left behind then."""
     _check_one_host(ctx)
     rank, size, store = ctx.rank, ctx.size, ctx.store
-    own = Segment.create(_prefix(ctx), layout.total)
+    try:
+        own = Segment.create(_prefix(ctx), layout.total)
+    except OSError as exc:
+        reason = (
+            f"rank {rank} could not create its {layout.total}-byte segment in /dev/shm ({exc}); "
+            f"/dev/shm has {_free()} bytes free. Pass a smaller options={{'shm': {{'slot_bytes': N}}}} (two slots "
+            "per member; the default is 16 MiB) or give /dev/shm more room (docker run --shm-size)"
+        )
+        store.set(f"seg/{rank}", f"-1 {reason}")  # the others refuse with this reason instead of timing out
+        raise BackendUnavailableError(f"backend 'shm', group {ctx.group_name!r}: {reason}") from exc
     segments: list[Segment] = []
     pidfds: list[int | None] = []
     published: dict[int, tuple[Path, int]] = {}
@@ -108,6 +117,8 @@ def form(ctx: BackendContext, layout: Layout) -> Members:
         wait_for(store, [f"seg/{r}" for r in range(size)], ctx.timeout, what=what)
         for r in range(size):
             pid_text, _, path_text = store.get(f"seg/{r}").decode().partition(" ")
+            if pid_text == "-1":
+                raise BackendUnavailableError(f"backend 'shm', group {ctx.group_name!r}: {path_text}")
             published[r] = (Path(path_text), int(pid_text))
         for r in range(size):
             if r == rank:
@@ -143,6 +154,11 @@ def form(ctx: BackendContext, layout: Layout) -> Members:
         raise
     own.unlink()
     return Members(rank, segments, [published[r][1] for r in range(size)], pidfds)
+
+
+def _free() -> int:
+    stats = os.statvfs("/dev/shm")
+    return stats.f_bavail * stats.f_frsize
 
 
 def _pidfd(pid: int) -> int | None:
