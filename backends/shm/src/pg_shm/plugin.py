@@ -25,7 +25,10 @@ hookimpl = pluggy.HookimplMarker("pg_core")
 #: imports nothing but this module and :mod:`pg_shm.segment`.
 EAGER_LIMIT = 1 << 20
 
-#: Above pg-tcp's 10: ``backends=None`` picks pg-shm for cpu where it is installed and available.
+#: Below pg-tcp's 10, so ``backends=None`` still picks pg-tcp: whether a group's members share a
+#: host is known only when its backend forms, after the default was chosen in each process, and
+#: the core cannot yet pass over a default that refuses the members (docs/decisions.md, pg-shm).
+#: Name it: ``backends="shm"``.
 PRIORITY = 4
 
 CAPABILITIES = Capabilities(
