@@ -46,7 +46,7 @@ def _until(predicate: Callable[[], bool], within: float = 10.0) -> bool:
 
 
 def test_the_eager_limit_is_declared_on_every_device() -> None:
-    assert CAPABILITIES.eager_limit_bytes == CUDA_CAPABILITIES.eager_limit_bytes == LIMIT == 4 << 20
+    assert CAPABILITIES.eager_limit_bytes == CUDA_CAPABILITIES.eager_limit_bytes == LIMIT == 2 << 20
 
 
 def at_and_above_the_limit(ctx: RankContext) -> dict[str, Any]:

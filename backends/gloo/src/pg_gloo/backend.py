@@ -25,7 +25,7 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   receiver has posted its receive, at every size, and a receive whose buffer is smaller than
   the message aborts the whole process (``op.preamble.length <= op.nbytes``). So a message
   starts with a 16-byte header (size, dtype) that the receiver reads first. Up to the eager
-  limit the plugin declares (``Capabilities.eager_limit_bytes``, API 1.10: 4 MiB, chosen by
+  limit the plugin declares (``Capabilities.eager_limit_bytes``, API 1.10: 2 MiB, chosen by
   measurement in docs/decisions.md) the payload follows the header in one Gloo message, a copy
   that a reaper thread lets go once Gloo has sent it, so ``send`` returns at once; above it,
   the payload is a second Gloo message sent from the caller's tensor and received into the

@@ -14,7 +14,7 @@ suite. A gap is an undeclared capability, so the core refuses it before anything
 * ``recv_anysource`` (optional, API 1.4): not declared. Gloo receives from any source, but a
   pg-gloo message above the eager limit is a header and a payload on one tag, and an any-source
   receive can take a payload that a receive naming its sender has not read yet (see the README).
-* ``eager_limit_bytes`` (API 1.10): :data:`EAGER_LIMIT_BYTES`, 4 MiB. A send of at most that
+* ``eager_limit_bytes`` (API 1.10): :data:`EAGER_LIMIT_BYTES`, 2 MiB. A send of at most that
   returns at once (a copy, in one Gloo message with its header); a larger one is sent from the
   tensor itself and waits until the receiver has posted its receive, as torch's Gloo ``send``
   does. Chosen by measurement (docs/decisions.md): below it the two copies cost less than the
@@ -63,7 +63,7 @@ MAX_TAG = 2**31 - 1
 
 #: The largest send that never waits for its receiver (``Capabilities.eager_limit_bytes``); every
 #: rank of a group must agree on it, as it shapes the messages (:mod:`pg_gloo.messages`).
-EAGER_LIMIT_BYTES = 4 << 20
+EAGER_LIMIT_BYTES = 2 << 20
 
 #: cpu: every op and dtype, the reduce ops Gloo has per dtype.
 CAPABILITIES = Capabilities(
