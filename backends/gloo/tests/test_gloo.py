@@ -1,9 +1,10 @@
 """pg-gloo across real processes: what the wrapper adds to Gloo, and the gaps it declares.
 
 The conformance suite (``tests/conformance/test_backends.py``) certifies the backend; these
-tests pin down the behaviour this wrapper exists for: sends that do not wait for their
-receiver, a wrong-size receive that is an error instead of Gloo's process abort, Gloo's
-timeout and what it leaves behind, and that every declared gap really is one in Gloo.
+tests pin down the behaviour this wrapper exists for: sends up to the eager limit that do not
+wait for their receiver (``test_gloo_p2p.py``: both sides of the limit), a wrong-size receive
+that is an error instead of Gloo's process abort, Gloo's timeout and what it leaves behind,
+and that every declared gap really is one in Gloo.
 The rank pool fails a call whose ranks leave threads, sockets or processes behind.
 """
 

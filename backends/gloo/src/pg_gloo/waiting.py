@@ -9,7 +9,12 @@ way in the caller's thread. A point-to-point work cannot: its ``wait(timeout)`` 
 closes every connection of the group (all measured, torch 2.13). So a point-to-point work (no future; it says it is complete only from inside ``wait()``) is waited
 for by a :class:`Waiters` thread that sits in Gloo's wait, while the caller waits for that
 thread's :class:`Ticket` in slices, between which it looks at what else may have happened: an
-abort, a peer gone, a deadline passed.
+abort, a peer gone, a deadline passed. A waiter thread can also run a continuation once Gloo's
+wait returns (:meth:`Waiters.start`'s ``then``): that is how a receive reads its header, posts
+its payload's receive and the next receive of its stream, and completes an ``irecv``'s work
+without anyone waiting on it (:mod:`pg_gloo.messages`). No thread can wait in Gloo itself and
+stay interruptible: ``ProcessGroupGloo.abort()`` does not wake a thread blocked in a receive
+(measured, torch 2.13), and ``Work::abort()``, which would, is not bound in Python.
 """
 
 from __future__ import annotations
