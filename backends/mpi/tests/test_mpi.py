@@ -442,6 +442,35 @@ def test_a_send_up_to_the_eager_limit_never_waits_for_its_receiver(pools: Pools)
     assert pools(2).run(sends_before_receives, timeout=180) == [[[2.0, 2.0]] * 2, [[1.0, 1.0]] * 2]
 
 
+def send_above_the_limit_times_out(ctx: RankContext) -> dict[str, Any]:
+    """Rank 0's blocking send of 64 KiB to rank 1, which posts no receive, times out after 1 s;
+    the message stays posted, and rank 1 receives it afterwards, whole."""
+    with _group(ctx) as group:
+        group.barrier()  # the backend formed on both ranks (its formation is collective)
+        data = torch.arange(16384, dtype=torch.float32)
+        if ctx.rank == 0:
+            start = time.monotonic()
+            with pytest.raises(CollectiveTimeout) as err:
+                group.send(data, 1, tag=6, timeout=1.0)
+            took = time.monotonic() - start
+            ctx.store.set("timed-out", "1")
+            group.barrier()
+            return {"error": str(err.value), "took": took}
+        wait_for(ctx.store, ["timed-out"], 60)
+        got = torch.empty_like(data)
+        group.recv(got, 0, tag=6)
+        group.barrier()
+        return {"same": bool(torch.equal(got, data))}
+
+
+def test_a_send_above_the_eager_limit_times_out_and_stays_posted(pools: Pools) -> None:
+    sender, receiver = pools(2).run(send_above_the_limit_times_out, timeout=120)
+    assert 0.9 <= sender["took"] < 10, sender
+    assert "rank 1 has not received the message after 1 s" in sender["error"], sender
+    assert f"more than {EAGER_LIMIT} bytes" in sender["error"] and "post the receive first" in sender["error"], sender
+    assert receiver == {"same": True}
+
+
 # -- timeouts and abort --------------------------------------------------------------------------------
 
 

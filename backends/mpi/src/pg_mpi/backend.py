@@ -929,24 +929,32 @@ class MPIBackend(Backend):
         copy), polled until MPI is done with it or ``timeout`` passes. MPI takes no send back,
         so one that times out (or whose peer aborted, or whose group was aborted meanwhile)
         stays posted, its tensor held by this backend, and the error says not to modify it."""
-        what = f"send to rank {dst} (tag {tag})"
-        comm = self._check(what, [dst], sending=True)
+        mpi = self._mpi
+        unheard = self._sent_unheard + 1
+        if unheard < _CHECK_EVERY and self._closed is None and not self._send_errors and not self._aborted_peers:
+            self._sent_unheard = unheard  # (the hot path, as in send)
+            comm = self._comm
+        else:
+            comm = self._check(f"send to rank {dst} (tag {tag})", [dst], sending=True)
+        nbytes = tensor.nbytes
         try:
-            request = comm.Isend(self._bytes(tensor), dst, tag)
-        except self._mpi.Exception as exc:
-            raise self._error(exc, what, [dst]) from exc
+            request = comm.Isend([mpi.buffer.fromaddress(tensor.data_ptr(), nbytes), nbytes, mpi.BYTE], dst, tag)
+        except mpi.Exception as exc:
+            raise self._error(exc, f"send to rank {dst} (tag {tag})", [dst]) from exc
         try:
-            done = request.Test() or self._poll(request.Test, time.monotonic() + timeout, what=what, needs=[dst])
-        except self._mpi.Exception as exc:
+            done = request.Test() or self._poll(
+                request.Test, time.monotonic() + timeout, what=lambda: f"send to rank {dst} (tag {tag})", needs=[dst]
+            )
+        except mpi.Exception as exc:
             self._keep(request, tensor)
-            raise self._error(exc, what, [dst]) from exc
+            raise self._error(exc, f"send to rank {dst} (tag {tag})", [dst]) from exc
         except BaseException:  # (the peer aborted, or this group was: the message stays posted)
             self._keep(request, tensor)
             raise
         if not done:
             self._keep(request, tensor)
             raise CollectiveTimeout(
-                f"{what}: rank {dst} has not received the message after {timeout:g} s: a send of more than "
+                f"send to rank {dst} (tag {tag}): rank {dst} has not received the message after {timeout:g} s: a send of more than "
                 f"{EAGER_LIMIT} bytes (backend 'mpi''s eager limit) waits for its receiver, so post the receive "
                 "first (irecv) or use isend. The message stays posted (MPI takes no send back): do not modify "
                 f"the tensor until rank {dst} receives it or the group is shut down",
