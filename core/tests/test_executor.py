@@ -152,3 +152,27 @@ def test_a_completed_work_costs_no_condition() -> None:
     timer.start()
     assert pending.result(5) == 7 and seen == [7]  # a waiter that blocked was woken
     timer.join()
+
+
+class OldStyleBroadcast(HeldBackend):
+    """A subclass of a launching backend whose broadcast is written as a backend that does
+    not launch writes it (no ``async_op``): that op is not launched, the others are."""
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> None:  # type: ignore[override]
+        self.calls.append(("broadcast", False, threading.get_ident()))
+
+
+def test_a_collective_without_async_op_is_not_launched() -> None:
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    g = ProcessGroup(store, 0, 1, backends=OldStyleBroadcast, name="old", timeout=timedelta(seconds=10))
+    try:
+        backend = _backend(g)
+        work = g.broadcast(torch.ones(1), 0, async_op=True)  # on the group's thread, blocking there
+        assert work is not None and work.wait(10) is True
+        assert backend.calls == [("broadcast", False, g._executor._worker_ident)]
+        launched = g.all_reduce(torch.ones(1), async_op=True)
+        assert launched is not None and backend.calls[-1] == ("all_reduce", True, threading.get_ident())
+        backend.held[-1].set_result(None)
+        launched.wait(10)
+    finally:
+        g.shutdown()

@@ -245,7 +245,10 @@ class Batch:
         # launched here where the backend launches (or the caller waits anyway); else on the
         # progress thread, as an asynchronous collective would be (in check mode too: the check
         # waits for every rank, which an asynchronous batch must not)
-        inline = not self._async or (self._check is None and self._dispatch.launches(device))
+        inline = not self._async or (
+            self._check is None
+            and all(self._dispatch.launches(device, op.call.op) for op in self._ops if op.staging is not None)
+        )
         result: Work = self._executor.run(_OP, run, async_op=not inline)
         return result if inline else unwrap(result)
 
@@ -282,7 +285,7 @@ class Batch:
                 continue
             number = executor.take(call.op) if seq is None else seq
             seq = None
-            if inst.launches:
+            if call.op in inst.launching:
                 work: Work = getattr(backend, call.op)(*call.args, timeout=call.timeout, async_op=True)
                 work.add_done_callback(_latching(executor, call.op, number))
                 works.append(work)

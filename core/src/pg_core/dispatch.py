@@ -206,13 +206,16 @@ class Dispatcher:
         inst = self._instances.get(device_type)
         return inst.device if inst is not None else torch.device(device_type)
 
-    def launches(self, device: torch.device) -> bool:
-        """Whether ``device``'s backend exists and launches its collectives (``Backend.launches``,
-        API 1.2). Before it exists, an asynchronous collective goes to the progress thread like any
-        other: creating a backend may wait for every member (Gloo's does), which the caller of
-        an ``async_op=True`` call must not."""
+    def launches(self, device: torch.device, op: str | None = None) -> bool:
+        """Whether ``device``'s backend exists and launches collective ``op`` (``None``: its
+        collectives; ``Backend.launches``, API 1.2, and a method that takes ``async_op``). Before
+        it exists, an asynchronous collective goes to the progress thread like any other:
+        creating a backend may wait for every member (Gloo's does), which the caller of an
+        ``async_op=True`` call must not."""
         inst = self._by_device.get(device) or self._instances.get(device.type)
-        return inst is not None and inst.launches
+        if inst is None:
+            return False
+        return inst.launches if op is None else op in inst.launching
 
     def prepared_all_reduce(
         self, device: torch.device, dtype: torch.dtype, op: ReduceOp, timeout: float

@@ -462,7 +462,7 @@ class ProcessGroup:
 
         checker = self._checker
         # (in check mode, not launched here: the check waits for every rank, which an asynchronous call must not)
-        if async_op and checker is None and dispatch.launches(device):
+        if async_op and checker is None and dispatch.launches(device, op):
             return self._launch(op, device, staging, args, budget)
 
         def run(seq: int) -> Any:

@@ -19,6 +19,7 @@ lives here, so a plugin reserves no name and needs no ``super().__init__``:
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections.abc import Callable
@@ -28,6 +29,7 @@ import torch
 
 from .backend import Backend, BackendContext, BackendSpec, parse_api_version
 from .errors import GroupClosedError
+from .ops import COLLECTIVE_OPS
 from .tags import TagMap
 from .work import Work
 
@@ -39,6 +41,17 @@ _Key = tuple[Any, ...]
 ANY = "any"
 
 
+def _takes_async_op(method: object) -> bool:
+    """Whether ``method`` can be called with ``async_op=`` (a parameter of that name, or ``**kwargs``)."""
+    if not callable(method):
+        return False
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): take the declaration's word
+        return True
+    return any(p.name == "async_op" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 class Instance:
     """A backend of one group and device type, created by the dispatcher on first use."""
 
@@ -47,6 +60,7 @@ class Instance:
         "backend",
         "device",
         "launches",
+        "launching",
         "native_bytes",
         "native_irecv",
         "native_irecv_any",
@@ -72,6 +86,13 @@ class Instance:
         self.tags = TagMap(spec.capabilities_for(ctx.device.type).max_tag, spec.name)
         #: collectives launch with ``async_op=True`` and return a Work (API 1.2)
         self.launches = getattr(backend, "launches", False) is True
+        #: the collectives that do: those whose method takes ``async_op`` (a subclass of a backend
+        #: that launches may override a collective the way a backend that does not writes it)
+        self.launching: frozenset[str] = (
+            frozenset(op for op in COLLECTIVE_OPS if _takes_async_op(getattr(backend, op, None)))
+            if self.launches
+            else frozenset()
+        )
         self.native_isend = cls.isend is not Backend.isend
         self.native_irecv = cls.irecv is not Backend.irecv
         self.native_irecv_any = cls.irecv_anysource is not Backend.irecv_anysource
