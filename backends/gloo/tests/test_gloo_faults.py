@@ -37,7 +37,7 @@ def _waiting(thread: int) -> None:
     while time.monotonic() < deadline:
         frame = sys._current_frames().get(thread)
         while frame is not None:
-            if frame.f_code.co_name == "_until":
+            if frame.f_code.co_name in ("_until", "drive"):  # a blocking call's wait, or a Work's
                 return
             frame = frame.f_back
         time.sleep(0.002)
@@ -81,6 +81,8 @@ def interrupted_then_sent_to(ctx: RankContext, op: str, how: str) -> dict[str, A
     try:
         if op == "recv":
             group.recv(into, 1, timeout=0.5 if how == "timeout" else None)
+        elif op == "irecv":
+            group.irecv(into, 1, timeout=0.5 if how == "timeout" else None).wait()
         else:
             group.all_reduce(into, timeout=0.5 if how == "timeout" else None)
     except BaseException as exc:  # KeyboardInterrupt too
@@ -107,6 +109,8 @@ def interrupted_then_sent_to(ctx: RankContext, op: str, how: str) -> dict[str, A
         ("recv", "sigint", KeyboardInterrupt),
         ("all_reduce", "sigint", KeyboardInterrupt),
         ("recv", "timeout", CollectiveTimeout),
+        ("irecv", "abort", GroupClosedError),
+        ("irecv", "timeout", CollectiveTimeout),
     ],
 )
 def test_a_blocked_operation_is_interrupted_and_its_tensor_never_written_after(

@@ -481,10 +481,13 @@ class Messages:
                     self._alarm(what, [peer])
                     if time.monotonic() > deadline:
                         raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=[peer])
-                except (PeerFailureError, CollectiveTimeout) as failed:
-                    if set(getattr(failed, "peers", ()) or ()) != {peer}:
+                except PeerFailureError as failed:
+                    if set(failed.peers) != {peer}:  # the peer is alive, and Gloo may still write
                         self._cut(f"{what} failed: {failed}")
                     work.set_exception(failed)
+                except CollectiveTimeout as late:  # Gloo's own timeout did not fire: stop it writing
+                    self._cut(f"{what} did not end within {timeout:g} s")
+                    work.set_exception(late)
                 except GroupClosedError as closed:
                     work.set_exception(closed)
                 return
