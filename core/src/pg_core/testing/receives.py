@@ -49,7 +49,8 @@ __all__ = ["THRESHOLDS", "check_receives", "run_byte_messages", "run_mismatches"
 
 #: Message sizes (bytes) where a transport changes how it moves a message: pg-core's emulated
 #: first chunk (its payload, and its whole size), pg-tcp's 64 KiB scratch reads and 1 MiB mmap'd
-#: receives, pg-mpi's 256 KiB copy pool, pg-gloo's 4 MiB inline limit, and 4 KiB for a page.
+#: receives, 256 KiB (pg-mpi copied through a pool above it before API 1.10), pg-gloo's 4 MiB inline
+#: limit, and 4 KiB for a page and pg-mpi's eager limit.
 THRESHOLDS: tuple[int, ...] = (EAGER_BYTES - 8, EAGER_BYTES, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
 #: Elements of the receive in the mismatch cases.
 ELEMENTS = 6
