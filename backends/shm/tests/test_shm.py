@@ -242,6 +242,47 @@ def test_a_full_dev_shm_is_refused_by_every_member_with_what_to_do(rank_pools: P
     assert not _segments() - before
 
 
+def stalled_stream(ctx: RankContext) -> dict[str, str] | None:
+    """Rank 0 isends 16 MiB and stops itself (SIGSTOP) with the message part-way in the ring:
+    rank 1's receive times out inside the message, and its next receive from rank 0 says the
+    stream is broken instead of reading the rest of the payload as a header."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()
+    if ctx.rank == 0:
+        work = group.isend(torch.ones(4 << 20), 1)
+        ring = _backend(group).outboxes[1].ring
+        deadline = time.monotonic() + 10
+        while ring.head.value < 512 << 10 and time.monotonic() < deadline:  # part of it is in the ring
+            time.sleep(0.001)
+        ctx.store.set("pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 1 continues it once it has seen what it needs
+        wait_for(ctx.store, ["seen"], 60)
+        group.abort()
+        del work
+        return None
+    wait_for(ctx.store, ["pid"], 60)
+    time.sleep(0.5)  # rank 0 has stopped
+    out = {}
+    try:
+        group.recv(torch.empty(4 << 20), 0, timeout=1.0)
+    except CollectiveTimeout as exc:
+        out["first"] = f"{type(exc).__name__}: {exc}"
+    try:
+        group.recv(torch.empty(4), 0, timeout=1.0)
+    except PeerFailureError as exc:
+        out["second"] = f"{type(exc).__name__}: {exc}"
+    os.kill(int(ctx.store.get("pid")), signal.SIGCONT)
+    ctx.store.set("seen", "1")
+    group.abort()
+    return out
+
+
+def test_a_receive_that_stops_inside_a_message_leaves_its_stream_broken_not_misread(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(stalled_stream, timeout=60, check_leaks=False)[1]
+    assert got.get("first", "").startswith("CollectiveTimeout"), got
+    assert "stream from rank 0 is broken" in got.get("second", ""), got
+
+
 def absent_peer(ctx: RankContext) -> str | None:
     """Rank 1 never forms the backend: rank 0's formation times out and removes its segment."""
     if ctx.rank == 1:

@@ -215,10 +215,12 @@ class ShmBackend(Backend):
             self._state.value = state
         for word in self._wake_words():
             futex_wake(word)
-        for box in self.outboxes.values():
-            box.close()
+        stopped = all([box.close() for box in self.outboxes.values()])
         if self._drainer is not None and self._drainer is not threading.current_thread():
             self._drainer.join(timeout=5)
+            stopped = stopped and not self._drainer.is_alive()
+        if not stopped:  # a thread still touches the segments: leave them mapped rather than crash it
+            return
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             with self._life:

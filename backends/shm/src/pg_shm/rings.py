@@ -100,10 +100,13 @@ class _Ring:
 
 
 class _Job:
-    __slots__ = ("code", "deadline", "kind", "nbytes", "parts", "tag", "work")
+    __slots__ = ("code", "deadline", "keep", "kind", "nbytes", "parts", "tag", "work")
 
-    def __init__(self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, work: Work) -> None:
+    def __init__(
+        self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, work: Work, keep: object
+    ) -> None:
         self.kind, self.code, self.tag, self.parts, self.deadline, self.work = kind, code, tag, parts, deadline, work
+        self.keep = keep  # what the parts view (a tensor): alive until written, whatever the caller drops
         self.nbytes = _parts_bytes(parts)
 
 
@@ -145,9 +148,11 @@ class Outbox:
                 if ring.recv_sleeps.value:
                     futex_wake(ring.head.address)
                 return None
-        return self.post(KIND_TENSOR, code, tag, tensor_parts(tensor), deadline=deadline, op=op)
+        return self.post(KIND_TENSOR, code, tag, tensor_parts(tensor), deadline=deadline, op=op, keep=tensor)
 
-    def post(self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, op: str) -> Work | None:
+    def post(
+        self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, op: str, keep: object = None
+    ) -> Work | None:
         """Write the message now if it fits (``None``), else queue it for the sender thread and
         return the work that completes once it is written (large: once the peer took it)."""
         ring = self.ring
@@ -168,7 +173,7 @@ class Outbox:
                     futex_wake(ring.head.address)
                 return None
             work = Work(op)
-            self._queue.append(_Job(kind, code, tag, parts, deadline=deadline, work=work))
+            self._queue.append(_Job(kind, code, tag, parts, deadline=deadline, work=work, keep=keep))
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"pg-shm {self.group} send to {self.peer}", daemon=True
@@ -178,13 +183,16 @@ class Outbox:
                 self._wake.notify()
             return work
 
-    def close(self) -> None:
-        """Stop the sender thread (queued messages fail); wake it if it waits."""
+    def close(self) -> bool:
+        """Stop the sender thread (queued messages fail); wake it if it waits. Whether it has
+        stopped (it leaves within a slice of the member being closed)."""
         with self._lock:
             self._wake.notify_all()
         futex_wake(self.ring.tail.address)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+            return not self._thread.is_alive()
+        return True
 
     # -- the sender thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -206,6 +214,7 @@ class Outbox:
             else:
                 job.work.set_result(None)
             finally:
+                job.parts, job.keep = [], None
                 with self._lock:
                     self._busy = False
 
@@ -303,6 +312,7 @@ class Inbox:
         self.lock = threading.Lock()
         self._kept: dict[tuple[int, int], deque[tuple[int, bytearray]]] = {}
         self._flag = Flag(ring.recv_sleeps)
+        self.broken: str | None = None
 
     def receive(self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str) -> bytearray | None:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
@@ -311,6 +321,8 @@ class Inbox:
         doing = f"{op} from rank {self.peer} (tag {tag})"
         while True:
             with self.lock:
+                if self.broken is not None:
+                    raise PeerFailureError(self.broken, peers=[self.peer])
                 kept = self._kept.get((kind, tag))
                 if kept:
                     code, buffer = kept.popleft()
@@ -408,21 +420,28 @@ class Inbox:
             self._advance(start + message_span(nbytes))
             return
         self._advance(pos)
-        while pos < end:
-            avail = ring.head.value - pos
-            if avail <= 0:
-                self._wait(self._past(pos), deadline, doing, op)
-                continue
-            k = min(avail, end - pos)
-            if dst is not None:
-                done = pos - start - HEADER.size
-                self._copy_out(pos, dst[done : done + k])
-            pos += k
-            self._advance(pos)
-        final = start + message_span(nbytes)
-        if final > pos:
-            self._wait(lambda: ring.head.value >= final, deadline, doing, op)
-            self._advance(final)
+        try:
+            while pos < end:
+                avail = ring.head.value - pos
+                if avail <= 0:
+                    self._wait(self._past(pos), deadline, doing, op)
+                    continue
+                k = min(avail, end - pos)
+                if dst is not None:
+                    done = pos - start - HEADER.size
+                    self._copy_out(pos, dst[done : done + k])
+                pos += k
+                self._advance(pos)
+            final = start + message_span(nbytes)
+            if final > pos:
+                self._wait(lambda: ring.head.value >= final, deadline, doing, op)
+                self._advance(final)
+        except BaseException as exc:  # the ring now stands inside a message: nothing after it can be read
+            self.broken = (
+                f"group {self.group!r}: the stream from rank {self.peer} is broken: a {nbytes}-byte message "
+                f"stopped midway here ({type(exc).__name__})"
+            )
+            raise
 
     def _wait(self, ready: Callable[[], bool], deadline: float, doing: str, op: str) -> None:
         ring = self.ring
