@@ -92,6 +92,23 @@ def _arg(*, root: int = -1, op: ReduceOp | None = None) -> int:
     return encode_arg(root=root, op=None if op is None else op.type)
 
 
+class _Posted(Work):
+    """A request of a blocking collective, as the :class:`Work` its steps yield: only
+    :meth:`TCPChannel.wait` waits for it, driving the transport for the request itself
+    (:meth:`Transport.wait`), so it is never registered with the transport (what
+    :meth:`Transport.work_for` would do, a few microseconds per message)."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: Send | Recv) -> None:
+        super().__init__(req.name)
+        self.req = req
+
+    @property
+    def done(self) -> bool:
+        return self.req.done
+
+
 class TCPChannel:
     """The :class:`pg_core.algorithms.Channel` of one collective call.
 
@@ -122,7 +139,7 @@ class TCPChannel:
         self.rank = transport.rank
         self.size = transport.size
         self._transport = transport
-        self._attach = transport.post_async if launched else transport.work_for
+        self._attach = transport.post_async if launched else _Posted
         self._op = op
         self._opcode = OPCODE[op]
         self._seq = seq
@@ -172,7 +189,10 @@ class TCPChannel:
         self._transport.wait(received)
 
     def wait(self, work: Work) -> None:
-        work.wait()  # the request's own deadline (the channel's) bounds it
+        if type(work) is _Posted:  # a blocking collective's request: waited for here, in the caller's thread
+            self._transport.wait(work.req)
+        else:
+            work.wait()  # the request's own deadline (the channel's) bounds it
 
 
 class TCPBackend(Backend):
