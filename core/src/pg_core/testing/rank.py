@@ -242,14 +242,24 @@ class _Lane:
         received = {m: k for k, (m, _msg) in enumerate(recvs)}  # message -> this rank's receive index
         if mode == "overwrite":
             # Every send's Work waited, then its buffer overwritten at once: what the receivers
-            # get (they receive afterwards) must be what was there when isend was called.
+            # get (they receive afterwards) must be what was there when isend was called. An
+            # isend above the eager limit may complete only once its receiver took it, so a
+            # rank that receives such a message posts all its receives first.
+            early = (
+                []
+                if all(self._eager(recv_t[m]) for m in order)
+                else [group.irecv(recv_t[m], msgs[m][0], msgs[m][2]) for m in order]
+            )
             sent = [group.isend(send_t[m], dst, tag) for m, (_, dst, tag, *_r) in sends]
             for work in sent:
                 work.wait()
             for t in send_t.values():
                 t.copy_(torch.full_like(t, 1) if t.dtype is torch.bool else torch.full_like(t, 77))
-            for m in order:
-                group.recv(recv_t[m], msgs[m][0], msgs[m][2])
+            for work in early:
+                work.wait()
+            if not early:
+                for m in order:
+                    group.recv(recv_t[m], msgs[m][0], msgs[m][2])
             return
         if mode == "mixed":
             # Several messages in flight on one (peer, tag), blocking and async alternating:
