@@ -32,8 +32,10 @@ from pg_core.work import Work
 from . import collectives
 from .formation import form
 from .layout import ABORTED, DOORBELL, KIND_BYTES, KIND_TENSOR, RING_META, SHUT_DOWN, STATE, Layout
-from .rings import RING_BYTES, Inbox, Outbox, make_ring, parts_of
+from .receiving import Inbox
+from .rings import RING_BYTES, Ring, parts_of
 from .segment import Word, futex_wait, futex_wake
+from .sending import Outbox
 from .waiting import SLICE, Liveness
 
 __all__ = ["ShmBackend"]
@@ -60,14 +62,13 @@ class ShmBackend(Backend):
         self.live = Liveness(name, self._members.pids, self._members.pidfds, states)
         self._state = Word(segments[self.rank].address + STATE, 32)
         self._doorbell = Word(segments[self.rank].address + DOORBELL, 32)
-        self._threads: list[Outbox] = []
         self.outboxes: dict[int, Outbox] = {}
         self.inboxes: dict[int, Inbox] = {}
         for peer in range(self.size):
             if peer == self.rank:
                 continue
-            mine = make_ring(segments[self.rank], self.layout.ring(self.rank, peer), RING_META, RING_BYTES)
-            theirs = make_ring(segments[peer], self.layout.ring(peer, self.rank), RING_META, RING_BYTES)
+            mine = Ring(segments[self.rank], self.layout.ring(self.rank, peer), RING_META, RING_BYTES)
+            theirs = Ring(segments[peer], self.layout.ring(peer, self.rank), RING_META, RING_BYTES)
             peer_bell = Word(segments[peer].address + DOORBELL, 32)
             self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name)
             self.inboxes[peer] = Inbox(theirs, peer, self.live, name)

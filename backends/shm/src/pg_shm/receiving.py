@@ -1,0 +1,203 @@
+"""The receiving end of a ring (:mod:`pg_shm.rings`).
+
+Per peer, received-but-unmatched messages are kept per (kind, tag) in arrival order; a receive
+takes from there first, then reads the ring: a message of its (kind, tag) is copied straight
+into the receiver's tensor (streamed while the sender writes it), one of another tag is read
+into a buffer and kept. A receive of the wrong size or dtype consumes the message and raises
+``CollectiveMismatchError``, its tensor untouched. :meth:`Inbox.drain` is the drainer's part:
+whole small messages moved out of a full ring while their sender asks for room.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from pg_core.backend import tensor_bytes
+from pg_core.dtypes import dtype_code, dtype_from_code
+from pg_core.errors import CollectiveMismatchError, PeerFailureError
+
+from .layout import HEADER, message_span
+from .rings import EAGER_LIMIT, Ring
+from .segment import futex_wake
+from .waiting import Flag, Liveness, wait_until
+
+__all__ = ["Inbox"]
+
+
+class Inbox:
+    """This member's receiving end of ``peer``'s ring to it."""
+
+    def __init__(self, ring: Ring, peer: int, live: Liveness, group: str) -> None:
+        self.ring = ring
+        self.peer = peer
+        self.live = live
+        self.group = group
+        self.lock = threading.Lock()
+        self._kept: dict[tuple[int, int], deque[tuple[int, bytearray]]] = {}
+        self._flag = Flag(ring.recv_sleeps)
+        self.broken: str | None = None
+
+    def receive(self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str) -> bytearray | None:
+        """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
+        and dtype must match), or returned (``into=None``: a byte message)."""
+        ring = self.ring
+        doing = f"{op} from rank {self.peer} (tag {tag})"
+        while True:
+            with self.lock:
+                if self.broken is not None:
+                    raise PeerFailureError(self.broken, peers=[self.peer])
+                kept = self._kept.get((kind, tag))
+                if kept:
+                    code, buffer = kept.popleft()
+                    return self._deliver(code, buffer, into)
+                while True:
+                    seen = ring.head.value  # read before deciding there is nothing: what the wait compares with
+                    if seen - ring.tail.value < HEADER.size:
+                        break
+                    k, code, t, nbytes = HEADER.unpack_from(ring.data, ring.tail.value % ring.capacity)
+                    if (k, t) == (kind, tag):
+                        if into is not None:
+                            if not self._matches(into, code, nbytes):
+                                self._stream_out(nbytes, None, deadline, doing, op)  # read past it
+                                raise self._mismatch(into, code, nbytes)
+                            start = ring.tail.value
+                            if seen - start >= message_span(nbytes):  # whole: straight into the tensor
+                                if nbytes:
+                                    ring.move_out(start + HEADER.size, into.data_ptr(), nbytes)
+                                self._advance(start + message_span(nbytes))
+                                return None
+                            self._stream_out(nbytes, tensor_bytes(into), deadline, doing, op)
+                            return None
+                        buffer = bytearray(nbytes)
+                        self._stream_out(nbytes, memoryview(buffer), deadline, doing, op)
+                        return buffer
+                    buffer = bytearray(nbytes)
+                    self._stream_out(nbytes, memoryview(buffer), deadline, doing, op)
+                    self._kept.setdefault((k, t), deque()).append((code, buffer))
+                    futex_wake(ring.head.address)  # another thread of this member may wait for it
+            self._wait(self._moved(seen, kind, tag), deadline, doing, op)
+
+    def _moved(self, seen: int, kind: int, tag: int) -> Callable[[], bool]:
+        head = self.ring.head
+        return lambda: head.value != seen or bool(self._kept.get((kind, tag)))
+
+    def _past(self, pos: int) -> Callable[[], bool]:
+        head = self.ring.head
+        return lambda: head.value > pos
+
+    def drain(self) -> None:
+        """The drainer's work: move whole messages of at most the eager limit out of the ring
+        into this process, while the sender asks for room. Never blocks."""
+        ring = self.ring
+        if not ring.want_drain.value or not self.lock.acquire(blocking=False):
+            return
+        try:
+            while True:
+                tail, head = ring.tail.value, ring.head.value
+                if head - tail < HEADER.size:
+                    return
+                k, code, t, nbytes = HEADER.unpack_from(ring.data, tail % ring.capacity)
+                if nbytes > EAGER_LIMIT or head - tail < message_span(nbytes):
+                    return
+                buffer = bytearray(nbytes)
+                self._copy_out(tail + HEADER.size, memoryview(buffer))
+                self._advance(tail + message_span(nbytes))
+                self._kept.setdefault((k, t), deque()).append((code, buffer))
+                futex_wake(ring.head.address)
+        finally:
+            self.lock.release()
+
+    # -- inside the lock -------------------------------------------------------------
+    def _deliver(self, code: int, buffer: bytearray, into: torch.Tensor | None) -> bytearray | None:
+        if into is None:
+            return buffer
+        if not self._matches(into, code, len(buffer)):
+            raise self._mismatch(into, code, len(buffer))
+        if buffer:
+            tensor_bytes(into)[:] = buffer
+        return None
+
+    @staticmethod
+    def _matches(into: torch.Tensor, code: int, nbytes: int) -> bool:
+        return nbytes == into.numel() * into.element_size() and code == dtype_code(into.dtype)
+
+    def _mismatch(self, into: torch.Tensor, code: int, nbytes: int) -> CollectiveMismatchError:
+        theirs = dtype_from_code(code) if code else "bytes (a send_bytes message)"
+        return CollectiveMismatchError(
+            f"group {self.group!r}: recv from rank {self.peer}: the message is {nbytes} bytes of {theirs}, the "
+            f"receiving tensor {into.numel() * into.element_size()} bytes of {into.dtype} {tuple(into.shape)}; "
+            "the tensor is unchanged",
+            peers=[self.peer],
+        )
+
+    def _stream_out(self, nbytes: int, dst: memoryview | None, deadline: float, doing: str, op: str) -> None:
+        """Consume the message whose header is at ``tail``: its payload into ``dst`` (or
+        nowhere), waiting for the sender to write it where it is not whole yet."""
+        ring = self.ring
+        start = ring.tail.value
+        pos = start + HEADER.size
+        end = pos + nbytes
+        if ring.head.value >= start + message_span(nbytes):  # whole: one copy
+            if dst is not None and nbytes:
+                self._copy_out(pos, dst)
+            self._advance(start + message_span(nbytes))
+            return
+        self._advance(pos)
+        try:
+            while pos < end:
+                avail = ring.head.value - pos
+                if avail <= 0:
+                    self._wait(self._past(pos), deadline, doing, op)
+                    continue
+                k = min(avail, end - pos)
+                if dst is not None:
+                    done = pos - start - HEADER.size
+                    self._copy_out(pos, dst[done : done + k])
+                pos += k
+                self._advance(pos)
+            final = start + message_span(nbytes)
+            if final > pos:
+                self._wait(lambda: ring.head.value >= final, deadline, doing, op)
+                self._advance(final)
+        except BaseException as exc:  # the ring now stands inside a message: nothing after it can be read
+            self.broken = (
+                f"group {self.group!r}: the stream from rank {self.peer} is broken: a {nbytes}-byte message "
+                f"stopped midway here ({type(exc).__name__})"
+            )
+            raise
+
+    def _wait(self, ready: Callable[[], bool], deadline: float, doing: str, op: str) -> None:
+        ring = self.ring
+
+        def ready_or_broken() -> bool:
+            if ready():
+                return True
+            if ring.broken.value:
+                raise PeerFailureError(
+                    f"group {self.group!r}: {doing}: rank {self.peer}'s send stopped midway (it timed out or was "
+                    "aborted); this stream is broken",
+                    peers=[self.peer],
+                )
+            return False
+
+        wait_until(
+            ready_or_broken, ring.head, self._flag, self.live, [self.peer], deadline=deadline, doing=doing, op=op
+        )
+
+    def _advance(self, tail: int) -> None:
+        ring = self.ring
+        ring.tail.value = tail
+        if ring.sender_sleeps.value:
+            futex_wake(ring.tail.address)
+
+    def _copy_out(self, pos: int, dst: memoryview) -> None:
+        data, cap = self.ring.data, self.ring.capacity
+        n = dst.nbytes
+        off = pos % cap
+        first = min(n, cap - off)
+        dst[:first] = data[off : off + first]
+        if n > first:
+            dst[first:] = data[: n - first]

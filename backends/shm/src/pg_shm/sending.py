@@ -1,0 +1,231 @@
+"""The sending end of a ring (:mod:`pg_shm.rings`).
+
+A message that fits in the ring's free space now is written by the caller at once (the
+common case: no thread, no system call unless the receiver sleeps). Otherwise it goes to the
+ring's sender thread (one per peer, started on first need), which writes queued messages in
+order as space frees up, streaming a message larger than the ring through it while the
+receiver drains it. A message of at most :data:`~pg_shm.rings.EAGER_LIMIT` bytes never waits
+for its receiver: while its sender thread waits for space, it rings the receiver's *drainer*
+(a thread per member, asleep on a futex), which moves whole waiting messages out of the ring
+into the receiver's process. A larger message waits until the receiver takes it. A sender
+whose large send failed midway (timeout, abort) marks the ring broken, so its receiver raises
+``PeerFailureError`` rather than waiting for the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+from pg_core.errors import PeerFailureError
+from pg_core.work import Work
+
+from .layout import HEADER, KIND_TENSOR, message_span
+from .rings import EAGER_LIMIT, Payload, Ring, parts_bytes, tensor_parts
+from .segment import Word, futex_wake
+from .waiting import Flag, Liveness, wait_until
+
+__all__ = ["Outbox"]
+
+
+class _Job:
+    __slots__ = ("code", "deadline", "keep", "kind", "nbytes", "parts", "tag", "work")
+
+    def __init__(
+        self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, work: Work, keep: object
+    ) -> None:
+        self.kind, self.code, self.tag, self.parts, self.deadline, self.work = kind, code, tag, parts, deadline, work
+        self.keep = keep  # what the parts view (a tensor): alive until written, whatever the caller drops
+        self.nbytes = parts_bytes(parts)
+
+
+class Outbox:
+    """This member's sending end of its ring to ``peer``."""
+
+    def __init__(self, ring: Ring, peer: int, live: Liveness, doorbell: Word, group: str) -> None:
+        self.ring = ring
+        self.peer = peer
+        self.live = live
+        self.doorbell = doorbell  # the peer's drainer futex
+        self.group = group
+        self._lock = threading.Lock()
+        self._queue: deque[_Job] = deque()
+        self._busy = False
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._flag = Flag(ring.sender_sleeps)
+        self.broken: str | None = None
+
+    # -- the caller's side -----------------------------------------------------------
+    def post_tensor(self, tensor: torch.Tensor, code: int, tag: int, *, deadline: float, op: str) -> Work | None:
+        """:meth:`post` of a tensor: the common case (it fits now) copied straight from its memory."""
+        ring = self.ring
+        nbytes = tensor.numel() * tensor.element_size()
+        span = message_span(nbytes)
+        with self._lock:
+            head = ring.head.value
+            if (
+                self.broken is None
+                and not self._queue
+                and not self._busy
+                and span <= ring.capacity - (head - ring.tail.value)
+            ):
+                self._write_header(head, KIND_TENSOR, code, tag, nbytes)
+                if nbytes:
+                    ring.move_in(head + HEADER.size, tensor.data_ptr(), nbytes)
+                ring.head.value = head + span
+                if ring.recv_sleeps.value:
+                    futex_wake(ring.head.address)
+                return None
+        return self.post(KIND_TENSOR, code, tag, tensor_parts(tensor), deadline=deadline, op=op, keep=tensor)
+
+    def post(
+        self, kind: int, code: int, tag: int, parts: Payload, *, deadline: float, op: str, keep: object = None
+    ) -> Work | None:
+        """Write the message now if it fits (``None``), else queue it for the sender thread and
+        return the work that completes once it is written (large: once the peer took it)."""
+        ring = self.ring
+        nbytes = parts_bytes(parts)
+        span = message_span(nbytes)
+        with self._lock:
+            if self.broken is not None:
+                raise PeerFailureError(self.broken, peers=[self.peer])
+            head = ring.head.value
+            if not self._queue and not self._busy and span <= ring.capacity - (head - ring.tail.value):
+                self._write_header(head, kind, code, tag, nbytes)
+                pos = head + HEADER.size
+                for part in parts:
+                    self._copy_in(pos, part)
+                    pos += part.nbytes
+                ring.head.value = head + span
+                if ring.recv_sleeps.value:
+                    futex_wake(ring.head.address)
+                return None
+            work = Work(op)
+            self._queue.append(_Job(kind, code, tag, parts, deadline=deadline, work=work, keep=keep))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"pg-shm {self.group} send to {self.peer}", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._wake.notify()
+            return work
+
+    def close(self) -> bool:
+        """Stop the sender thread (queued messages fail); wake it if it waits. Whether it has
+        stopped (it leaves within a slice of the member being closed)."""
+        with self._lock:
+            self._wake.notify_all()
+        futex_wake(self.ring.tail.address)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+            return not self._thread.is_alive()
+        return True
+
+    # -- the sender thread -----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and self.live.closed is None:
+                    self._wake.wait(0.5)
+                if self.live.closed is not None and not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._busy = True
+            try:
+                if self.live.closed is not None or self.broken is not None:
+                    self.live.check([], f"send to rank {self.peer}")
+                    raise PeerFailureError(self.broken or "", peers=[self.peer])
+                self._stream(job)
+            except BaseException as exc:
+                job.work.set_exception(exc)
+            else:
+                job.work.set_result(None)
+            finally:
+                job.parts, job.keep = [], None
+                with self._lock:
+                    self._busy = False
+
+    def _stream(self, job: _Job) -> None:
+        ring = self.ring
+        cap = ring.capacity
+        doing = f"send of {job.nbytes} bytes to rank {self.peer}"
+        eager = job.nbytes <= EAGER_LIMIT
+        need = message_span(job.nbytes) if eager else message_span(0)
+        head = ring.head.value
+
+        def room() -> int:
+            return cap - (head - ring.tail.value)
+
+        def ask_drain() -> None:
+            ring.want_drain.value = 1
+            futex_wake(self.doorbell.address)
+
+        def wait_room(n: int) -> None:
+            wait_until(
+                lambda: room() >= n,
+                ring.tail,
+                self._flag,
+                self.live,
+                [self.peer],
+                deadline=job.deadline,
+                doing=doing,
+                op="send",
+                also=ask_drain if eager else None,
+            )
+
+        wait_room(need)
+        ring.want_drain.value = 0
+        self._write_header(head, job.kind, job.code, job.tag, job.nbytes)
+        if eager:
+            pos = head + HEADER.size
+            for part in job.parts:
+                self._copy_in(pos, part)
+                pos += part.nbytes
+            self._publish(head + message_span(job.nbytes))
+            return
+        # streamed: the header first, then the payload as the receiver frees room
+        head += HEADER.size
+        self._publish(head)
+        try:
+            for part in job.parts:
+                done = 0
+                while done < part.nbytes:
+                    if room() <= 0:
+                        wait_room(1)
+                    k = min(room(), part.nbytes - done)
+                    self._copy_in(head, part[done : done + k])
+                    head += k
+                    done += k
+                    self._publish(head)
+            pad = message_span(job.nbytes) - HEADER.size - job.nbytes
+            if pad:
+                wait_room(pad)
+                self._publish(head + pad)
+        except BaseException as exc:
+            self.broken = (
+                f"group {self.group!r}: the stream to rank {self.peer} is broken: a {job.nbytes}-byte send stopped "
+                f"midway ({type(exc).__name__})"
+            )
+            ring.broken.value = 1
+            futex_wake(ring.head.address)
+            raise
+
+    def _publish(self, head: int) -> None:
+        self.ring.head.value = head
+        if self.ring.recv_sleeps.value:
+            futex_wake(self.ring.head.address)
+
+    def _write_header(self, pos: int, kind: int, code: int, tag: int, nbytes: int) -> None:
+        HEADER.pack_into(self.ring.data, pos % self.ring.capacity, kind, code, tag, nbytes)
+
+    def _copy_in(self, pos: int, src: memoryview) -> None:
+        data, cap = self.ring.data, self.ring.capacity
+        n = src.nbytes
+        off = pos % cap
+        first = min(n, cap - off)
+        data[off : off + first] = src[:first]
+        if n > first:
+            data[: n - first] = src[first:]
