@@ -186,8 +186,10 @@ def dead_peer_in_a_launched_collective(ctx: RankContext) -> dict[str, Any] | Non
         PrefixStore("dead", ctx.store), ctx.rank, ctx.size, backends={"cpu": "tcp"}, name="dead", timeout=3600
     )
     g.barrier(timeout=60)
-    if ctx.rank == 2:
+    if ctx.rank == 2:  # once both survivors are through the barrier (its last frame from here read)
+        ctx.store.wait(["dead/through/0", "dead/through/1"])
         os._exit(0)  # die without a word
+    ctx.store.set(f"dead/through/{ctx.rank}", "1")
     try:
         work = g.all_reduce(torch.ones(10), async_op=True)
         assert work is not None

@@ -147,6 +147,12 @@ class TCPChannel:
         self._timeout = timeout
         self._deadline = time.monotonic() + timeout
 
+    def launched(self) -> TCPChannel:
+        """This channel, for a launched collective: from now on its ``isend``/``irecv`` works
+        complete even while nobody waits (see the class docstring)."""
+        self._attach = self._transport.post_async
+        return self
+
     def post_send(self, tensor: torch.Tensor, peer: int) -> Send:
         return self._transport.post_send(self._frame(Send, tensor, peer))
 
@@ -312,11 +318,11 @@ class TCPBackend(Backend):
             buf = self._scratch_bufs[key] = torch.empty_like(like)
         return buf
 
-    def _channel(self, op: str, timeout: float, arg: int = 0, *, launched: bool = False) -> TCPChannel:
+    def _channel(self, op: str, timeout: float, arg: int = 0) -> TCPChannel:
         """The channel of the next collective; raises at once if it cannot succeed."""
         self._seq += 1
         self._transport.begin_collective(op, self._seq, arg)
-        return TCPChannel(self._transport, op, self._seq, arg, timeout, launched=launched)
+        return TCPChannel(self._transport, op, self._seq, arg, timeout)
 
     def _collective(
         self, op: str, timeout: float, arg: int, steps: Callable[[TCPChannel], algorithms.Steps], async_op: bool
@@ -339,7 +345,7 @@ class TCPBackend(Backend):
             algorithms.run(ch, steps(ch))
             return None
         if last is None or last.done:
-            ch = self._channel(op, timeout, arg, launched=True)
+            ch = self._channel(op, timeout, arg).launched()
             work = algorithms.launch(ch, steps(ch), op)
         else:
             work = self._behind(last, op, timeout, arg, steps)
@@ -371,7 +377,7 @@ class TCPBackend(Backend):
 
         def start(_: Work) -> None:
             try:
-                ch = self._channel(op, timeout, arg, launched=True)
+                ch = self._channel(op, timeout, arg).launched()
                 inner = algorithms.launch(ch, steps(ch), op)
             except BaseException as exc:
                 outer.set_exception(exc)
