@@ -20,6 +20,7 @@ IN_REPO_BACKENDS = {
     "tcp": ("pg-tcp", "backends/tcp_reference"),
     "gloo": ("pg-gloo", "backends/gloo"),
     "mpi": ("pg-mpi", "backends/mpi"),
+    "shm": ("pg-shm", "backends/shm"),
     "storecomm": ("pg-storecomm", "examples/third_party_plugin"),
 }
 

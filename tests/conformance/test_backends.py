@@ -26,6 +26,7 @@ IN_REPO = {
     "tcp": "pg-tcp",
     "gloo": "pg-gloo",
     "mpi": "pg-mpi",  # started through mpiexec (its spec declares launcher="mpiexec")
+    "shm": "pg-shm",  # the ranks of one host over shared memory
     "storecomm": "pg-storecomm",  # examples/third_party_plugin: written from the README alone
 }
 

@@ -25,6 +25,9 @@ from pg_shm import plugin, rings
 from pg_shm.backend import ShmBackend
 from pg_shm.segment import HOST_ID_ENV
 
+#: pg-shm is an in-repo backend: make test installs it, so a missing one fails, never skips.
+pytestmark = pytest.mark.requires_backend("shm")
+
 Pools = Callable[[int], RankPool]
 
 
