@@ -21,7 +21,7 @@ and certified by the conformance suite under ``mpiexec`` (world sizes 1 to 4):
   completes without the receiver; a larger one is ``MPI_Isend`` from the tensor's own memory,
   waited for, so it may wait until the receiver has posted the matching receive (MPI's
   standard mode), as ``mpi4py``'s ``comm.Send`` does. The copy a buffered send makes costs
-  nothing next to MPI's latency up to 4 KiB and 1.2 to 3.5 times MPI's time from 8 to 64 KiB
+  nothing next to MPI's latency up to 4 KiB and 1.2 to 4.8 times MPI's time from 8 to 64 KiB
   (docs/decisions.md, "A send may wait for its receiver above an eager limit").
 
 ``launcher="mpiexec"``: the ranks of a job must be started together by one ``mpiexec``;
