@@ -19,6 +19,7 @@ import pytest
 import torch
 from pg_core import ProcessGroup
 from pg_core.errors import BackendUnavailableError, CollectiveTimeout, PeerFailureError
+from pg_core.ops import ReduceOp
 from pg_core.store import wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_shm import plugin, rings
@@ -156,6 +157,43 @@ def test_four_ranks_on_two_cores_complete_small_all_reduces(rank_pools: Pools) -
     cpu = sum(g["cpu"] for g in got)
     assert wall < 30, got
     assert cpu <= (os.cpu_count() or 2) * wall * 1.05, got
+
+
+def mixed_all_reduces(ctx: RankContext, rounds: int) -> list[str]:
+    """Small all_reduces (pg-shm's prepared one-phase path, once the group has a lane for their
+    kind) interleaved with ones it hands to the general path: larger than one phase, transposed,
+    another dtype or op, AVG. Every result is exact (integers), so any slip shows."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    ranks = range(ctx.size)
+    wrong = []
+
+    def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+        if not torch.equal(got, expected):
+            wrong.append(f"rank {ctx.rank} {name}: {got.flatten()[:4].tolist()} != {expected.flatten()[:4].tolist()}")
+
+    for i in range(rounds):
+        one = torch.tensor([float(ctx.rank + i)])
+        group.all_reduce(one)
+        check("1 float", one, torch.tensor([float(sum(r + i for r in ranks))]))
+        grid = torch.arange(12, dtype=torch.int64).reshape(3, 4) * (ctx.rank + 1) + i
+        group.all_reduce(grid, ReduceOp.MAX)
+        check("int64 max", grid, torch.arange(12, dtype=torch.int64).reshape(3, 4) * ctx.size + i)
+        big = torch.full((20_000,), float(ctx.rank + i))  # 80 KB: two phases per piece
+        group.all_reduce(big)
+        check("80 KB", big, torch.full((20_000,), float(sum(r + i for r in ranks))))
+        turned = (torch.arange(6.0).reshape(2, 3) + ctx.rank).t()
+        group.all_reduce(turned)
+        check("transposed", turned, (torch.arange(6.0).reshape(2, 3) * ctx.size + sum(ranks)).t())
+        mean = torch.full((5,), float(2 * ctx.rank * ctx.size))
+        group.all_reduce(mean, ReduceOp.AVG)
+        check("avg", mean, torch.full((5,), float(2 * sum(ranks))))
+    group.shutdown()
+    return wrong
+
+
+def test_prepared_small_all_reduces_interleave_with_the_general_path(rank_pools: Pools) -> None:
+    got = rank_pools(3).run(mixed_all_reduces, 40, timeout=120)
+    assert got == [[], [], []], got
 
 
 def other_hosts(ctx: RankContext) -> str:

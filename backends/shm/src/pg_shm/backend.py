@@ -156,12 +156,14 @@ class ShmBackend(Backend):
         self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
     ) -> Callable[[torch.Tensor], None] | None:
         """A blocking all_reduce of ``dtype`` with ``op``, looked up once (API 1.5)."""
-        shared, enter, leave = self.shared, self._enter, self._leave
+        shared, enter, leave, monotonic = self.shared, self._enter, self._leave, time.monotonic
+        small = shared.small_all_reduce(dtype, op)
 
         def run(tensor: torch.Tensor) -> None:
             enter()
             try:
-                shared.all_reduce(tensor, op, time.monotonic() + timeout)
+                if not small(tensor, monotonic() + timeout):
+                    shared.all_reduce(tensor, op, monotonic() + timeout)
             finally:
                 leave()
 

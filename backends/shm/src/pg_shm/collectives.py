@@ -21,7 +21,7 @@ extra barrier, and every phase reads only its own parity's slots.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import torch
@@ -30,7 +30,7 @@ from pg_core.ops import RedOpType, ReduceOp
 
 from .layout import COLL_SLEEPS, STEP, Layout
 from .segment import Segment, Word, futex_wake
-from .waiting import Flag, Liveness, wait_until
+from .waiting import SPINS, Flag, Liveness, wait_until
 
 __all__ = ["SMALL_BYTES", "Shared"]
 
@@ -56,6 +56,8 @@ class Shared:
         self.steps = [Word(s.address + STEP) for s in segments]
         self.sleeps = [Word(s.address + COLL_SLEEPS, 32) for s in segments]
         self._flag = Flag(self.sleeps[rank])
+        self._peer_sleeps = [w.cell for p, w in enumerate(self.sleeps) if p != rank]
+        self._my_step_address = self.steps[rank].address
         self.slot_bytes = layout.slot_bytes
         # byte tensors over each member's two slots, through ctypes arrays: they hold no export
         # of the mapping, so shutdown can unmap it (and nothing uses them afterwards)
@@ -92,11 +94,14 @@ class Shared:
 
     def _publish(self, s: int) -> None:
         self.step = s
-        mine = self.steps[self.rank]
-        mine.value = s
-        for peer in range(self.size):
-            if peer != self.rank and self.sleeps[peer].value:
-                futex_wake(mine.address)
+        self.steps[self.rank].value = s
+        self._wake_sleepers()
+
+    def _wake_sleepers(self) -> None:
+        """Wake the peers asleep on this member's step (after it moved)."""
+        for cell in self._peer_sleeps:
+            if cell.value:
+                futex_wake(self._my_step_address)
                 return
 
     def _wait_all(self, s: int, deadline: float, op: str, doing: str, among: Sequence[int] | None = None) -> None:
@@ -135,6 +140,67 @@ class Shared:
         s, _ = self._begin(deadline, "barrier", writes=False)
         self._publish(s)
         self._wait_all(s, deadline, "barrier", "arriving")
+
+    def small_all_reduce(self, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, float], bool]:
+        """The one-phase all_reduce of ``dtype`` with ``op``, prepared: ``run(tensor, deadline)``
+        reduces a contiguous ``tensor`` of at most :data:`SMALL_BYTES` (and returns ``True``), or
+        returns ``False`` at once, untouched, for anything else (the caller takes
+        :meth:`all_reduce`). Same phases, same words and same folds as :meth:`all_reduce`: the
+        two interleave freely. What a call would look up is looked up here once (the slot views
+        per element count, the counters' ctypes cells), so a call is a few Python lines."""
+        kind = op.type
+        if self.size == 1 or kind is RedOpType.PREMUL_SUM:
+            return lambda tensor, deadline: False
+        fn = BINARY_OPS[kind]
+        avg = kind is RedOpType.AVG
+        limit = min(SMALL_BYTES, self.slot_bytes)
+        me, size = self.rank, self.size
+        cells = [self.steps[p].cell for p in range(size) if p != me]
+        my_step = self.steps[me].cell
+        written = self._written
+        addresses = self._addresses
+        views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        memmove = ctypes.memmove
+
+        def run(tensor: torch.Tensor, deadline: float) -> bool:
+            nbytes = tensor.nbytes
+            if not 0 < nbytes <= limit or tensor.dtype != dtype or tensor.requires_grad or not tensor.is_contiguous():
+                return False
+            n = tensor.numel()
+            slots = views.get(n)
+            if slots is None:
+                slots = views[n] = ([self._slot(r, 0, dtype, n) for r in range(size)],
+                                    [self._slot(r, 1, dtype, n) for r in range(size)])  # fmt: skip
+            s = self.step + 1
+            parity = s & 1
+            last = written[parity] + 1  # every peer read this slot's last use once its step reached this
+            for cell in cells:
+                if cell.value < last:
+                    self._wait_all(last, deadline, "all_reduce", "reading the previous use of this member's slot")
+                    break
+            written[parity] = s
+            memmove(addresses[parity], tensor.data_ptr(), nbytes)
+            self.step = s
+            my_step.value = s
+            self._wake_sleepers()
+            for cell in cells:
+                if cell.value < s:
+                    for _ in range(SPINS):  # the peer is usually a few microseconds behind: poll the bare cell
+                        if cell.value >= s:
+                            break
+                    else:
+                        self._wait_all(s, deadline, "all_reduce", "contributing")
+                        break
+            mine = slots[parity]
+            flat = tensor.view(-1) if tensor.dim() != 1 else tensor
+            fn(mine[0], mine[1], out=flat)
+            for other in mine[2:]:
+                fn(flat, other, out=flat)
+            if avg:
+                divide_(flat, size, 0)
+            return True
+
+        return run
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, deadline: float) -> None:
         flat = _flat(tensor)

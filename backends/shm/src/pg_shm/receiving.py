@@ -22,7 +22,7 @@ from pg_core.errors import CollectiveMismatchError, PeerFailureError
 from .layout import HEADER, message_span
 from .rings import EAGER_LIMIT, Ring
 from .segment import futex_wake
-from .waiting import Flag, Liveness, wait_until
+from .waiting import SPINS, Flag, Liveness, wait_until
 
 __all__ = ["Inbox"]
 
@@ -44,7 +44,7 @@ class Inbox:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
         and dtype must match), or returned (``into=None``: a byte message)."""
         ring = self.ring
-        doing = f"{op} from rank {self.peer} (tag {tag})"
+        head = ring.head.cell
         while True:
             with self.lock:
                 if self.broken is not None:
@@ -61,7 +61,7 @@ class Inbox:
                     if (k, t) == (kind, tag):
                         if into is not None:
                             if not self._matches(into, code, nbytes):
-                                self._stream_out(nbytes, None, deadline, doing, op)  # read past it
+                                self._stream_out(nbytes, None, deadline, self._doing(op, tag), op)  # read past it
                                 raise self._mismatch(into, code, nbytes)
                             start = ring.tail.value
                             if seen - start >= message_span(nbytes):  # whole: straight into the tensor
@@ -69,16 +69,25 @@ class Inbox:
                                     ring.move_out(start + HEADER.size, into.data_ptr(), nbytes)
                                 self._advance(start + message_span(nbytes))
                                 return None
-                            self._stream_out(nbytes, tensor_bytes(into), deadline, doing, op)
+                            self._stream_out(nbytes, tensor_bytes(into), deadline, self._doing(op, tag), op)
                             return None
                         buffer = bytearray(nbytes)
-                        self._stream_out(nbytes, memoryview(buffer), deadline, doing, op)
+                        self._stream_out(nbytes, memoryview(buffer), deadline, self._doing(op, tag), op)
                         return buffer
                     buffer = bytearray(nbytes)
-                    self._stream_out(nbytes, memoryview(buffer), deadline, doing, op)
+                    self._stream_out(nbytes, memoryview(buffer), deadline, self._doing(op, tag), op)
                     self._kept.setdefault((k, t), deque()).append((code, buffer))
                     futex_wake(ring.head.address)  # another thread of this member may wait for it
-            self._wait(self._moved(seen, kind, tag), deadline, doing, op)
+            for _ in range(SPINS):  # the sender is usually a few microseconds away: poll the bare cell
+                if head.value != seen:
+                    break
+            else:
+                self._wait(self._moved(seen, kind, tag), deadline, self._doing(op, tag), op)
+
+    def _doing(self, op: str, tag: int) -> str:
+        """What a receive is doing, for errors: formatted only on the slow paths (it costs about
+        what a whole small receive does)."""
+        return f"{op} from rank {self.peer} (tag {tag})"
 
     def _moved(self, seen: int, kind: int, tag: int) -> Callable[[], bool]:
         head = self.ring.head

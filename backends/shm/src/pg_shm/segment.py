@@ -101,21 +101,23 @@ def futex_wake(address: int) -> None:
 
 
 class Word:
-    """A 32- or 64-bit unsigned word at ``address`` (which must stay mapped while in use)."""
+    """A 32- or 64-bit unsigned word at ``address`` (which must stay mapped while in use).
+    ``cell`` is its ``ctypes`` integer: hot loops read ``cell.value`` (an ``int``) directly,
+    which saves the property's call per poll."""
 
-    __slots__ = ("_cell", "address")
+    __slots__ = ("address", "cell")
 
     def __init__(self, address: int, bits: int = 64) -> None:
         self.address = address
-        self._cell = (ctypes.c_uint64 if bits == 64 else ctypes.c_uint32).from_address(address)
+        self.cell = (ctypes.c_uint64 if bits == 64 else ctypes.c_uint32).from_address(address)
 
     @property
     def value(self) -> int:
-        return int(self._cell.value)
+        return int(self.cell.value)
 
     @value.setter
     def value(self, new: int) -> None:
-        self._cell.value = new
+        self.cell.value = new
 
 
 class Segment:
