@@ -44,7 +44,7 @@ class Inbox:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
         and dtype must match), or returned (``into=None``: a byte message)."""
         ring = self.ring
-        head = ring.head.cell
+        head, tail = ring.head.cell, ring.tail.cell
         while True:
             with self.lock:
                 if self.broken is not None:
@@ -54,20 +54,23 @@ class Inbox:
                     code, buffer = kept.popleft()
                     return self._deliver(code, buffer, into)
                 while True:
-                    seen = ring.head.value  # read before deciding there is nothing: what the wait compares with
-                    if seen - ring.tail.value < HEADER.size:
+                    seen = head.value  # read before deciding there is nothing: what the wait compares with
+                    start = tail.value
+                    if seen - start < HEADER.size:
                         break
-                    k, code, t, nbytes = HEADER.unpack_from(ring.data, ring.tail.value % ring.capacity)
-                    if (k, t) == (kind, tag):
+                    k, code, t, nbytes = HEADER.unpack_from(ring.data, start % ring.capacity)
+                    if k == kind and t == tag:
                         if into is not None:
-                            if not self._matches(into, code, nbytes):
+                            if nbytes != into.nbytes or code != dtype_code(into.dtype):
                                 self._stream_out(nbytes, None, deadline, self._doing(op, tag), op)  # read past it
                                 raise self._mismatch(into, code, nbytes)
-                            start = ring.tail.value
-                            if seen - start >= message_span(nbytes):  # whole: straight into the tensor
+                            span = message_span(nbytes)
+                            if seen - start >= span:  # whole: straight into the tensor
                                 if nbytes:
                                     ring.move_out(start + HEADER.size, into.data_ptr(), nbytes)
-                                self._advance(start + message_span(nbytes))
+                                tail.value = start + span
+                                if ring.sender_sleeps.cell.value:
+                                    futex_wake(ring.tail.address)
                                 return None
                             self._stream_out(nbytes, tensor_bytes(into), deadline, self._doing(op, tag), op)
                             return None

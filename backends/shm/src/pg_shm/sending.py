@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from ctypes import memmove
 
 import torch
 from pg_core.errors import PeerFailureError
@@ -61,21 +62,28 @@ class Outbox:
     def post_tensor(self, tensor: torch.Tensor, code: int, tag: int, *, deadline: float, op: str) -> Work | None:
         """:meth:`post` of a tensor: the common case (it fits now) copied straight from its memory."""
         ring = self.ring
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         span = message_span(nbytes)
+        cap = ring.capacity
         with self._lock:
-            head = ring.head.value
+            head = ring.head.cell.value
             if (
                 self.broken is None
                 and not self._queue
                 and not self._busy
-                and span <= ring.capacity - (head - ring.tail.value)
+                and span <= cap - (head - ring.tail.cell.value)
             ):
-                self._write_header(head, KIND_TENSOR, code, tag, nbytes)
-                if nbytes:
-                    ring.move_in(head + HEADER.size, tensor.data_ptr(), nbytes)
-                ring.head.value = head + span
-                if ring.recv_sleeps.value:
+                pos = head % cap
+                if pos + span <= cap:  # the message does not wrap: one pack, one memmove
+                    HEADER.pack_into(ring.data, pos, KIND_TENSOR, code, tag, nbytes)
+                    if nbytes:
+                        memmove(ring.base + pos + HEADER.size, tensor.data_ptr(), nbytes)
+                else:
+                    self._write_header(head, KIND_TENSOR, code, tag, nbytes)
+                    if nbytes:
+                        ring.move_in(head + HEADER.size, tensor.data_ptr(), nbytes)
+                ring.head.cell.value = head + span
+                if ring.recv_sleeps.cell.value:
                     futex_wake(ring.head.address)
                 return None
         return self.post(KIND_TENSOR, code, tag, tensor_parts(tensor), deadline=deadline, op=op, keep=tensor)
