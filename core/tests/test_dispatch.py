@@ -29,6 +29,7 @@ from pg_core import (
 from pg_core.dispatch import parse_backends
 from pg_core.group import P2POp
 from pg_core.registry import Registry
+from pg_core.work import Work
 
 
 class Recorder(Backend):
@@ -1062,3 +1063,63 @@ def test_a_tensor_that_is_not_dense_strided_is_refused_by_kind_before_the_backen
             call()
         assert "dense" in str(info.value)
     assert log == []
+
+
+class WaitingSends(Backend):
+    """Declares that its sends above 1 KiB may wait for their receivers, has no isend of its
+    own, and leaves every collective to the core's defaults."""
+
+    name = "waiting-sends"
+    capabilities = Capabilities(dtypes=frozenset({torch.float32}), eager_limit_bytes=1024)
+
+    def send(self, tensor, dst, tag, *, timeout):
+        raise AssertionError("nothing may be sent by a backend the core refused")
+
+    def recv(self, tensor, src, tag, *, timeout):
+        raise AssertionError("nothing may be received by a backend the core refused")
+
+
+class WaitingSendsWithIsend(WaitingSends):
+    """The same with a truly asynchronous isend (here: one that records it was posted)."""
+
+    name = "waiting-sends-isend"
+
+    def isend(self, tensor, dst, tag, *, timeout):
+        return Work.completed("isend")
+
+
+class WaitingSendsOwnCollectives(WaitingSends):
+    """The same declaring only collectives it implements itself."""
+
+    name = "waiting-sends-own"
+    capabilities = Capabilities(
+        ops=frozenset({"all_reduce", "send", "recv"}), dtypes=frozenset({torch.float32}), eager_limit_bytes=1024
+    )
+
+    def all_reduce(self, tensor, op, *, timeout):
+        tensor.add_(1)
+
+
+def test_a_backend_whose_sends_may_wait_needs_an_isend_for_the_default_collectives():
+    """The default collectives post a send, then receive: with a send that waits in the posting
+    thread, the ranks of a ring would each wait for the next. Refused when the backend is
+    created, naming the backend, its limit and the collectives, before anything is sent."""
+    g = ProcessGroup(HashStore(), rank=0, size=2, backends=WaitingSends)
+    try:
+        with pytest.raises(
+            PluginError, match=r"'waiting-sends' declares eager_limit_bytes=1024 for cpu .*isend.*all_reduce"
+        ):
+            g.all_reduce(torch.ones(2))
+    finally:
+        g.abort()
+    for fine in (WaitingSendsWithIsend, WaitingSendsOwnCollectives):
+        g = ProcessGroup(HashStore(), rank=0, size=2, backends=fine)
+        try:
+            if fine is WaitingSendsOwnCollectives:
+                t = torch.ones(2)
+                g.all_reduce(t)
+                assert t.tolist() == [2.0, 2.0]
+            else:  # created without complaint: its isend is its own
+                assert g._dispatch.instance(torch.device("cpu")).native_isend
+        finally:
+            g.abort()

@@ -138,8 +138,9 @@ class P2PChannel:
     with one tag and one deadline for the whole operation.
 
     ``isend``/``irecv`` are the backend's own where it has them (``native_isend``,
-    ``native_irecv``). Otherwise a send happens at once (the contract's ``send`` never waits
-    for its receiver) and a receive happens when it is waited for, receives from one peer
+    ``native_irecv``). Otherwise a send happens at once (a backend without an ``isend`` of its
+    own declares no eager limit where it leaves a collective to these defaults: its ``send``
+    never waits for its receiver; the core refuses it otherwise) and a receive happens when it is waited for, receives from one peer
     in the order they were posted: no thread, no handoff.
     """
 

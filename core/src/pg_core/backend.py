@@ -609,9 +609,12 @@ class Backend:
         """Start a send and return its :class:`~pg_core.work.Work`. Optional.
 
         Not overridden, the core runs ``send`` on a helper thread of its own per
-        (peer, tag) for the group's ``isend``, and the default collectives send at once
-        (``send`` never waits for its receiver). This body, for an override's
-        ``super().isend``, sends at once too and returns a completed work.
+        (peer, tag) for the group's ``isend``, and the default collectives send at once,
+        which needs a ``send`` that never waits for its receiver: a backend declaring
+        ``eager_limit_bytes`` whose declared collectives include a default one must override
+        it (the core refuses it otherwise, with :class:`~pg_core.errors.PluginError`). This
+        body, for an override's ``super().isend``, sends at once too and returns a completed
+        work.
         """
         self.send(tensor, dst, tag, timeout=timeout)
         return Work.completed("isend")

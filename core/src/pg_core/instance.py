@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .backend import Backend, BackendContext, BackendSpec, parse_api_version
-from .errors import GroupClosedError
+from .errors import GroupClosedError, PluginError
 from .ops import COLLECTIVE_OPS
 from .tags import TagMap
 from .work import Work
@@ -73,13 +73,22 @@ class Instance:
     )
 
     def __init__(self, spec: BackendSpec, ctx: BackendContext) -> None:
-        backend = spec.load_factory()(ctx)
+        factory = spec.load_factory()
+        if isinstance(factory, type):
+            _check_sends_can_wait(spec, ctx.device.type, factory)
+        backend = factory(ctx)
         if not isinstance(backend, Backend):
             raise TypeError(f"backend {spec.name!r} factory returned {type(backend).__name__}, not a pg_core Backend")
         for attr, value in (("ctx", ctx), ("rank", ctx.rank), ("size", ctx.size)):
             if not hasattr(backend, attr):  # its constructor did not call Backend.__init__
                 setattr(backend, attr, value)
         cls = type(backend)
+        if not isinstance(factory, type):
+            try:
+                _check_sends_can_wait(spec, ctx.device.type, cls)
+            except PluginError:
+                backend.abort()
+                raise
         self.backend = backend
         self.spec = spec
         self.device: torch.device = ctx.device
@@ -175,6 +184,28 @@ class Instance:
         finally:
             self._streams.stop()
         return error
+
+
+def _check_sends_can_wait(spec: BackendSpec, device: str, cls: type) -> None:
+    """A backend whose blocking ``send`` may wait for its receiver (a declared
+    ``eager_limit_bytes``) and that leaves a collective to the core's defaults must have a
+    truly asynchronous ``isend``: the defaults post a send, then receive, and with a send that
+    waits in the posting thread the ranks of a ring would each wait for the next."""
+    caps = spec.capabilities_for(device)
+    limit = caps.eager_limit_bytes
+    if limit is None or cls.isend is not Backend.isend:
+        return
+    inherited = sorted(
+        op for op in COLLECTIVE_OPS if op in caps.ops and getattr(cls, op, None) is getattr(Backend, op, None)
+    )
+    if inherited:
+        raise PluginError(
+            f"backend {spec.name!r} declares eager_limit_bytes={limit} for {device} (a send above it may wait for "
+            f"its receiver) but does not override isend, and leaves {', '.join(inherited)} to the core's default "
+            "algorithms, which need a send that does not wait in the posting thread: implement a truly "
+            "asynchronous isend (API 1.10), or implement those collectives, or declare no eager limit",
+            distribution=spec.distribution,
+        )
 
 
 class _Streams:
