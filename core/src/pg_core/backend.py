@@ -383,9 +383,7 @@ class Capabilities:
             )
         limit = self.eager_limit_bytes
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(
-                f"Capabilities.eager_limit_bytes must be None (no limit) or an int >= 0, got {limit!r}"
-            )
+            raise ValueError(f"Capabilities.eager_limit_bytes must be None (no limit) or an int >= 0, got {limit!r}")
 
     def reduce_ops_for(self, dtype: torch.dtype) -> frozenset[RedOpType]:
         """The reduce ops declared for ``dtype`` (empty if the dtype is not declared)."""
