@@ -74,7 +74,7 @@ class Instance:
 
     def __init__(self, spec: BackendSpec, ctx: BackendContext) -> None:
         factory = spec.load_factory()
-        if isinstance(factory, type):
+        if isinstance(factory, type) and issubclass(factory, Backend):
             _check_sends_can_wait(spec, ctx.device.type, factory)
         backend = factory(ctx)
         if not isinstance(backend, Backend):
@@ -83,7 +83,7 @@ class Instance:
             if not hasattr(backend, attr):  # its constructor did not call Backend.__init__
                 setattr(backend, attr, value)
         cls = type(backend)
-        if not isinstance(factory, type):
+        if not (isinstance(factory, type) and issubclass(factory, Backend)):
             try:
                 _check_sends_can_wait(spec, ctx.device.type, cls)
             except PluginError:
@@ -186,7 +186,7 @@ class Instance:
         return error
 
 
-def _check_sends_can_wait(spec: BackendSpec, device: str, cls: type) -> None:
+def _check_sends_can_wait(spec: BackendSpec, device: str, cls: type[Backend]) -> None:
     """A backend whose blocking ``send`` may wait for its receiver (a declared
     ``eager_limit_bytes``) and that leaves a collective to the core's defaults must have a
     truly asynchronous ``isend``: the defaults post a send, then receive, and with a send that
