@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .backend import Backend, BackendContext, BackendSpec, Capabilities
-from .errors import BackendNotFoundError, BackendUnavailableError, CollectiveTimeout, GroupClosedError
+from .errors import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    GroupClosedError,
+)
 from .instance import Instance
 from .ops import ReduceOp
-from .store import PrefixStore, Store
+from .store import PrefixStore, Store, wait_for
 
 if TYPE_CHECKING:
     from .auth import AuthKey
@@ -25,9 +31,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackendsArg",
+    "Choice",
     "Dispatcher",
     "context_factory",
     "describe",
+    "fallbacks",
     "message_device",
     "parse_backends",
     "resolve_backends",
@@ -77,7 +85,28 @@ def _adhoc_spec(value: Any, devices: Sequence[str]) -> BackendSpec:
     return BackendSpec(name=str(name).replace(" ", "_"), factory=value, devices=tuple(devices), capabilities=caps)
 
 
-def resolve_backends(backends: BackendsArg, registry: Registry | None = None) -> dict[str, BackendSpec]:
+class Choice(dict[str, BackendSpec]):
+    """What :func:`resolve_backends` returns: device type -> spec, as a dict, and for each
+    device type left to the default (``backends=None``) the available backends after the
+    chosen one, highest priority first (:attr:`fallbacks`): where the chosen one refuses the
+    group's members alike (pg-shm for members on several hosts), its :class:`Dispatcher`
+    builds the next. Subgroups inherit the whole choice, so each decides for its own members."""
+
+    fallbacks: dict[str, tuple[BackendSpec, ...]]
+
+    def __init__(
+        self, specs: Mapping[str, BackendSpec], fallbacks: Mapping[str, Sequence[BackendSpec]] | None = None
+    ) -> None:
+        super().__init__(specs)
+        self.fallbacks = {d: tuple(c) for d, c in (fallbacks or {}).items() if c}
+
+
+def fallbacks(specs: Mapping[str, BackendSpec]) -> dict[str, tuple[BackendSpec, ...]]:
+    """The :attr:`Choice.fallbacks` of ``specs`` (none for a plain mapping)."""
+    return dict(specs.fallbacks) if isinstance(specs, Choice) else {}
+
+
+def resolve_backends(backends: BackendsArg, registry: Registry | None = None) -> Choice:
     """The user's ``backends=`` as device type -> spec. Talks to nobody: a name that is not
     installed or a device the backend does not declare raises here, and so does an installed
     backend that cannot run here if it serves the group's messages (:func:`message_device`).
@@ -87,7 +116,8 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
     its cpu part on a machine without a GPU.
 
     ``None`` picks, per device type, the highest-priority available backend of
-    ``registry`` (default: the installed plugins); a name, every device it declares; a
+    ``registry`` (default: the installed plugins), the others following it in
+    :attr:`Choice.fallbacks`; a name, every device it declares; a
     dict or ``"cpu:gloo,cuda:nccl"``, one per device; a ``BackendSpec``, a ``Backend``
     subclass or a factory, every device it declares (``cpu`` for a bare class).
     """
@@ -97,6 +127,7 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
 
         registry = default_registry()
     specs: dict[str, BackendSpec] = {}
+    after: dict[str, list[BackendSpec]] = {}
     if parsed is None:
         devices: list[str] = []
         for entry in registry.entries():
@@ -106,7 +137,7 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
         for device in devices:
             candidates = registry.available_for(device)
             if candidates:
-                specs[device] = candidates[0]
+                specs[device], *after[device] = candidates
         if "cpu" not in specs:
             registry.default_for("cpu")  # raises the error that says what to install
         if not specs:
@@ -128,7 +159,7 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
     error = registry.unavailable_error(specs[messages], messages)
     if error is not None:  # the group's own traffic (objects, barrier, subgroups) needs it
         raise error
-    return specs
+    return Choice(specs, after)
 
 
 def unavailable(specs: Mapping[str, BackendSpec], registry: Registry | None, group: str) -> dict[str, str]:
@@ -176,6 +207,15 @@ class Dispatcher:
     backend cannot run here: creating one raises its error. Closing refuses further
     creation; an instance created while the group closed is aborted by its creator, so none
     escapes being closed.
+
+    ``fallbacks`` (:attr:`Choice.fallbacks`) are the backends to try, in order, for a device
+    type left to the default whose backend refuses the members
+    (:class:`~pg_core.errors.BackendUnavailableError` from its creation). Falling back needs
+    every member to have been refused alike, which one more store round after each attempt
+    that has a fallback settles (keys ``pg-core/choice/<rank>`` in the refused backend's
+    store): all refused, each builds the next; some refused and some formed it, or one
+    failed otherwise, every member raises, naming who did what, and those that formed it
+    abort it. ``on_choice(device type, spec)`` hears of the spec a fallback put in use.
     """
 
     def __init__(
@@ -183,10 +223,14 @@ class Dispatcher:
         specs: Mapping[str, BackendSpec],
         ctx: Callable[[BackendSpec, torch.device], BackendContext],
         unavailable: Mapping[str, str] | None = None,
+        fallbacks: Mapping[str, Sequence[BackendSpec]] | None = None,
+        on_choice: Callable[[str, BackendSpec], None] | None = None,
     ):
         self._specs = dict(specs)
         self._ctx = ctx
         self._unavailable = dict(unavailable or {})
+        self._fallbacks = {d: tuple(c) for d, c in (fallbacks or {}).items()}
+        self._on_choice = on_choice
         self._instances: dict[str, Instance] = {}  # by device type
         self._by_device: dict[torch.device, Instance] = {}  # the same, by every device seen (no .type on the hot path)
         self._locks = {device: threading.Lock() for device in self._specs}
@@ -243,9 +287,8 @@ class Dispatcher:
             if inst is None:
                 if device.type in self._unavailable:
                     raise BackendUnavailableError(self._unavailable[device.type])
-                spec = self._specs[device.type]
                 try:
-                    inst = Instance(spec, self._ctx(spec, device))
+                    inst = self._create(device)
                 except CollectiveTimeout as exc:
                     if op is not None:
                         exc.op = op
@@ -255,6 +298,33 @@ class Dispatcher:
                     raise GroupClosedError("the group was closed while its backend was created")
                 self._instances[device.type] = inst
             return inst
+
+    def _create(self, device: torch.device) -> Instance:
+        """The instance of ``device``'s type: its spec's, or where that refuses every member
+        alike, the first of its fallbacks that does not (see the class)."""
+        spec = self._specs[device.type]
+        after = self._fallbacks.get(device.type, ())
+        while True:
+            ctx = self._ctx(spec, device)
+            if not after:
+                inst = Instance(spec, ctx)
+                break
+            try:
+                inst = Instance(spec, ctx)
+            except BackendUnavailableError as exc:
+                _agree_refused(ctx, spec, after[0], exc)
+            except BaseException as exc:
+                ctx.store.set(f"{_CHOICE}/{ctx.rank}", f"failed {type(exc).__name__}: {exc}")
+                raise
+            else:
+                _agree_formed(ctx, spec, inst)
+                break
+            spec, after = after[0], after[1:]
+            self._specs[device.type] = spec
+            self._fallbacks[device.type] = after
+            if self._on_choice is not None:
+                self._on_choice(device.type, spec)
+        return inst
 
     def close(self) -> list[Instance]:
         """Refuse further creation; return the instances created so far (the caller closes them)."""
@@ -266,6 +336,68 @@ class Dispatcher:
             if inst is not None:
                 instances.append(inst)
         return instances
+
+
+#: where, in a refused backend's store, the members say how its creation went (see Dispatcher)
+_CHOICE = "pg-core/choice"
+
+
+def _outcomes(ctx: BackendContext, spec: BackendSpec, mine: str) -> list[str]:
+    """Every member's word on creating ``spec`` (``ok``, ``refused <next> <why>`` or
+    ``failed <why>``), this member's being ``mine``."""
+    ctx.store.set(f"{_CHOICE}/{ctx.rank}", mine)
+    what = f"group {ctx.group_name!r} rank {ctx.rank}: whether every member formed backend {spec.name!r}"
+    wait_for(ctx.store, [f"{_CHOICE}/{r}" for r in range(ctx.size)], ctx.timeout, what=what)
+    return [ctx.store.get(f"{_CHOICE}/{r}").decode() for r in range(ctx.size)]
+
+
+def _disagreement(ctx: BackendContext, spec: BackendSpec, words: list[str]) -> BackendUnavailableError:
+    """The error of members that did not all fare alike with the default ``spec``."""
+    told: dict[str, list[int]] = {}
+    for rank, word in enumerate(words):
+        kind, _, rest = word.partition(" ")
+        if kind == "ok":
+            text = "formed it"
+        elif kind == "refused":
+            text = f"were refused it ({rest.partition(' ')[2]})"
+        else:
+            text = f"failed to form it ({rest})"
+        told.setdefault(text, []).append(rank)
+    return BackendUnavailableError(
+        f"group {ctx.group_name!r}: the members did not fare alike with the default {ctx.device.type} backend "
+        f"{spec.name!r}, so they cannot fall back together: "
+        + "; ".join(f"ranks {ranks} {text}" for text, ranks in told.items())
+        + ". Name the backend for this group (backends=...)"
+    )
+
+
+def _agree_refused(ctx: BackendContext, spec: BackendSpec, following: BackendSpec, exc: BaseException) -> None:
+    """Return where every member was refused ``spec`` and falls back to ``following``, as this one
+    was (``exc``); else raise, naming who did what."""
+    words = _outcomes(ctx, spec, f"refused {following.name} {exc}")
+    if all(w.startswith("refused ") for w in words):
+        nexts = {w.split(" ", 2)[1] for w in words}
+        if nexts == {following.name}:
+            return
+        raise CollectiveMismatchError(
+            f"group {ctx.group_name!r}: every member was refused the default backend {spec.name!r}, but they "
+            f"would fall back to different ones ({', '.join(sorted(nexts))}): install the same backends "
+            "everywhere or name them with backends="
+        ) from exc
+    raise _disagreement(ctx, spec, words) from exc
+
+
+def _agree_formed(ctx: BackendContext, spec: BackendSpec, inst: Instance) -> None:
+    """Return where every member formed ``spec`` as this one did (``inst``); else abort it and raise."""
+    try:
+        words = _outcomes(ctx, spec, "ok")
+    except BaseException:
+        inst.close("abort")
+        raise
+    if all(w == "ok" for w in words):
+        return
+    inst.close("abort")
+    raise _disagreement(ctx, spec, words)
 
 
 def context_factory(

@@ -26,7 +26,15 @@ from . import environment, messages
 from .auth import AuthKey, resolve_key
 from .check import Checker, check_mode
 from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
-from .dispatch import BackendsArg, Dispatcher, context_factory, message_device, resolve_backends, unavailable
+from .dispatch import (
+    BackendsArg,
+    Dispatcher,
+    context_factory,
+    fallbacks,
+    message_device,
+    resolve_backends,
+    unavailable,
+)
 from .errors import CollectiveTimeout, NotSupportedError, PeerFailureError, PluginError, warn_user
 from .executor import Executor
 from .interop import to_torch
@@ -265,6 +273,8 @@ class ProcessGroup:
                 auth_key=auth_key_of(f.store),
             ),
             missing,
+            fallbacks(f.specs),
+            self._chose,
         )
         # where barrier (an op without tensors) and messages go: the cpu backend, else the first configured one
         self._barrier_device = message_device(self._specs)
@@ -299,6 +309,11 @@ class ProcessGroup:
         self._lineage = Lineage.top(f.uid, m.size)  # where its ranks sit in its job (a subgroup's: set by its parent)
         self._registration: Registration | None = None  # in torch's tables (to_torch(register=True)), or not
         self._monitored = 0  # monitored_barrier() rounds so far (their store keys)
+
+    def _chose(self, device_type: str, spec: BackendSpec) -> None:
+        """The dispatcher fell back to ``spec`` for ``device_type`` (the default refused every
+        member): :attr:`backends` and the capability checks (which read this dict) follow it."""
+        self._specs[device_type] = spec
 
     # -- properties -------------------------------------------------------------
     @property
@@ -1553,9 +1568,10 @@ class ProcessGroup:
         backends: BackendsArg,
         timeout: float | timedelta | None,
         options: Mapping[str, Mapping[str, Any]] | None,
-    ) -> tuple[dict[str, BackendSpec], float, Mapping[str, Mapping[str, Any]]]:
+    ) -> tuple[Mapping[str, BackendSpec], float, Mapping[str, Mapping[str, Any]]]:
         """A subgroup's configuration: this group's, where the call does not give its own."""
-        specs = self._specs if backends is None else resolve_backends(backends, self._formation.registry)
+        # the formation's own choice, fallbacks included: each subgroup decides for its own members
+        specs = self._formation.specs if backends is None else resolve_backends(backends, self._formation.registry)
         return specs, self._seconds(timeout), self._formation.options if options is None else options
 
     def _inherited_check(self, check: bool | None) -> bool:

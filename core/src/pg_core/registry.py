@@ -460,6 +460,27 @@ class Registry:
                 f"No installed backend is available for device {device!r}. Installed: {'; '.join(reasons)}.{hint}"
             )
 
+    def describe_defaults(self) -> str:
+        """What ``backends=None`` picks here, one line per device type that has an available
+        backend (``pg-core backends`` prints it): the chosen one and, where there is another,
+        what a group gets whose members the chosen one refuses (pg-shm: members on several
+        hosts)."""
+        with self._lock:
+            devices = sorted({d for v in self._views() if v.record.spec is not None for d in v.record.spec.devices})
+            lines = []
+            for device in devices:
+                chain = self.available_for(device)
+                if not chain:
+                    continue
+                first = chain[0]
+                line = f"{device}: {first.name}"
+                if len(chain) > 1:
+                    line += f", else {chain[1].name} for a group whose members {first.name} refuses"
+                    if first.description:
+                        line += f" ({first.name}: {first.description})"
+                lines.append(line)
+            return "\n".join(lines)
+
     # -- changing ----------------------------------------------------------------------
     def register(self, spec: BackendSpec, *, override: bool = False) -> None:
         """Add a backend in this process (not through an entry point).

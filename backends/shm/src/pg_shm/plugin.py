@@ -25,11 +25,11 @@ hookimpl = pluggy.HookimplMarker("pg_core")
 #: imports nothing but this module and :mod:`pg_shm.segment`.
 EAGER_LIMIT = 1 << 20
 
-#: Below pg-tcp's 10, so ``backends=None`` still picks pg-tcp: whether a group's members share a
-#: host is known only when its backend forms, after the default was chosen in each process, and
-#: the core cannot yet pass over a default that refuses the members (docs/decisions.md, pg-shm).
-#: Name it: ``backends="shm"``.
-PRIORITY = 4
+#: Above pg-tcp's 10, so ``backends=None`` picks pg-shm for cpu. Whether a group's members share
+#: a host is known only when its backend forms: pg-shm then refuses members on several hosts
+#: alike, and the core falls back to the next default (pg-tcp) on every member together
+#: (:class:`pg_core.dispatch.Dispatcher`; docs/decisions.md, "The default picks pg-shm").
+PRIORITY = 20
 
 CAPABILITIES = Capabilities(
     ops=frozenset(OPS),
