@@ -1,14 +1,17 @@
 """``backends=None`` with a default that may refuse the group's members: every member falls
 back to the next default together, or, where they did not fare alike, every member raises
-naming who did what. In-process backends on thread ranks over one HashStore; pg-shm's own
-fallback across real processes is in tests/integration/test_from_env.py."""
+naming who did what: in-process backends on thread ranks over one HashStore, then the
+installed pg-shm and pg-tcp across real processes (``ProcessGroup.from_env`` with pgrun's
+variables), on one host and on two faked ones."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from pg_core import (
     Backend,
@@ -18,11 +21,13 @@ from pg_core import (
     CollectiveMismatchError,
     HashStore,
     ProcessGroup,
+    TCPStore,
 )
 from pg_core.dispatch import Choice, fallbacks, resolve_backends
 from pg_core.ops import ReduceOp
 from pg_core.registry import Registry
 from pg_core.store import wait_for
+from pg_core.testing.pool import RankContext, RankPool
 
 
 class Summing(Backend):
@@ -200,3 +205,56 @@ def test_the_registry_says_what_the_default_is_and_what_follows_it() -> None:
     alone = Registry(load_entry_points=False)
     alone.register(BackendSpec(name="plain", factory=Summing, devices=("cpu",), priority=10))
     assert alone.describe_defaults() == "cpu: plain"
+
+
+def default_group(ctx: RankContext, port: int, hosts: list[str] | None) -> dict[str, Any]:
+    """A ``backends=None`` group from pgrun's variables on the test's store, its ranks on the
+    fake hosts ``hosts`` (pg-shm's ``PG_SHM_HOST_ID``) where given: the backends it got, exact
+    sums, and those of a subgroup of ranks 0 and 1."""
+    from pg_shm.segment import HOST_ID_ENV
+
+    if hosts is not None:
+        os.environ[HOST_ID_ENV] = hosts[ctx.rank]
+    env = {"PG_RANK": str(ctx.rank), "PG_WORLD_SIZE": str(ctx.size), "PG_STORE": f"127.0.0.1:{port}"}
+    try:
+        with ProcessGroup.from_env(env=env, timeout=60) as group:
+            t = torch.arange(5, dtype=torch.float32) + 10 * ctx.rank
+            group.all_reduce(t)
+            n = torch.tensor([ctx.rank + 1], dtype=torch.int64)
+            group.all_reduce(n)
+            out: dict[str, Any] = {"backends": group.backends, "floats": t.tolist(), "ints": n.tolist()}
+            sub = group.new_group([0, 1]) if ctx.rank < 2 else None
+            if sub is not None:
+                with sub:
+                    u = torch.tensor([float(ctx.rank + 1)])
+                    sub.all_reduce(u)
+                    out["sub"] = (sub.backends, u.item())
+            return out
+    finally:
+        os.environ.pop(HOST_ID_ENV, None)
+
+
+@pytest.mark.requires_backend("tcp", "shm")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_default_on_one_host_is_shm_with_exact_results(rank_pools: Callable[[int], RankPool], size: int) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    outs = rank_pools(size).run(default_group, store.port, None, timeout=120)
+    for out in outs:
+        assert out["backends"] == {"cpu": "shm"}, outs
+        assert out["floats"] == [10.0 * sum(range(size)) + size * i for i in range(5)], outs
+        assert out["ints"] == [size * (size + 1) // 2], outs
+    assert [out.get("sub") for out in outs] == [({"cpu": "shm"}, 3.0)] * 2 + [None] * (size - 2), outs
+
+
+@pytest.mark.requires_backend("tcp", "shm")
+@pytest.mark.timeout(180)
+def test_members_on_two_hosts_all_fall_back_to_tcp_and_a_subgroup_on_one_host_gets_shm(
+    rank_pools: Callable[[int], RankPool],
+) -> None:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    outs = rank_pools(3).run(default_group, store.port, ["host-a", "host-a", "host-b"], timeout=120)
+    for out in outs:
+        assert out["backends"] == {"cpu": "tcp"}, outs
+        assert out["floats"] == [30.0 + 3 * i for i in range(5)] and out["ints"] == [6], outs
+    assert [out.get("sub") for out in outs] == [({"cpu": "shm"}, 3.0), ({"cpu": "shm"}, 3.0), None], outs
