@@ -176,3 +176,85 @@ def test_a_collective_without_async_op_is_not_launched() -> None:
         launched.wait(10)
     finally:
         g.shutdown()
+
+
+def _lane_backend(g: ProcessGroup) -> HeldBackend:
+    """The backend, once an asynchronous all_reduce of float32 SUM went the general way: its lane is made."""
+    backend = _backend(g)
+    first = g.all_reduce(torch.ones(1), async_op=True)
+    assert first is not None
+    backend.held.pop().set_result(None)
+    first.wait()
+    assert list(g._async_lanes) == [(torch.device("cpu"), torch.float32, ReduceOp.SUM.type)]
+    backend.calls.clear()
+
+    def general(*args: object, **kwargs: object) -> Work:
+        raise AssertionError("a plain asynchronous all_reduce took the general path")
+
+    g._launch = general  # type: ignore[method-assign]  # (the lane never calls it)
+    return backend
+
+
+def test_asynchronous_all_reduces_through_the_lane_keep_order_and_numbers_with_a_later_blocking_call(
+    group: ProcessGroup,
+) -> None:
+    backend = _lane_backend(group)
+    before = group._executor.seq
+    works = [group.all_reduce(torch.ones(2), async_op=True) for _ in range(3)]
+    group.broadcast(torch.ones(1), 0)  # blocking, after three launches through the lane: the backend sees it last
+    me = threading.get_ident()
+    assert backend.calls == [("all_reduce", True, me)] * 3 + [("broadcast", False, me)]
+    assert group._executor._worker is None
+    assert [w is not None and not w.is_completed() for w in works] == [True] * 3
+    for held in backend.held:
+        held.set_result(None)
+    assert all(w is not None and w.wait() for w in works)
+    numbered = [(e["seq"], e["op"]) for e in _collectives(group)][-4:]
+    assert numbered == [(before + 1, "all_reduce"), (before + 2, "all_reduce"), (before + 3, "all_reduce"),
+                        (before + 4, "broadcast")]  # fmt: skip
+
+
+def test_the_lane_notes_each_all_reduce_in_the_recorder_as_the_general_path_does(group: ProcessGroup) -> None:
+    backend = _lane_backend(group)
+    work = group.all_reduce(torch.ones(3), async_op=True)
+    assert work is not None and len(backend.held) == 1
+    entry = _collectives(group)[-1]
+    assert (entry["op"], entry["state"], entry["end_ns"]) == ("all_reduce", "scheduled", None)
+    general = [e for e in _collectives(group) if e["op"] == "all_reduce"][-2]  # the first, the general way
+    shown = ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "root", "device")
+    assert [entry[k] for k in shown] == [[[3]], [[3]], ["float32"], ["float32"], None, "cpu"]
+    assert [general[k] for k in shown] == [[[1]], [[1]], ["float32"], ["float32"], None, "cpu"]
+    backend.held[0].set_result(None)
+    entry = _collectives(group)[-1]
+    assert entry["state"] == "completed" and entry["end_ns"] is not None
+
+
+def test_a_failure_through_the_lane_latches_the_group(group: ProcessGroup) -> None:
+    backend = _lane_backend(group)
+    work = group.all_reduce(torch.ones(1), async_op=True)
+    assert work is not None
+    backend.held[0].set_exception(PeerFailureError("rank 1 died", peers=[1]))
+    with pytest.raises(PeerFailureError, match="rank 1 died"):
+        work.wait()
+    with pytest.raises(PeerFailureError, match="stopped after all_reduce"):
+        group.all_reduce(torch.ones(1), async_op=True)  # the lane refuses as the general path does
+    with pytest.raises(PeerFailureError, match="stopped after all_reduce"):
+        group.broadcast(torch.ones(1), 0)
+    assert group._executor.lost == {1}
+
+
+def test_calls_that_are_not_plain_take_the_general_path_beside_the_lane(group: ProcessGroup) -> None:
+    backend = _lane_backend(group)
+    del group._launch  # the general path again, for the calls that are not plain
+    strided = torch.ones(4)[::2]  # not dense: staged, its result copied back when the work completes
+    work = group.all_reduce(strided, async_op=True)
+    assert work is not None
+    timed = group.all_reduce(torch.ones(1), async_op=True, timeout=5)  # its own timeout
+    assert timed is not None
+    assert len(backend.held) == 2 and len(group._async_lanes) == 1
+    for held in backend.held:
+        held.set_result(None)
+    assert work.wait() and timed.wait()
+    group.shutdown()
+    with pytest.raises(Exception, match="shut down"):
+        group.all_reduce(torch.ones(1), async_op=True)  # a closed group refuses through the lane too

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .backend import BackendSpec
-    from .instance import Instance
+    from .instance import Instance, Lane
     from .registry import Registry
 
 __all__ = ["DEFAULT_TIMEOUT", "P2POp", "ProcessGroup", "rendezvous"]
@@ -283,10 +283,15 @@ class ProcessGroup:
         #: blocking all_reduce's fast path: the backend's prepared call as an executor lane (or None) per
         #: (device, dtype, reduce op type)
         self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
-        #: blocking send/recv's fast path: the instance per (op, device, dtype) whose checks passed once
-        #: (the ones that hold for every later call of that kind; see _p2p_fast). Not per tag: a program
+        #: asynchronous all_reduce's fast path, where the backend launches it: a launch through the
+        #: executor per (device, dtype, reduce op type)
+        self._async_lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], Work]] = {}
+        #: blocking send/recv's fast path: the lane per (op, device, dtype) whose checks passed once
+        #: (the ones that hold for every later call of that kind; see _p2p_lane). Not per tag: a program
         #: may use a new tag per message, and this must not grow with them.
-        self._p2p_lanes: dict[tuple[str, torch.device, torch.dtype], Instance] = {}
+        self._p2p_lanes: dict[tuple[str, torch.device, torch.dtype], Lane] = {}
+        #: the cpu ones among them by dtype, per op: the common case's lookup is one hash of the dtype
+        self._cpu_lanes: dict[str, dict[torch.dtype, Lane]] = {"send": {}, "recv": {}}
         self._objects = Objects(
             rank=m.rank,
             size=m.size,
@@ -552,18 +557,14 @@ class ProcessGroup:
     ) -> Work | None:
         """Reduce ``tensor`` across the group, in place, on every rank. A sparse COO tensor is
         summed as torch's Gloo sums one (:mod:`pg_core.sparse`), on every backend."""
-        # The hot path (a blocking call with the group's timeout, a dense plain tensor, a kind
-        # that went through the full path once): the backend's prepared all_reduce, in order.
-        # (No lane is made for PREMUL_SUM, whose factor changes per call: it never finds one.)
-        plain = (
-            type(tensor) is _Tensor
-            and type(op) is ReduceOp
-            and not async_op
-            and timeout is None
-            and not self._coalescing
-        )
+        # The hot paths (the group's timeout, a dense plain tensor, no coalescing block, a kind
+        # that went through the full path once): blocking, the backend's prepared all_reduce, in
+        # order; asynchronous, the backend's launch through the executor's (no staging, no checks
+        # again). (No lane is made for PREMUL_SUM, whose factor changes per call: it never finds one.)
+        plain = type(tensor) is _Tensor and type(op) is ReduceOp and timeout is None and not self._coalescing
         if plain:
-            lane = self._lanes.get((tensor.device, tensor.dtype, op.type))  # type: ignore[union-attr]
+            key = (tensor.device, tensor.dtype, op.type)  # type: ignore[union-attr]
+            lane = self._async_lanes.get(key) if async_op else self._lanes.get(key)
             if lane is not None and not tensor.requires_grad and dense(tensor):
                 return lane(tensor)  # type: ignore[no-any-return]
         plain = plain and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
@@ -576,12 +577,34 @@ class ProcessGroup:
         result = self._collective("all_reduce", st, (t, rop), reduce_op=rop, async_op=async_op, timeout=timeout)
         if plain and self._checker is None:  # it ran: the backend exists, and declares this kind (not in a batch)
             key = (tensor.device, tensor.dtype, rop.type)
-            if key not in self._lanes:  # the backend's prepared call, run in order by the executor
+            if async_op:
+                if key not in self._async_lanes and self._dispatch.launches(tensor.device, "all_reduce"):
+                    self._async_lanes[key] = self._async_lane(tensor.device, rop)
+            elif key not in self._lanes:  # the backend's prepared call, run in order by the executor
                 prepared = self._dispatch.prepared_all_reduce(tensor.device, tensor.dtype, rop, self._timeout)
                 self._lanes[key] = (
                     None if prepared is None else self._executor.lane("all_reduce", prepared, tensor.device.type)
                 )
         return result
+
+    def _async_lane(self, device: torch.device, rop: ReduceOp) -> Callable[[torch.Tensor], Work]:
+        """``all_reduce(t, rop, async_op=True)`` with the group's timeout on ``device``'s backend,
+        which launches it: what the general path (:meth:`_collective`, :meth:`_launch`) does once
+        its checks passed, a dense tensor needing no staging. The executor numbers it, keeps its
+        order, notes it in the recorder and latches its failure (:meth:`Executor.launch`)."""
+        backend: Any = self._dispatch.instance(device, "all_reduce").backend  # (its all_reduce takes async_op)
+        method: Callable[..., Work] = backend.all_reduce
+        launch, budget, kind = self._executor.launch, self._timeout, device.type
+
+        def run(tensor: torch.Tensor) -> Work:
+            return launch(
+                "all_reduce",
+                lambda _seq: method(tensor, rop, timeout=budget, async_op=True),
+                (tensor, rop),
+                kind,
+            )
+
+        return run
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: float | timedelta | None = None
@@ -904,35 +927,43 @@ class ProcessGroup:
             )
 
     # -- point to point -----------------------------------------------------------
-    def _p2p_fast(
+    def _p2p_lane(
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
-    ) -> bool:
-        """The fast path of a blocking ``send``/``recv`` (``kind``) with the group's timeout, outside
-        any coalescing block, of a dense plain tensor to or from a rank other than this one,
-        with a tag in the backend's range, where one of its (device, dtype) already passed
-        :meth:`_p2p`'s checks: run it on that call's instance and return ``True``. ``False``
-        (nothing done): take :meth:`_p2p`."""
-        if (
-            timeout is not None
-            or self._coalescing
-            or type(tensor) is not torch.Tensor
-            or type(peer) is not int
-            or type(tag) is not int  # (a bool or a list: the full path's TypeError)
-        ):
-            return False
-        lane = self._p2p_lanes.get((kind, tensor.device, tensor.dtype))
+    ) -> Lane | None:
+        """The lane of a blocking ``send``/``recv`` (``kind``) that may skip :meth:`_p2p`'s
+        checks: with the group's timeout, outside any coalescing block, of a dense plain
+        tensor to or from a rank other than this one, with a tag in the backend's range,
+        where one of its (device, dtype) already passed them. ``None``: take :meth:`_p2p`.
+
+        The checks run cheapest first (one type test, one hash), and what is rarely true last:
+        whatever a call could change since its lane was made (the group closed, the tensor's
+        layout, ``requires_grad``) is checked on every call."""
+        if type(tensor) is not _Tensor or timeout is not None or self._coalescing:
+            return None
+        if tensor.is_cpu:
+            lane = self._cpu_lanes[kind].get(tensor.dtype)
+        else:
+            lane = self._p2p_lanes.get((kind, tensor.device, tensor.dtype))
         if (
             lane is None
-            or not 0 <= tag < lane.tags.limit
+            or type(peer) is not int
+            or type(tag) is not int  # (a bool or a list: the full path's TypeError)
+            or not 0 <= tag < lane.limit
             or not 0 <= peer < self._size
             or peer == self._rank
             or self._executor.state is not None
             or tensor.requires_grad
-            or not dense(tensor)
+            or tensor.is_neg()
+            or (not lane.plain and tensor.is_conj())
         ):
-            return False
-        lane.blocking(kind, tensor, peer, lane.tags.user(tag), self._timeout)
-        return True
+            return None
+        try:
+            strides = tensor.stride()
+        except RuntimeError:  # sparse, nested, mkldnn: no strides (the full path says so)
+            return None
+        if strides == (1,) or dense(tensor):  # the common case first: 1-D with unit stride
+            return lane
+        return None
 
     def _p2p(
         self, kind: str, tensor: torch.Tensor, peer: int | None, tag: int, timeout: float | timedelta | None
@@ -962,8 +993,17 @@ class ProcessGroup:
                     )
                 return batch.capture(inst, timeout), staged, st, self._seconds(timeout)
         if timeout is None and peer is not None:  # what passed holds for later calls of this kind
-            self._p2p_lanes[(kind, tensor.device, tensor.dtype)] = inst
+            self._p2p_lane_for(kind, inst, tensor.dtype)
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
+
+    def _p2p_lane_for(self, kind: str, inst: Instance, dtype: torch.dtype) -> None:
+        """Keep the lane of ``kind`` on ``inst`` for ``dtype``, whose call passed :meth:`_p2p`'s checks."""
+        key = (kind, inst.device, dtype)
+        lane = self._p2p_lanes.get(key)
+        if lane is None:
+            lane = self._p2p_lanes[key] = inst.lane(kind, dtype)
+            if inst.device.type == "cpu":
+                self._cpu_lanes[kind][dtype] = lane
 
     def _p2p_any_source(
         self, tensor: torch.Tensor, tag: int, timeout: float | timedelta | None
@@ -1005,18 +1045,29 @@ class ProcessGroup:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
+        lane = self._p2p_lane("send", tensor, dst, tag, timeout)
         recorder = self._recorder
-        if recorder is None or type(tensor) is not _Tensor or self._coalescing:
-            if self._p2p_fast("send", tensor, dst, tag, timeout):
+        if lane is not None:
+            if recorder is None:
+                lane.run(tensor, dst, tag, self._timeout)
                 return
+            record = recorder.tensor_point_to_point("send", tensor.shape, lane.dtype, lane.device, dst)
+            try:
+                lane.run(tensor, dst, tag, self._timeout)
+            except BaseException as exc:
+                recorder.finished(record, exc)
+                self._tracer.point_to_point_failed(exc)
+                raise
+            recorder.finished(record)
+            return
+        if recorder is None or type(tensor) is not _Tensor or self._coalescing:
             inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
             inst.p2p("send", t, dst, tag, budget, async_op=False)
             return
         record = recorder.point_to_point("send", tensor, dst)
         try:
-            if not self._p2p_fast("send", tensor, dst, tag, timeout):
-                inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
-                inst.p2p("send", t, dst, tag, budget, async_op=False)
+            inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
+            inst.p2p("send", t, dst, tag, budget, async_op=False)
         except BaseException as exc:
             recorder.finished(record, exc)
             self._tracer.point_to_point_failed(exc)
@@ -1035,6 +1086,21 @@ class ProcessGroup:
         messages arrive in the order it sent them, however receives naming it and any-source
         receives interleave (see docs/decisions.md)."""
         recorder = self._recorder
+        if src is not None:
+            lane = self._p2p_lane("recv", tensor, src, tag, timeout)
+            if lane is not None:
+                if recorder is None:
+                    lane.run(tensor, src, tag, self._timeout)
+                    return src
+                record = recorder.tensor_point_to_point("recv", tensor.shape, lane.dtype, lane.device, src)
+                try:
+                    lane.run(tensor, src, tag, self._timeout)
+                except BaseException as exc:
+                    recorder.finished(record, exc)
+                    self._tracer.point_to_point_failed(exc)
+                    raise
+                recorder.finished(record)
+                return src
         if recorder is None or src is None or type(tensor) is not _Tensor or self._coalescing:
             return self._recv(tensor, src, tag, timeout)
         record = recorder.point_to_point("recv", tensor, src)
@@ -1048,8 +1114,7 @@ class ProcessGroup:
         return sender
 
     def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | timedelta | None) -> int:
-        if src is not None and self._p2p_fast("recv", tensor, src, tag, timeout):
-            return src
+        """A blocking receive by the full path (:meth:`_p2p`): what :meth:`recv` does where no lane may take it."""
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
             sender = self._sender(inst, inst.recv_any(t, tag, budget, async_op=False))
