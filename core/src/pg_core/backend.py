@@ -112,7 +112,10 @@ as above; with ``True`` they only *launch* the operation and return a
 :class:`~pg_core.work.Work` that completes with it (failing with pg-core's errors). The core
 launches in the caller's thread, in the group's call order (no progress thread: a CUDA
 backend sees the caller's current stream), hands the work to the user, and copies staged
-outputs back and latches a failure when it completes.
+outputs back and latches a failure when it completes. A collective launches only where its
+method takes ``async_op``: the core reads each method's signature once, when the instance is
+created, so a subclass may override one collective without ``async_op`` (written as a backend
+that does not launch writes it) and the core runs that one on the group's progress thread.
 
 **Coalescing (API 1.3).** The operations a user calls inside ``with group.coalescing():``
 (collectives, ``isend``/``irecv``, ``batch_isend_irecv``) are issued together when the block
