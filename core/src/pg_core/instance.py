@@ -33,7 +33,7 @@ from .ops import COLLECTIVE_OPS
 from .tags import TagMap
 from .work import Work
 
-__all__ = ["ANY", "Instance"]
+__all__ = ["ANY", "Instance", "Lane"]
 
 _Key = tuple[Any, ...]
 
@@ -152,11 +152,19 @@ class Instance:
         """A blocking ``send``/``recv`` (``kind``) with wire tag ``wire``: here, unless the
         stream's helper still has work, behind which it queues (:meth:`ordered`)."""
         call = self.backend.send if kind == "send" else self.backend.recv
+        if not self._streams.helpers:  # no helper thread yet, so none has work to queue behind
+            call(tensor, peer, wire, timeout=timeout)
+            return
         queued = self._streams.queued(self._key(kind, peer, wire))
         if queued is None:
             call(tensor, peer, wire, timeout=timeout)
         else:
             queued.submit(kind, lambda: call(tensor, peer, wire, timeout=timeout)).result()
+
+    def lane(self, kind: str, dtype: torch.dtype) -> Lane:
+        """The blocking ``send``/``recv`` (``kind``) of tensors of ``dtype`` on this instance's
+        device, for a caller that has checked one such call in full (see :class:`Lane`)."""
+        return Lane(self, kind, dtype)
 
     def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float, *, async_op: bool) -> Any:
         """The user's receive from any source with user ``tag`` (mapped as for ``recv``): what
@@ -184,6 +192,43 @@ class Instance:
         finally:
             self._streams.stop()
         return error
+
+
+class Lane:
+    """The blocking ``send`` or ``recv`` (``kind``) of one instance for tensors of one dtype:
+    what its caller's full checks established once (the instance, the tag range, the wire
+    tags), kept so that a later call of that kind with the group's timeout pays only the
+    checks that can change from call to call. The group keeps one per (kind, device, dtype)
+    and decides, per call, whether the call may take it (``ProcessGroup._p2p_lane``).
+
+    :meth:`run` maps the user tag as :meth:`TagMap.user <pg_core.tags.TagMap.user>` does
+    (the caller checked it is below :attr:`limit`) and calls the backend here, or, once the
+    instance has helper threads, through :meth:`Instance.blocking`, which keeps the
+    stream's order."""
+
+    __slots__ = ("_call", "_first", "_instance", "_step", "_streams", "device", "dtype", "kind", "limit", "plain")
+
+    def __init__(self, instance: Instance, kind: str, dtype: torch.dtype) -> None:
+        self._instance = instance
+        self._streams = instance._streams
+        self._call = instance.backend.send if kind == "send" else instance.backend.recv
+        tags = instance.tags
+        self._first, self._step = tags.user_first, tags.user_step
+        self.kind = kind
+        self.device = instance.device
+        self.dtype = dtype
+        #: user tags below it are carried
+        self.limit = tags.limit
+        #: the dtype has no lazy conjugation to check (it is not complex)
+        self.plain = not dtype.is_complex
+
+    def run(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
+        """The blocking call with user ``tag`` (``0 <= tag <`` :attr:`limit`)."""
+        wire = self._first + self._step * tag
+        if self._streams.helpers:  # helper threads exist: the stream's order decides where it runs
+            self._instance.blocking(self.kind, tensor, peer, wire, timeout)
+        else:
+            self._call(tensor, peer, wire, timeout=timeout)
 
 
 def _check_sends_can_wait(spec: BackendSpec, device: str, cls: type[Backend]) -> None:
@@ -214,7 +259,8 @@ class _Streams:
 
     def __init__(self, prefix: str, owner: str) -> None:
         self._prefix, self._owner = prefix, owner
-        self._by_key: dict[_Key, _Helper] = {}
+        #: the helper threads by stream (empty until the first is made: nothing can be queued then)
+        self.helpers: dict[_Key, _Helper] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -222,15 +268,15 @@ class _Streams:
         with self._lock:
             if self._closed:
                 raise GroupClosedError(f"{self._owner} is closed")
-            helper = self._by_key.get(key)
+            helper = self.helpers.get(key)
             if helper is None:
-                helper = self._by_key[key] = _Helper(f"{self._prefix}-" + "-".join(map(str, key)))
+                helper = self.helpers[key] = _Helper(f"{self._prefix}-" + "-".join(map(str, key)))
             return helper
 
     def queued(self, key: _Key) -> _Helper | None:
         """The stream's helper while a submitted call has not returned (``None`` from the
         helper's own thread: a call it runs may make blocking calls on its stream)."""
-        helper = self._by_key.get(key)
+        helper = self.helpers.get(key)
         if helper is None or not helper.busy or helper.thread is threading.current_thread():
             return None
         return helper
@@ -238,7 +284,7 @@ class _Streams:
     def stop(self) -> None:
         with self._lock:
             self._closed = True
-            helpers, self._by_key = list(self._by_key.values()), {}
+            helpers, self.helpers = list(self.helpers.values()), {}
         for helper in helpers:
             helper.stop()
 

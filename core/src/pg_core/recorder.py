@@ -66,6 +66,9 @@ SCHEDULED: Final = "scheduled"
 COMPLETED: Final = "completed"
 FAILED: Final = "failed"
 
+#: the clock of every recorded time (bound once: the per-call paths read one name)
+_now: Final = time.monotonic_ns
+
 #: the longest a rank waits for the others' heads after a failure, in seconds
 REPORT_WAIT_MAX: Final = 2.0
 
@@ -210,22 +213,40 @@ class FlightRecorder:
 
     def point_to_point(self, op: str, tensor: torch.Tensor, peer: int) -> int:
         """A ``send`` or ``recv`` (``op``) of ``tensor`` with ``peer`` starts."""
+        try:
+            shape = tensor.shape
+        except RuntimeError:  # a nested tensor has no one shape (the call itself refuses it)
+            shape = None
+        return self.tensor_point_to_point(op, shape, tensor.dtype, tensor.device, peer)
+
+    def tensor_point_to_point(
+        self, op: str, shape: torch.Size | None, dtype: torch.dtype, device: torch.device, peer: int
+    ) -> int:
+        """:meth:`point_to_point` of a tensor whose ``shape`` (``None``: it has none), ``dtype``
+        and ``device`` the caller has read already (the blocking send/recv's fast path)."""
         record = next(self._ids)
         s = self._slots[record % self.capacity]
-        s.id, s.seq, s.p2p, s.op, s.peer = record, 0, next(self._p2p_ids), op, peer
-        try:
-            s.inputs = ((tensor.shape, tensor.dtype),)
-        except RuntimeError:  # a nested tensor has no one shape (the call itself refuses it)
-            s.inputs = ()
-        s.outputs, s.device, s.state, s.error, s.end = None, tensor.device, STARTED, None, 0  # (.type when shown)
-        s.start = time.monotonic_ns()
+        s.id, s.seq, s.p2p, s.op, s.peer, s.inputs, s.outputs, s.device, s.state, s.error, s.end = (
+            record,
+            0,
+            next(self._p2p_ids),
+            op,
+            peer,
+            () if shape is None else ((shape, dtype),),
+            None,
+            device,  # (its .type when shown: reading it costs more than keeping the device)
+            STARTED,
+            None,
+            0,
+        )
+        s.start = _now()
         return record
 
     def finished(self, record: int, error: BaseException | None = None) -> None:
         """Operation ``record`` ended: completed, or failed with ``error``."""
         s = self._slots[record % self.capacity]
         if s.id == record:
-            s.end = time.monotonic_ns()
+            s.end = _now()
             if error is None:
                 s.state = COMPLETED
             else:

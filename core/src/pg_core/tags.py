@@ -62,7 +62,7 @@ def check_tag(tag: object) -> int:
 class TagMap:
     """Wire tags for one backend, from its declared ``max_tag`` (``None``: no tags)."""
 
-    __slots__ = ("backend", "limit", "ordered_per_peer")
+    __slots__ = ("backend", "limit", "ordered_per_peer", "user_first", "user_step")
 
     def __init__(self, max_tag: int | None, backend: str) -> None:
         self.backend = backend
@@ -70,6 +70,9 @@ class TagMap:
         self.limit = 1 if max_tag is None else (max_tag - 1) // 2
         #: no tags: the call order per peer is the only order there is
         self.ordered_per_peer = max_tag is None
+        #: the wire tag of user tag ``t`` for ``send``/``recv`` is ``user_first + user_step * t``
+        #: (for a caller that checked ``t`` against :attr:`limit` itself: the hot path's lane)
+        self.user_first, self.user_step = (0, 0) if self.ordered_per_peer else (2, 2)
 
     def _checked(self, tag: int, what: str) -> int:
         if tag >= self.limit:
@@ -83,8 +86,7 @@ class TagMap:
 
     def user(self, tag: int) -> int:
         """The wire tag of user ``tag`` for ``send``/``recv`` (``NotSupportedError`` past the range)."""
-        tag = self._checked(tag, "send/recv")
-        return 0 if self.ordered_per_peer else 2 + 2 * tag
+        return self.user_first + self.user_step * self._checked(tag, "send/recv")
 
     def message(self, tag: int) -> int:
         """The wire tag of user ``tag`` for object and tensor messages."""
