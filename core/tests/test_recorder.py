@@ -69,6 +69,52 @@ def test_the_ring_keeps_the_last_n_operations_oldest_first() -> None:
     assert rec.entries()[-1]["state"] == FAILED and rec.entries()[-1]["error"] == "CollectiveTimeout"
 
 
+def test_a_point_to_point_entry_in_a_reused_slot_shows_nothing_of_the_slots_last_occupant() -> None:
+    rec = FlightRecorder(1)
+    gather = rec.collective(
+        7, "all_gather_into_tensor", describe_args("all_gather_into_tensor", (torch.empty(6), torch.ones(2))), "cpu"
+    )
+    rec.finished(gather, CollectiveTimeout("stuck"))
+    send = rec.point_to_point("send", torch.ones(3, dtype=torch.int64), 1)  # reuses the failed collective's slot
+    (started,) = rec.entries()
+    assert (started["seq"], started["p2p_seq"], started["op"], started["peer"]) == (None, 1, "send", 1)
+    assert started["input_sizes"] == started["output_sizes"] == [[3]]
+    assert started["input_dtypes"] == started["output_dtypes"] == ["int64"]
+    assert (started["state"], started["error"], started["end_ns"], started["duration_us"]) == (
+        STARTED,
+        None,
+        None,
+        None,
+    )
+    assert "root" not in started and head_of([started])["p2p"] == {"op": "send", "peer": 1}
+    rec.finished(send)
+    (done,) = rec.entries()
+    assert (done["state"], done["error"]) == (COMPLETED, None) and done["end_ns"] >= done["start_ns"]
+    recv = rec.tensor_point_to_point("recv", torch.Size([2, 2]), torch.float16, torch.device("cpu"), 0)
+    rec.finished(recv, PeerFailureError("gone"))
+    (failed,) = rec.entries()
+    assert (failed["op"], failed["p2p_seq"], failed["state"], failed["error"]) == (
+        "recv",
+        2,
+        FAILED,
+        "PeerFailureError",
+    )
+    assert failed["input_sizes"] == [[2, 2]] and failed["input_dtypes"] == ["float16"] and failed["device"] == "cpu"
+    nested = rec.point_to_point("send", torch.nested.nested_tensor([torch.ones(1), torch.ones(2)]), 1)
+    assert rec.entries()[0]["input_sizes"] == [] and rec.entries()[0]["p2p_seq"] == 3
+    rec.finished(nested, TypeError("nested"))
+    collective = rec.tensor_collective(8, "all_reduce", torch.ones(4), "cpu")  # and back: the collective's own fields
+    (again,) = rec.entries()
+    assert (again["seq"], again["p2p_seq"], again["root"], again["error"], again["end_ns"]) == (
+        8,
+        None,
+        None,
+        None,
+        None,
+    )
+    rec.finished(collective)
+
+
 def test_what_a_collective_is_made_of() -> None:
     out, inp = torch.empty(6), torch.ones(2, dtype=torch.int64)
     inputs, outputs, root = describe_args("all_gather_into_tensor", (out, inp))

@@ -226,19 +226,15 @@ class FlightRecorder:
         and ``device`` the caller has read already (the blocking send/recv's fast path)."""
         record = next(self._ids)
         s = self._slots[record % self.capacity]
-        s.id, s.seq, s.p2p, s.op, s.peer, s.inputs, s.outputs, s.device, s.state, s.error, s.end = (
-            record,
-            0,
-            next(self._p2p_ids),
-            op,
-            peer,
-            () if shape is None else ((shape, dtype),),
-            None,
-            device,  # (its .type when shown: reading it costs more than keeping the device)
-            STARTED,
-            None,
-            0,
-        )
+        # what a point to point entry shows, and no more: a reused slot's seq and outputs are not
+        # shown for one, its error and end only once this one has finished (see _entry)
+        s.id = record
+        s.p2p = next(self._p2p_ids)
+        s.op = op
+        s.peer = peer
+        s.inputs = () if shape is None else ((shape, dtype),)
+        s.device = device  # (its .type when shown: reading it costs more than keeping the device)
+        s.state = STARTED
         s.start = _now()
         return record
 
@@ -277,8 +273,11 @@ def _shapes(meta: _Meta) -> list[list[int]]:
 
 
 def _entry(s: _Slot, epoch_ns: int) -> dict[str, Any]:
-    """One slot as pg-core shows it (``debug_state()``, dumps): times in wall-clock nanoseconds."""
-    outputs = s.inputs if s.outputs is None else s.outputs
+    """One slot as pg-core shows it (``debug_state()``, dumps): times in wall-clock nanoseconds.
+    (A point to point operation's slot keeps what an earlier occupant left in ``seq``,
+    ``outputs``, ``error`` and ``end`` until it finishes: those are read only where they are its own.)"""
+    outputs = s.inputs if s.outputs is None or s.p2p else s.outputs
+    end = s.end if s.state in (COMPLETED, FAILED) else 0
     return {
         "record_id": s.id,
         "seq": s.seq if not s.p2p else None,
@@ -291,10 +290,10 @@ def _entry(s: _Slot, epoch_ns: int) -> dict[str, Any]:
         "root" if not s.p2p else "peer": s.peer if s.peer >= 0 else None,
         "device": s.device if isinstance(s.device, str) else s.device.type,
         "state": s.state,
-        "error": s.error,
+        "error": s.error if s.state == FAILED else None,
         "start_ns": s.start + epoch_ns,
-        "end_ns": s.end + epoch_ns if s.end else None,
-        "duration_us": (s.end - s.start) / 1e3 if s.end else None,
+        "end_ns": end + epoch_ns if end else None,
+        "duration_us": (end - s.start) / 1e3 if end else None,
     }
 
 
