@@ -7,6 +7,7 @@ of its device type.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -314,7 +315,8 @@ class Dispatcher:
             except BackendUnavailableError as exc:
                 _agree_refused(ctx, spec, after[0], exc)
             except BaseException as exc:
-                ctx.store.set(f"{_CHOICE}/{ctx.rank}", f"failed {type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):  # (a store that is gone: the others time out, naming it)
+                    ctx.store.set(f"{_CHOICE}/{ctx.rank}", f"failed {type(exc).__name__}: {exc}")
                 raise
             else:
                 _agree_formed(ctx, spec, inst)
