@@ -209,9 +209,11 @@ class TCPBackend(Backend):
     store; also ``PG_CORE_ADDR``); ``small_bytes`` (default 64 KiB) and
     ``segment_bytes`` (default 2 MiB), the :class:`pg_core.algorithms.Tuning` of
     the collectives and of the native ring (every rank must pass the same values);
-    ``max_message_bytes`` (default 256 MiB), the largest byte message a peer may announce, and
+    ``max_message_bytes`` (default 256 MiB), the largest byte message a peer may announce,
     ``max_unexpected_bytes`` (default 512 MiB), what a peer may have buffered here ahead of its
-    receives (see :mod:`pg_tcp.transport`, "Limits").
+    receives (see :mod:`pg_tcp.transport`, "Limits"), and ``max_buffered_send_bytes`` (default
+    256 MiB), what blocking sends whose receivers were not reading may leave copied here (see
+    :mod:`pg_tcp.transport`, "Blocking sends that do not fit the kernel").
     """
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -262,7 +264,9 @@ class TCPBackend(Backend):
         )
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        self._transport.wait(self._send_request("send", tensor, dst, tag, timeout))
+        """Returns without waiting for ``dst``'s receive, whatever the size: what the kernel does not
+        take is copied and finished by the transport (:meth:`Transport.wait_send`)."""
+        self._transport.wait_send(self._send_request("send", tensor, dst, tag, timeout))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         self._transport.wait(self._recv_request("recv", tensor, src, tag, timeout))
@@ -295,7 +299,7 @@ class TCPBackend(Backend):
         with one ``sendmsg``, never joined)."""
         single = isinstance(data, (bytes, bytearray, memoryview, mmap.mmap))
         parts = _byte_view(data) if single else [_byte_view(d) for d in data]  # type: ignore[union-attr, arg-type]
-        self._transport.wait(
+        self._transport.wait_send(
             self._transport.post_send(
                 Send("send_bytes", BYTES, dst, parts, dtype=RAW, tag=tag, timeout=timeout, keep=data)
             )

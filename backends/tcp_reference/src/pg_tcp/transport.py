@@ -115,7 +115,29 @@ is gone it fails with :class:`~pg_core.errors.PeerFailureError`, and at its dead
 **Zero copy.** A send is one ``sendmsg([header, payload])`` whose payload is a
 memoryview over the tensor's own memory; a receive that was posted before its
 frame arrived is read with ``recv_into`` straight into the tensor. Only a frame
-that arrives before its receive is posted ("unexpected") is buffered, once.
+that arrives before its receive is posted ("unexpected") is buffered, once, and only
+the unwritten rest of a blocking send whose receiver is not reading (next section).
+
+**Blocking sends that do not fit the kernel.** A blocking ``send``/``send_bytes`` never
+waits for its receiver, whatever its size (``eager_limit_bytes`` ``None``): it writes
+from the caller's memory while the socket takes bytes, and once the socket has taken
+nothing for :data:`_STALL_S` (the receiver is not reading: it computes, or has not
+reached its receive) it copies the part not written yet, never what the kernel already
+took, and returns; the caller may then reuse its tensor at once. The *drain thread*
+(:meth:`Transport._drain_loop`, made on first use, normal priority) finishes such frames
+while nobody else drives; any thread that waits in pg-tcp writes them too (queued on the
+connection, in order: messages keep their order per (peer, tag), and a later send to
+that peer queues behind them). The copies may total ``max_buffered_send_bytes`` (option,
+default :data:`DEFAULT_MAX_BUFFERED_SEND_BYTES`): a send whose copy would go beyond it,
+while earlier ones are still buffered, keeps writing from the caller's memory and waits
+for them to drain, at most until its own deadline, then raises
+:class:`~pg_core.errors.CollectiveTimeout` saying so and what to do. A send with nothing
+buffered before it is always taken, whatever its size: the budget is on the total, it is
+not an eager limit. A peer that fails with frames buffered for it fails them silently; the
+next operation that needs it raises :class:`~pg_core.errors.PeerFailureError`, as for any
+failed write. ``shutdown`` writes them before its BYE (bounded by its timeout); ``abort``
+drops them. ``isend`` never copies: its caller leaves the tensor alone until the
+``Work`` completes.
 
 **Progress without a thread handoff.** There is no always-on I/O thread. Whoever
 waits drives: the first waiting thread takes the *driver* role, polls every
@@ -130,7 +152,7 @@ thread; only what the kernel did not take is queued for the driver (POLLOUT). A
 sender whose socket is full keeps reading its incoming side while it waits, so two
 ranks sending large messages to each other never deadlock.
 
-A background progress thread exists only for asynchronous requests (``isend``/
+Besides the drain thread (above), a background progress thread exists only for asynchronous requests (``isend``/
 ``irecv`` handed to the user as a ``Work``, and the messages of a launched collective,
 :meth:`Transport.post_async`): it drives while at least one is outstanding, so a 64 MiB
 ``isend`` overlaps with the caller's compute, and sleeps on the condition otherwise.
@@ -219,6 +241,7 @@ from pg_core.work import Work
 
 __all__ = [
     "ANY",
+    "DEFAULT_MAX_BUFFERED_SEND_BYTES",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_MAX_UNEXPECTED_BYTES",
     "Recv",
@@ -360,7 +383,7 @@ class Send(Request):
     """A frame to write: the header, then the payload, which is one buffer or a list of
     buffers written back to back (scatter-gather: a message's parts are never joined)."""
 
-    __slots__ = ("conn", "header", "hlen", "parts", "sent", "total")
+    __slots__ = ("conn", "copied", "header", "hlen", "parts", "sent", "skipped", "total")
 
     def __init__(
         self,
@@ -387,6 +410,8 @@ class Send(Request):
         self.sent = 0
         self.total = HEADER_SIZE + nbytes
         self.conn: _Conn | None = None  # the connection it was queued on
+        self.skipped = 0  # payload bytes written before ``parts`` became a copy of the rest
+        self.copied = 0  # bytes of that copy a blocking send left behind (counted against the budget)
 
     @classmethod
     def raw(cls, name: str, peer: int, data: bytes) -> Send:
@@ -402,7 +427,7 @@ class Send(Request):
             if len(self.parts) == 1:
                 return [self.header[self.sent :], self.parts[0]]
             return [self.header[self.sent :], *self.parts[: _IOV_MAX - 1]]
-        skip = self.sent - self.hlen
+        skip = self.sent - self.hlen - self.skipped
         if len(self.parts) == 1:
             return [self.parts[0][skip:]]
         out: list[bytes | memoryview] = []
@@ -416,20 +441,38 @@ class Send(Request):
                 break
         return out
 
-    def detach(self) -> None:
-        """Copy the unsent rest of the payload, so the caller's tensors are free although
-        the frame must still be finished on the wire (a started frame cannot be withdrawn)."""
+    def unwritten(self) -> int:
+        """Payload bytes not written yet."""
+        return self.total - max(self.sent, self.hlen)
+
+    def copy_rest(self) -> tuple[int, bytes]:
+        """A copy of the payload not written yet, and where in the payload it starts. Only
+        what is left is copied, never what the kernel already took."""
         start = max(self.sent - self.hlen, 0)
-        rest = bytearray(start)  # placeholders for what was written, so offsets stay as they were
-        skip = start
+        skip = start - self.skipped
+        pieces: list[memoryview] = []
         for part in self.parts:
             if skip >= part.nbytes:
                 skip -= part.nbytes
                 continue
-            rest += part[skip:]
+            pieces.append(part[skip:] if skip else part)
             skip = 0
+        if len(pieces) == 1:
+            return start, bytes(pieces[0])
+        return start, b"".join(pieces)
+
+    def adopt(self, start: int, rest: bytes) -> None:
+        """Write the payload from ``start`` on out of ``rest`` (see :meth:`copy_rest`): the
+        caller's buffers are free. Whatever was written since the copy was made is skipped
+        in it. Under the transport's lock."""
         self.parts = [memoryview(rest)]
+        self.skipped = start
         self.keep = None
+
+    def detach(self) -> None:
+        """Copy the unsent rest of the payload, so the caller's tensors are free although
+        the frame must still be finished on the wire (a started frame cannot be withdrawn)."""
+        self.adopt(*self.copy_rest())
 
 
 class Recv(Request):
@@ -490,6 +533,14 @@ _SEEN_NONCES: Final = 4096  # hello nonces remembered, to refuse a replayed hell
 #: Limits on what a peer may announce (options of the backend; see the module docstring).
 DEFAULT_MAX_MESSAGE_BYTES: Final = 256 << 20
 DEFAULT_MAX_UNEXPECTED_BYTES: Final = 512 << 20
+#: What blocking sends may hold copied here, written after they returned (option
+#: ``max_buffered_send_bytes``; see "Blocking sends that do not fit the kernel").
+DEFAULT_MAX_BUFFERED_SEND_BYTES: Final = 256 << 20
+#: A blocking send whose socket took nothing for this long hands its rest over (copied):
+#: its receiver is not reading now. While the receiver reads, the send writes from the
+#: caller's memory itself, with no copy.
+_STALL_S: Final = 0.005
+_BUDGET_POLL_S: Final = 0.05  # a send held back by the budget looks again at least this often
 _MAX_CONTROL_BYTES: Final = 1 << 16  # an ABORT's or a BYE's reason; ARRIVED and RETIRE carry nothing
 
 # connection states
@@ -650,14 +701,21 @@ class Transport:
         self._max_message = ctx.byte_option("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self._max_unexpected = ctx.byte_option("max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED_BYTES)
         self._parked: set[_Conn] = set()  # connections whose next frame waits for its receive
+        self._max_buffered = ctx.byte_option("max_buffered_send_bytes", DEFAULT_MAX_BUFFERED_SEND_BYTES)
+        self._buffered: set[Send] = set()  # blocking sends that returned with their rest copied here
+        self._buffered_bytes = 0  # the bytes of those copies
+        self._drainer: threading.Thread | None = None  # writes them while nobody else drives
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # "something completed / the driver left"
         self._sleepers = 0  # threads waiting on _cond
         self._idle = threading.Condition(self._lock)  # the progress thread, when nothing is asynchronous
+        self._drain_idle = threading.Condition(self._lock)  # the drain thread, when nothing is buffered
         self._driving = False
         self._driver_ident = 0
         self._driver_background = False  # the progress thread is the driver
-        self._foreground = 0  # threads in _drive waiting for a request of their own: they drive first
+        self._foreground = 0  # threads in _drive before the progress thread: waiters and the drain thread
+        self._waiters = 0  # threads in _drive waiting for a request of their own: they drive first of all
+        self._driver_yields = False  # the driver is the progress or the drain thread: a waiter takes over
         self._closed: str | None = None  # "shut down" / "aborted": no new requests
         self._stopping = False  # the progress thread must exit
         self._posted: dict[tuple[int, int, int], deque[Recv]] = {}  # (peer or ANY, kind, tag) -> receives
@@ -1127,6 +1185,72 @@ class Transport:
         if req.error is not None:
             raise req.error
 
+    def wait_send(self, req: Send) -> None:
+        """A blocking send's wait (point to point): return once the frame is written, or once
+        its socket has taken nothing for :data:`_STALL_S` (the receiver is not reading) with
+        the unwritten rest copied and handed to the drain thread, which finishes it. The copy
+        waits while earlier sends hold ``max_buffered_send_bytes`` (a send with nothing
+        buffered before it is always taken), at most until the send's deadline:
+        CollectiveTimeout then, saying what to do. Raises the send's error, if it failed by
+        then; a failure after it returned is the peer's (see "Blocking sends that do not fit
+        the kernel" in the module docstring)."""
+        last, since = -1, 0.0
+        while not req.done:
+            now = time.monotonic()
+            if now >= req.deadline:
+                self._expire(req, self._over_budget(req))
+                break
+            wake = now + _STALL_S
+            if req.sent != last:
+                last, since = req.sent, now
+            elif now - since >= _STALL_S:
+                if self._hand_over(req):
+                    break
+                wake = now + _BUDGET_POLL_S  # held back by the budget: wait for earlier sends to drain
+            limit = self._tick(req, now, req.deadline, block=True)
+            if req.done:
+                break
+            self._drive(req, min(limit, wake) - time.monotonic())
+        if req.error is not None:
+            raise req.error
+
+    def _over_budget(self, req: Send) -> str | None:
+        """Why ``req`` could not be handed over, if the budget is what stopped it."""
+        with self._lock:
+            held = self._buffered_bytes
+            if not held or held + req.unwritten() <= self._max_buffered:
+                return None
+        return (
+            f"it waited for the {held} bytes that earlier sends left buffered here to drain, and its own "
+            f"{req.unwritten()} bytes would exceed max_buffered_send_bytes={self._max_buffered}: their receivers "
+            "have not taken them; post the matching receives sooner, use isend and wait for it, or raise the "
+            "backend option max_buffered_send_bytes"
+        )
+
+    def _hand_over(self, req: Send) -> bool:
+        """Copy what ``req`` has not written and leave it to the drain thread; ``False`` if
+        the budget holds it back (or it completed meanwhile: then ``req.done``)."""
+        with self._lock:
+            if req.done:
+                return True
+            need = req.unwritten()
+            if self._buffered_bytes and self._buffered_bytes + need > self._max_buffered:
+                return False
+        start, rest = req.copy_rest()  # outside the lock: the caller's memory stays as it is until we return
+        with self._lock:
+            if req.done:
+                return True
+            req.adopt(start, rest)
+            req.copied = len(rest)
+            self._buffered.add(req)
+            self._buffered_bytes += req.copied
+            if self._drainer is None and not self._stopping:
+                self._drainer = threading.Thread(target=self._drain_loop, name=f"{self.label} drain", daemon=True)
+                self._drainer.start()
+            else:
+                self._drain_idle.notify()
+        return True
+
     def _drive_work(self, req: Request, timeout: float) -> None:
         """The ``Work`` driver: progress for at most ``timeout`` s; errors stay on the work."""
         now = time.monotonic()
@@ -1171,7 +1295,7 @@ class Transport:
             return limit
         return min(limit, req.announce_at)
 
-    def _drive(self, want: Request | None, timeout: float, *, background: bool = False) -> None:
+    def _drive(self, want: Request | None, timeout: float, *, background: bool = False, drain: bool = False) -> None:
         """One round of progress: become the driver and poll, or sleep until the driver signals.
 
         A thread waiting for a request of its own (``want``) drives before the progress thread
@@ -1182,35 +1306,46 @@ class Transport:
         with self._lock:
             if (want is not None and want.done) or self._stopping:
                 return
-            if background and self._foreground:  # a waiter drives: stand by until it leaves
+            if background and self._foreground:  # a waiter or the drain thread drives: stand by
                 self._idle.wait(timeout)
                 return
-            foreground = want is not None
+            waiter = want is not None
+            if drain and self._waiters:  # a waiter drives (its polls write buffered sends too): stand by
+                self._sleepers += 1
+                self._cond.wait(timeout)
+                self._sleepers -= 1
+                return
+            foreground = waiter or drain  # the drain thread, too, comes before the idle progress thread
             if self._driving:
-                if foreground and self._driver_background:
-                    self._wake_driver()  # the progress thread yields on its next round
+                if (waiter and self._driver_yields) or (drain and self._driver_background):
+                    self._wake_driver()  # the driver yields on its next round
                 self._sleepers += 1
                 self._foreground += foreground
+                self._waiters += waiter
                 self._cond.wait(timeout)
                 self._sleepers -= 1
                 self._foreground -= foreground
+                self._waiters -= waiter
                 return
             self._driving = True
             self._driver_background = background
+            self._driver_yields = background or drain
             self._driver_ident = threading.get_ident()
             self._foreground += foreground
+            self._waiters += waiter
         try:
             self._poll_round(want, timeout)
         finally:
             with self._lock:
                 self._driving = False
-                self._driver_background = False
+                self._driver_background = self._driver_yields = False
                 self._driver_ident = 0
                 self._foreground -= foreground
+                self._waiters -= waiter
                 if self._sleepers:
                     self._cond.notify_all()
                 if foreground and not self._foreground and self._async:
-                    self._idle.notify()  # the progress thread drives what is left
+                    self._idle.notify_all()  # the progress thread drives what is left
             if self._finished_works:
                 self._settle()
 
@@ -1953,6 +2088,9 @@ class Transport:
         req.done = True
         if req.seq is not None:
             self._pending_coll.discard(req)
+        if self._buffered and isinstance(req, Send) and req in self._buffered:
+            self._buffered.discard(req)
+            self._buffered_bytes -= req.copied
         if req.work is not None:
             self._async.discard(req)
             self._finished_works.append(req)
@@ -2178,6 +2316,22 @@ class Transport:
                     horizon = self._tick(req, now, horizon, block=False)
             self._drive(None, min(max(horizon - time.monotonic(), 0.0), 0.5), background=True)
 
+    def _drain_loop(self) -> None:
+        """Write what blocking sends left buffered (:meth:`wait_send`) while nobody else drives;
+        sleep while nothing is buffered.
+
+        Unlike the progress thread, this one runs at normal priority: it finishes sends that
+        already returned, whose receivers may be reading now while this process computes,
+        and at the idle class it would get no CPU then on a busy host. It drives before the
+        progress thread (which stands by, or yields the driver role, while it is here)."""
+        while True:
+            with self._lock:
+                while not self._buffered and not self._stopping:
+                    self._drain_idle.wait()
+                if self._stopping:
+                    return
+            self._drive(None, 0.5, drain=True)
+
     # == life ===========================================================================
 
     def shutdown(self, timeout: float) -> None:
@@ -2294,9 +2448,12 @@ class Transport:
             self._stopping = True
             self._cond.notify_all()
             self._idle.notify_all()
-            thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10.0)
+            self._drain_idle.notify_all()
+            threads = [t for t in (self._thread, self._drainer) if t is not None]
+            self._thread = self._drainer = None
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=10.0)
         with self._lock:
             # let a driver in another thread leave its poll before the sockets go
             deadline = time.monotonic() + 5.0
