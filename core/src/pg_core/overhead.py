@@ -19,6 +19,11 @@ one element is timed three ways:
   sequence number, the flight recorder, the failure latch's callback, the user's work),
   without a thread, plus the backend's one :class:`~pg_core.work.Work`.
 
+``send`` and ``recv`` need a peer: they go to rank 1 of a group of size 2 formed on a
+:class:`~pg_core.HashStore` in which rank 1 never appears (NullBackend's ``send``/``recv``
+return at once, and forming a group on it asks the peer nothing); their ``direct`` is the
+backend's ``send``/``recv`` with the wire tag of user tag 0.
+
 ``blocking - direct`` is the **core overhead per call**, the figure the project's target
 (at most 3 us per blocking collective) is judged by; ``async - direct`` the same for an
 asynchronous call waited for at once; ``launched - blocking`` what an asynchronous call
@@ -67,7 +72,8 @@ __all__ = [
     "measure",
 ]
 
-#: The ops measured: the collectives that make sense at world size 1 without a peer.
+#: The ops measured: the collectives that make sense at world size 1 without a peer, and
+#: point to point to a peer that never answers (see the module docstring).
 OPS: Final[tuple[str, ...]] = (
     "all_reduce",
     "broadcast",
@@ -75,7 +81,12 @@ OPS: Final[tuple[str, ...]] = (
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
     "barrier",
+    "send",
+    "recv",
 )
+
+#: The wire tag of user tag 0 on a backend with tags (:mod:`pg_core.tags`): the direct calls' tag.
+_USER_TAG_0: Final = 2
 
 #: How each op is called, in the order they are measured and reported.
 MODES: Final[tuple[str, ...]] = ("direct", "blocking", "async", "launched")
@@ -220,13 +231,30 @@ class OverheadRow:
         return self.overhead_ns / 1e3
 
 
-def _calls(op: str, backend: Backend, group: Any, launching: Any, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
+def _calls(
+    op: str, backend: Backend, group: Any, launching: Any, dtype: torch.dtype, *, pair: Any = None
+) -> dict[str, Callable[[], Any]]:
     """The calls of ``op`` in every mode, as closures of one shape (see the module docstring);
-    ``launching`` is the group on :class:`LaunchingNullBackend`."""
+    ``launching`` is the group on :class:`LaunchingNullBackend`; ``pair`` the group of size 2
+    of ``send``/``recv``."""
     t = torch.ones(1, dtype=dtype)
     out = torch.empty(1, dtype=dtype)
     s = ReduceOp.SUM
-    b, g, lg = backend, group, launching
+    b, g, lg, p = backend, group, launching, pair
+    if op == "send":
+        return {
+            "direct": lambda: b.send(t, 1, _USER_TAG_0, timeout=_TIMEOUT_S),
+            "blocking": lambda: p.send(t, 1),
+            "async": lambda: p.isend(t, 1).wait(),
+            "launched": lambda: p.isend(t, 1).wait(),  # (NullBackend has no isend of its own: the same)
+        }
+    if op == "recv":
+        return {
+            "direct": lambda: b.recv(t, 1, _USER_TAG_0, timeout=_TIMEOUT_S),
+            "blocking": lambda: p.recv(t, 1),
+            "async": lambda: p.irecv(t, 1).wait(),
+            "launched": lambda: p.irecv(t, 1).wait(),
+        }
     if op == "all_reduce":
         return {
             "direct": lambda: b.all_reduce(t, s, timeout=_TIMEOUT_S),
@@ -291,7 +319,7 @@ def measure(
 ) -> list[OverheadRow]:
     """Time every op of ``ops`` in every one of :data:`MODES`; see the module docstring."""
     from .group import ProcessGroup
-    from .store import TCPStore
+    from .store import HashStore, TCPStore
 
     if iters < 1 or repeats < 1:
         raise ValueError(f"iters and repeats must be >= 1, got {iters} and {repeats}")
@@ -314,10 +342,11 @@ def measure(
     launching = ProcessGroup(
         store, 0, 1, backends=LaunchingNullBackend, name="overhead-launching", timeout=timedelta(seconds=_TIMEOUT_S)
     )
+    pair = ProcessGroup(HashStore(), 0, 2, backends=NullBackend, name="overhead-p2p", timeout=_TIMEOUT_S)
     rows: list[OverheadRow] = []
     try:
         for op in ops:
-            calls = _calls(op, backend, group, launching, dtype)
+            calls = _calls(op, backend, group, launching, dtype, pair=pair)
             for call in calls.values():  # warm up: caches, the progress thread, branch predictors
                 _batch(call, max(100, iters // 10))
             samples: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -356,6 +385,7 @@ def measure(
     finally:
         group.shutdown()
         launching.shutdown()
+        pair.shutdown()
         backend.shutdown()
     return rows
 
