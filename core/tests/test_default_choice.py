@@ -258,3 +258,14 @@ def test_members_on_two_hosts_all_fall_back_to_tcp_and_a_subgroup_on_one_host_ge
         assert out["backends"] == {"cpu": "tcp"}, outs
         assert out["floats"] == [30.0 + 3 * i for i in range(5)] and out["ints"] == [6], outs
     assert [out.get("sub") for out in outs] == [({"cpu": "shm"}, 3.0), ({"cpu": "shm"}, 3.0), None], outs
+
+
+@pytest.mark.requires_backend("tcp", "shm")
+def test_with_the_in_repo_backends_the_default_for_cpu_is_shm_then_tcp() -> None:
+    from pg_core.registry import default_registry
+
+    choice = resolve_backends(None, default_registry())
+    assert choice["cpu"].name == "shm" and fallbacks(choice)["cpu"][0].name == "tcp"
+    line = default_registry().describe_defaults().splitlines()[0]
+    assert line.startswith("cpu: shm, else tcp for a group whose members shm refuses (shm: "), line
+    assert "one host" in line, line
