@@ -993,16 +993,17 @@ class ProcessGroup:
                     )
                 return batch.capture(inst, timeout), staged, st, self._seconds(timeout)
         if timeout is None and peer is not None:  # what passed holds for later calls of this kind
-            self._p2p_lane_for(kind, inst, tensor.dtype)
+            self._p2p_lane_for(kind, inst, tensor.device, tensor.dtype)
         return inst, staged, st, self._timeout if timeout is None else seconds(timeout, self._timeout)
 
-    def _p2p_lane_for(self, kind: str, inst: Instance, dtype: torch.dtype) -> None:
-        """Keep the lane of ``kind`` on ``inst`` for ``dtype``, whose call passed :meth:`_p2p`'s checks."""
-        key = (kind, inst.device, dtype)
-        lane = self._p2p_lanes.get(key)
-        if lane is None:
+    def _p2p_lane_for(self, kind: str, inst: Instance, device: torch.device, dtype: torch.dtype) -> None:
+        """Keep the lane of ``kind`` on ``inst`` for tensors on ``device`` (the tensor's own, as
+        :meth:`_p2p_lane` looks it up: ``cuda:1`` is not ``cuda``) of ``dtype``, whose call passed
+        :meth:`_p2p`'s checks."""
+        key = (kind, device, dtype)
+        if key not in self._p2p_lanes:
             lane = self._p2p_lanes[key] = inst.lane(kind, dtype)
-            if inst.device.type == "cpu":
+            if device.type == "cpu":
                 self._cpu_lanes[kind][dtype] = lane
 
     def _p2p_any_source(
