@@ -2449,6 +2449,7 @@ class Transport:
             self._cond.notify_all()
             self._idle.notify_all()
             self._drain_idle.notify_all()
+            self._wake_driver()  # a background thread driving leaves its poll now, not at its timeout
             threads = [t for t in (self._thread, self._drainer) if t is not None]
             self._thread = self._drainer = None
         for thread in threads:
