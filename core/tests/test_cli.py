@@ -196,6 +196,17 @@ def test_in_process_registration_is_listed(isolated: Registry, capsys: pytest.Ca
     assert lines[2].endswith("unavailable: no MPI launch")
 
 
+def test_the_table_ends_with_what_backends_none_picks(isolated: Registry, capsys: pytest.CaptureFixture[str]) -> None:
+    isolated.register(BackendSpec("near", Backend, devices=("cpu",), priority=20, description="one host only"))
+    isolated.register(BackendSpec("far", Backend, devices=("cpu", "cuda"), priority=10))
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == (
+        "Default for backends=None: cpu: near, else far for a group whose members near refuses "
+        "(near: one host only); cuda: far"
+    )
+
+
 def test_no_command_prints_usage_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "backends" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from pg_core import (
     BackendContext,
     BackendSpec,
     BackendUnavailableError,
+    Capabilities,
     CollectiveMismatchError,
     HashStore,
     ProcessGroup,
@@ -269,3 +270,22 @@ def test_with_the_in_repo_backends_the_default_for_cpu_is_shm_then_tcp() -> None
     line = default_registry().describe_defaults().splitlines()[0]
     assert line.startswith("cpu: shm, else tcp for a group whose members shm refuses (shm: "), line
     assert "one host" in line, line
+
+
+def test_what_passed_the_checks_against_a_refused_default_is_checked_again_against_the_next() -> None:
+    from pg_core.errors import NotSupportedError
+    from pg_core.validation import Supported
+
+    everything = BackendSpec("first", Backend, devices=("cpu",))
+    narrow = BackendSpec(
+        "next", Backend, devices=("cpu",), capabilities=Capabilities(dtypes=frozenset({torch.float32}))
+    )
+    specs = {"cpu": everything}
+    supported = Supported(specs, "g")
+    cpu = torch.device("cpu")
+    supported.check("all_reduce", cpu, torch.float64, ReduceOp.SUM)  # declared by the first
+    specs["cpu"] = narrow  # the group's fallback (ProcessGroup._chose) writes the dict the checks read
+    supported.check("all_reduce", cpu, torch.float64, ReduceOp.SUM)  # remembered: still passes
+    supported.forget()
+    with pytest.raises(NotSupportedError, match="float64"):
+        supported.check("all_reduce", cpu, torch.float64, ReduceOp.SUM)

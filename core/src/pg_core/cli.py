@@ -102,6 +102,9 @@ def _backends(args: argparse.Namespace) -> int:
         out.write(_NOTHING_INSTALLED + "\n")
         return 0
     out.write(_table(entries) + "\n")
+    defaults = default_registry().describe_defaults()
+    if defaults:
+        out.write("\nDefault for backends=None: " + defaults.replace("\n", "; ") + "\n")
     if any(entry.status == "conflict" for entry in entries):
         out.write(
             "\nConflicts: pin one provider as 'name@distribution', or steer loading with "

@@ -317,8 +317,10 @@ class ProcessGroup:
 
     def _chose(self, device_type: str, spec: BackendSpec) -> None:
         """The dispatcher fell back to ``spec`` for ``device_type`` (the default refused every
-        member): :attr:`backends` and the capability checks (which read this dict) follow it."""
+        member): :attr:`backends` and the capability checks (which read this dict) follow it, and
+        what passed the checks against the refused one is checked again."""
         self._specs[device_type] = spec
+        self._supported.forget()
 
     # -- properties -------------------------------------------------------------
     @property

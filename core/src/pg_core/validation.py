@@ -100,6 +100,10 @@ class Supported:
         self._unavailable = dict(unavailable or {})
         self._allowed: set[tuple[object, ...]] = set()
 
+    def forget(self) -> None:
+        """Drop what passed: the spec of a device type changed (the default fell back)."""
+        self._allowed.clear()
+
     def spec(self, device_type: str) -> BackendSpec:
         try:
             return self._specs[device_type]
