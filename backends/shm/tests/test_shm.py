@@ -8,6 +8,7 @@ threads, descriptors, children and shared memory mappings after every call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -399,3 +400,90 @@ def test_the_plugin_declares_the_rings_eager_limit() -> None:
     assert plugin.EAGER_LIMIT == rings.EAGER_LIMIT
     assert plugin.CAPABILITIES.eager_limit_bytes == rings.EAGER_LIMIT
     assert rings.RING_BYTES >= rings.EAGER_LIMIT + 32
+
+
+def _blocked_ops(backend: ShmBackend) -> list[tuple[str, Callable[[], object]]]:
+    """Rank 0's operations that block on rank 1 (which takes nothing and joins nothing), called
+    on the backend itself so that all of them are inside it at once: a large send streaming
+    through a full ring, small sends queued behind it, an isend being waited, receives of a
+    tensor and of bytes, and an all_reduce."""
+    large = torch.ones((rings.EAGER_LIMIT * 3) // 4)  # 3 MiB: more than the ring, so it streams
+    small = torch.ones(16384)  # 64 KiB: eager, queued behind the large one
+    ops: list[tuple[str, Callable[[], object]]] = [
+        ("large send", lambda: backend.send(large, 1, 1, timeout=20)),
+        ("isend wait", lambda: backend.isend(large.clone(), 1, 2, timeout=20).wait(20)),
+        ("recv", lambda: backend.recv(torch.empty(8), 1, 3, timeout=20)),
+        ("recv_bytes", lambda: backend.recv_bytes(1, 4, timeout=20)),
+        ("send_bytes", lambda: backend.send_bytes(bytes(2 << 20), 1, 5, timeout=20)),
+        ("all_reduce", lambda: backend.all_reduce(torch.ones(4), ReduceOp.SUM, timeout=20)),
+    ]
+    for i in range(3):
+        ops.append((f"small send {i}", lambda i=i: backend.send(small, 1, 10 + i, timeout=20)))  # type: ignore[misc]
+    return ops
+
+
+def closed_under_load(ctx: RankContext, rounds: int) -> dict[str, Any] | None:
+    """Per round, a fresh group: rank 1 sends rank 0 a burst of small messages (rank 0's
+    drainer moves them out of the ring) while rank 0 blocks, each on a thread, in every
+    operation of :func:`_blocked_ops`; then rank 0 aborts or shuts down (alternating) with all
+    of them under way. Each must raise ``GroupClosedError`` (or have completed), and the
+    process must survive: a segment unmapped under a thread that still reads it is a SIGSEGV,
+    which the pool reports as rank 0's death."""
+    import random
+    import threading
+
+    from pg_core import PrefixStore
+    from pg_core.errors import GroupClosedError
+
+    outcomes: dict[str, int] = {}
+    slow: list[float] = []
+    for r in range(rounds):
+        store = PrefixStore(f"round-{r}", ctx.store)
+        group = ProcessGroup(store, ctx.rank, ctx.size, backends="shm", timeout=30)
+        group.barrier()
+        backend = _backend(group)
+        if ctx.rank == 1:
+            burst = torch.ones(8192)  # 32 KiB each, 8 MiB in all: rank 0's ring fills over and over
+            with contextlib.suppress(PeerFailureError, GroupClosedError, CollectiveTimeout):
+                for _ in range(256):
+                    backend.send(burst, 0, 99, timeout=20)
+            wait_for(store, ["closed"], 60)
+            group.abort()
+            continue
+        errors: dict[str, BaseException | None] = {}
+
+        def run(name: str, op: Callable[[], object]) -> None:
+            try:
+                op()
+            except BaseException as exc:  # judged below
+                errors[name] = exc
+            else:
+                errors[name] = None
+
+        threads = [threading.Thread(target=run, args=op, daemon=True) for op in _blocked_ops(backend)]
+        for t in threads:
+            t.start()
+        # jitter, not synchronisation: the close must land at a different point of the
+        # operations each round (entering, waiting for room, streaming, draining, leaving)
+        time.sleep(random.uniform(0.0, 0.05))
+        started = time.monotonic()
+        if r % 2 == 0:
+            group.abort()
+        else:
+            group.shutdown()
+        slow.append(time.monotonic() - started)
+        for t in threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in threads), f"round {r}: an operation did not return after the close"
+        store.set("closed", "1")
+        for name, exc in errors.items():
+            key = "completed" if exc is None else type(exc).__name__
+            outcomes[key] = outcomes.get(key, 0) + 1
+            assert exc is None or isinstance(exc, GroupClosedError), f"round {r}: {name} raised {exc!r}"
+    return None if ctx.rank == 1 else {"outcomes": outcomes, "close_seconds": max(slow)}
+
+
+def test_closing_under_every_kind_of_blocked_operation_never_touches_an_unmapped_segment(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(closed_under_load, 24, timeout=300)[0]
+    assert got["outcomes"].get("GroupClosedError", 0) > 0, got
+    assert got["close_seconds"] < 3, got  # abort and shutdown wait for no peer
