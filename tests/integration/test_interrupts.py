@@ -43,20 +43,35 @@ def interrupted(ctx: RankContext, backend: str, how: str) -> float | None:
         # abort: this rank's own, from another thread, once rank 1 says "now"
         # (polled: a blocking store wait would hold the store client that the main thread uses too)
         aborter = threading.Thread(target=lambda: (wait_for(ctx.store, ["at"], 30), g.abort()))
+        # "blocked" is said once the receive is under way (the flight recorder has it started), by a
+        # thread of its own: said before the call, a SIGINT could land before the receive began
+        announcer = threading.Thread(target=_announce_once_receiving, args=(g, ctx))
         try:
             if how == "abort":
                 aborter.start()
-            ctx.store.set("blocked", "1")
+            announcer.start()
             expected = GroupClosedError if how == "abort" else KeyboardInterrupt
             with pytest.raises(expected):
                 g.recv(torch.empty(4), src=1)
             took = time.monotonic() - float(ctx.store.get("at"))
         finally:
+            announcer.join()
             if aborter.ident is not None:
                 aborter.join()
             ctx.store.set("done", "1")
         g.abort()
         return took
+
+
+def _announce_once_receiving(g: ProcessGroup, ctx: RankContext) -> None:
+    """Set "blocked" once ``g``'s flight recorder shows this rank's receive started (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if any(e["op"] == "recv" and e["state"] == "started" for e in g.debug_state()["entries"]):
+            ctx.store.set("blocked", "1")
+            return
+        time.sleep(0.001)
+    raise AssertionError("rank 0's receive never showed as started in its flight recorder")
 
 
 @pytest.mark.parametrize("how", ["ctrl_c", "abort"])
