@@ -484,6 +484,6 @@ def closed_under_load(ctx: RankContext, rounds: int) -> dict[str, Any] | None:
 
 
 def test_closing_under_every_kind_of_blocked_operation_never_touches_an_unmapped_segment(rank_pools: Pools) -> None:
-    got = rank_pools(2).run(closed_under_load, 24, timeout=300)[0]
+    got = rank_pools(2).run(closed_under_load, 40, timeout=300)[0]
     assert got["outcomes"].get("GroupClosedError", 0) > 0, got
     assert got["close_seconds"] < 3, got  # abort and shutdown wait for no peer

@@ -10,8 +10,14 @@ peer is a ``PeerFailureError`` within a slice and oversubscribed ranks do not bu
 Threads: a *drainer* per member (asleep on a futex; it moves small messages out of a full
 ring when their sender asks, so sends up to the eager limit never wait for their receiver),
 and a sender thread per peer, started the first time a message does not fit in the ring
-at once. ``shutdown()`` and ``abort()`` stop them and unmap every segment once the
-operations under way have left them.
+at once. ``shutdown()`` and ``abort()`` wake and stop them.
+
+Mappings: every user of the segments holds a reference while it may touch them (each
+operation between entering and leaving the backend, the drainer and each sender thread for
+their whole lives, and a close while it wakes and joins them); closing refuses new users, and
+whoever drops the last reference after the close unmaps. So no thread reads or writes a
+segment after it is unmapped, whatever the interleaving, and a thread that is slow to leave
+keeps the mappings only until it does.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ __all__ = ["ShmBackend"]
 #: 16 MiB (8 phases), torch's Gloo 88 ms in the same processes. A member's segment is two slots
 #: plus 1 MiB per peer: 35 MiB at 4 ranks.
 DEFAULT_SLOT_BYTES = 16 << 20
+#: Longest a close waits for its own threads to leave (they do within a slice of its wake-ups).
+JOIN_S = 2.0
 
 
 class ShmBackend(Backend):
@@ -56,6 +64,9 @@ class ShmBackend(Backend):
         slot = ctx.byte_option("slot_bytes", DEFAULT_SLOT_BYTES, minimum=4096)
         self.layout = Layout(ctx.size, RING_BYTES, slot // 64 * 64)
         self._members = form(ctx, self.layout)
+        self._life = threading.Lock()
+        self._users = 0  # references to the mappings (see the module docstring)
+        self._released = False
         segments = self._members.segments
         name = ctx.group_name
         states = [None if r == self.rank else Word(s.address + STATE, 32) for r, s in enumerate(segments)]
@@ -70,16 +81,18 @@ class ShmBackend(Backend):
             mine = Ring(segments[self.rank], self.layout.ring(self.rank, peer), RING_META, RING_BYTES)
             theirs = Ring(segments[peer], self.layout.ring(peer, self.rank), RING_META, RING_BYTES)
             peer_bell = Word(segments[peer].address + DOORBELL, 32)
-            self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name)
+            self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name, hold=self._hold, leave=self._leave)
             self.inboxes[peer] = Inbox(theirs, peer, self.live, name)
         self.shared = collectives.Shared(self.rank, self.size, segments, self.layout, self.live)
-        self._life = threading.Lock()
-        self._active = 0
-        self._released = False
         self._drainer: threading.Thread | None = None
         if self.size > 1:
             self._drainer = threading.Thread(target=self._drain, name=f"pg-shm {name} drainer", daemon=True)
-            self._drainer.start()
+            self._users += 1  # the drainer's reference, dropped as it leaves
+            try:
+                self._drainer.start()
+            except BaseException:
+                self._users -= 1
+                raise
 
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
@@ -214,24 +227,22 @@ class ShmBackend(Backend):
         with self._life:
             if self.live.closed is not None:
                 return
-            self.live.closed = why
+            self.live.closed = why  # from here on no one new enters
             self._state.value = state
-        for word in self._wake_words():
-            futex_wake(word)
-        stopped = all([box.close() for box in self.outboxes.values()])
-        if self._drainer is not None and self._drainer is not threading.current_thread():
-            self._drainer.join(timeout=5)
-            stopped = stopped and not self._drainer.is_alive()
-        if not stopped:  # a thread still touches the segments: leave them mapped rather than crash it
-            return
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with self._life:
-                if self._active == 0:
-                    self._release()
-                    return
-            time.sleep(0.005)  # operations under way leave within one slice of the wake-ups above
-        # still in use: the last operation to leave unmaps
+            self._users += 1  # this close's own reference: its wake-ups touch the segments
+        try:
+            for word in self._wake_words():
+                futex_wake(word)
+            # The threads leave within a slice of the wake-ups; joining them only keeps them from
+            # outliving the close. One that does not (bounded: the close waits for no peer) keeps
+            # the mappings through its reference until it leaves, and unmaps them then.
+            deadline = time.monotonic() + JOIN_S
+            for box in self.outboxes.values():
+                box.close(deadline)
+            if self._drainer is not None and self._drainer is not threading.current_thread():
+                self._drainer.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            self._leave()
 
     def _wake_words(self) -> Sequence[int]:
         words = [self._doorbell.address, *self.shared.wake_words()]
@@ -253,22 +264,34 @@ class ShmBackend(Backend):
         self._members.close()
 
     def _enter(self) -> None:
+        """Take a reference for an operation, or raise ``GroupClosedError`` once closed."""
         with self._life:
             if self.live.closed is not None:
                 raise GroupClosedError(f"group {self.ctx.group_name!r}: pg-shm backend {self.live.closed}")
-            self._active += 1
+            self._users += 1
+
+    def _hold(self) -> None:
+        """Take a reference for a thread that a holder of one starts (the mappings are still
+        there: its holder has not left), whether or not the member was closed meanwhile."""
+        with self._life:
+            assert self._users > 0 and not self._released, "pg-shm: a thread started without a reference"
+            self._users += 1
 
     def _leave(self) -> None:
+        """Drop a reference; the last one dropped after the close unmaps."""
         with self._life:
-            self._active -= 1
-            if self._active == 0 and self.live.closed is not None:
+            self._users -= 1
+            if self._users == 0 and self.live.closed is not None:
                 self._release()
 
     def _drain(self) -> None:
         bell = self._doorbell
-        while self.live.closed is None:
-            futex_wait(bell.address, 0, SLICE)
-            if self.live.closed is not None:
-                return
-            for inbox in self.inboxes.values():
-                inbox.drain()
+        try:
+            while self.live.closed is None:
+                futex_wait(bell.address, 0, SLICE)
+                if self.live.closed is not None:
+                    return
+                for inbox in self.inboxes.values():
+                    inbox.drain()
+        finally:
+            self._leave()

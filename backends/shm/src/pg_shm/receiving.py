@@ -48,6 +48,7 @@ class Inbox:
         while True:
             with self.lock:
                 if self.broken is not None:
+                    self.live.check([], op)  # broken by this member's close: say that
                     raise PeerFailureError(self.broken, peers=[self.peer])
                 kept = self._kept.get((kind, tag))
                 if kept:

@@ -15,7 +15,9 @@ whose large send failed midway (timeout, abort) marks the ring broken, so its re
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from ctypes import memmove
 
 import torch
@@ -44,8 +46,19 @@ class _Job:
 class Outbox:
     """This member's sending end of its ring to ``peer``."""
 
-    def __init__(self, ring: Ring, peer: int, live: Liveness, doorbell: Word, group: str) -> None:
+    def __init__(
+        self,
+        ring: Ring,
+        peer: int,
+        live: Liveness,
+        doorbell: Word,
+        group: str,
+        *,
+        hold: Callable[[], None],
+        leave: Callable[[], None],
+    ) -> None:
         self.ring = ring
+        self._hold, self._leave = hold, leave  # the sender thread's reference to the mappings
         self.peer = peer
         self.live = live
         self.doorbell = doorbell  # the peer's drainer futex
@@ -98,6 +111,7 @@ class Outbox:
         span = message_span(nbytes)
         with self._lock:
             if self.broken is not None:
+                self.live.check([], op)  # broken by this member's close: say that
                 raise PeerFailureError(self.broken, peers=[self.peer])
             head = ring.head.value
             if not self._queue and not self._busy and span <= ring.capacity - (head - ring.tail.value):
@@ -110,30 +124,47 @@ class Outbox:
                 if ring.recv_sleeps.value:
                     futex_wake(ring.head.address)
                 return None
+            # checked under the lock: the close takes it after marking the member closed, so a
+            # thread started here is one the close sees (and joins), and a queued job is one
+            # the thread fails
+            self.live.check([], op)
             work = Work(op)
             self._queue.append(_Job(kind, code, tag, parts, deadline=deadline, work=work, keep=keep))
             if self._thread is None:
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._run, name=f"pg-shm {self.group} send to {self.peer}", daemon=True
                 )
-                self._thread.start()
+                self._hold()  # the caller holds one, so the mappings are there: the thread's own
+                try:
+                    thread.start()
+                except BaseException:
+                    self._queue.pop()
+                    self._leave()
+                    raise
+                self._thread = thread
             else:
                 self._wake.notify()
             return work
 
-    def close(self) -> bool:
-        """Stop the sender thread (queued messages fail); wake it if it waits. Whether it has
-        stopped (it leaves within a slice of the member being closed)."""
+    def close(self, deadline: float) -> None:
+        """Once the member is closed: wake the sender thread (queued messages fail) and join it
+        until ``deadline`` (``time.monotonic()``); it leaves within a slice. The caller holds a
+        reference to the mappings (the wake-up touches the ring)."""
         with self._lock:
             self._wake.notify_all()
+            thread = self._thread
         futex_wake(self.ring.tail.address)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-            return not self._thread.is_alive()
-        return True
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- the sender thread -----------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._leave()
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
                 while not self._queue and self.live.closed is None:
