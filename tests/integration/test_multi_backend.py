@@ -125,7 +125,7 @@ def test_cpu_on_a_real_backend_and_meta_on_another(rank_pools: Pools, cpu_backen
 
 
 def test_the_readme_capability_table_is_the_generated_one() -> None:
-    """README's table is `pg-core backends --capabilities tcp gloo mpi nccl`, not written by hand."""
+    """README's table is `pg-core backends --capabilities tcp shm gloo mpi nccl`, not written by hand."""
     import subprocess
     import sys
     from pathlib import Path
@@ -133,7 +133,7 @@ def test_the_readme_capability_table_is_the_generated_one() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     shown = readme.split("<!-- capabilities:begin -->\n", 1)[1].split("\n<!-- capabilities:end -->", 1)[0]
     generated = subprocess.run(
-        [sys.executable, "-m", "pg_core", "backends", "--capabilities", "tcp", "gloo", "mpi", "nccl"],
+        [sys.executable, "-m", "pg_core", "backends", "--capabilities", "tcp", "shm", "gloo", "mpi", "nccl"],
         capture_output=True,
         text=True,
         check=True,

@@ -122,7 +122,8 @@ _SHORT = {"PRODUCT": "PROD", "PREMUL_SUM": "PREMUL"}
 def capabilities_table(entries: Sequence[PluginEntry]) -> str:
     """What every backend with a spec declares, one column per (backend, device), as Markdown:
     the ops it lacks, whether it receives from any source (the optional ``recv_anysource``),
-    its tag range, and per dtype the reduce ops (``copies`` where the dtype moves but does
+    its tag range, the size up to which a blocking send never waits for its receiver
+    (``eager_limit_bytes``), and per dtype the reduce ops (``copies`` where the dtype moves but does
     not reduce, ``-`` where it is not declared)."""
     from .backend import DTYPES
     from .dtypes import dtype_name
@@ -139,6 +140,7 @@ def capabilities_table(entries: Sequence[PluginEntry]) -> str:
     )
     rows.append(["recv from any source", *(("yes" if "recv_anysource" in c.ops else "no") for c in caps)])
     rows.append(["tags", *(_tags(c.max_tag) for c in caps)])
+    rows.append(["a blocking send never waits up to", *(_eager(c.eager_limit_bytes) for c in caps)])
     for dtype in DTYPES:
         cells = []
         for c in caps:
@@ -149,6 +151,18 @@ def capabilities_table(entries: Sequence[PluginEntry]) -> str:
             cells.append(" ".join(_SHORT.get(t.name, t.name) for t in ops) or "copies")
         rows.append([dtype_name(dtype), *cells])
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def _eager(limit: int | None) -> str:
+    """``Capabilities.eager_limit_bytes`` as the capabilities table shows it."""
+    if limit is None:
+        return "any size"
+    if limit == 0:
+        return "0 B (any send may wait)"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if limit >= 1 << shift and limit % (1 << shift) == 0:
+            return f"{limit >> shift} {unit}"
+    return f"{limit} B"
 
 
 def _tags(max_tag: int | None) -> str:

@@ -95,7 +95,7 @@ def pg_core_backends() -> list[BackendSpec]:
             devices=("cuda",),
             capabilities=CAPABILITIES,
             priority=20,
-            api_version="1.3",  # collectives launch (Backend.launches); batches coalesce (Backend.coalesced)
+            api_version="1.10",  # collectives launch (1.2); batches coalesce (1.3); eager_limit_bytes (1.10)
             is_available=is_available,
             description="torch's C++ NCCL (ProcessGroupNCCL): one communicator per group and device",
         )
