@@ -102,8 +102,9 @@ def venv(built: dict[str, dict[str, Path]], tmp_path_factory: pytest.TempPathFac
     wheels = {dist: str(paths["wheel"]) for dist, paths in built.items()}
     cmd: list[str | Path] = [BIN / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # pg-core with its extras resolves pg-tcp to the wheel beside it: `pip install pg-core[tcp]` works
-    cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,gloo,nccl,testing]", wheels["pg-tcp"], wheels["pg-gloo"]]
-    cmd += [wheels["pg-nccl"], wheels["pg-mpi"], wheels["pg-storecomm"]]  # pg-mpi brings mpi4py and mpich
+    cmd += ["-c", CONSTRAINTS, f"{wheels['pg-core']}[tcp,gloo,nccl,shm,testing]", wheels["pg-tcp"], wheels["pg-gloo"]]
+    # pg-mpi brings mpi4py and mpich
+    cmd += [wheels["pg-shm"], wheels["pg-nccl"], wheels["pg-mpi"], wheels["pg-storecomm"]]
     _run(cmd, cwd=ROOT, env=_outside_env(), timeout=900)
     return tmp_path_factory.mktemp("user")
 
