@@ -221,6 +221,7 @@ def test_pg_core_backends_lists_every_in_repo_backend_as_available(venv: Path) -
         "gloo": "available",
         "nccl": nccl,
         "mpi": "unavailable",
+        "shm": "available",
         "storecomm": "available",
     }, entries
     assert "mpiexec -n N python script.py" in next(e["reason"] for e in entries if e["name"] == "mpi")
