@@ -260,7 +260,7 @@ else:
 '''
 
 
-@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+@pytest.mark.parametrize("backend", ["tcp", "gloo", "shm"])
 def test_two_ranks_all_reduce_over_an_installed_backend(venv: Path, backend: str) -> None:
     script = venv / "all_reduce.py"
     script.write_text(ALL_REDUCE)
