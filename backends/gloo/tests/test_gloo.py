@@ -141,7 +141,9 @@ def many_sends_then_receives(ctx: RankContext) -> list[float] | int:
 def test_sends_reach_the_reaper_in_batches_and_arrive_in_order(rank_pools: Pools) -> None:
     gathered, got = rank_pools(2).run(many_sends_then_receives, timeout=120)
     assert got == [float(i) for i in range(151)]
-    assert gathered == 151 % 64  # handed over 64 at a time
+    # handed over 64 at a time: 23 are left, unless the large send waited for its receive longer than
+    # the reaper's own wake-up (50 ms, a busy machine), which takes what is left itself
+    assert gathered in (151 % 64, 0)
 
 
 def wrong_size_then_right(ctx: RankContext) -> str:

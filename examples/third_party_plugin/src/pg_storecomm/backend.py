@@ -75,7 +75,9 @@ class StoreBackend(Backend):
         pieces = [data[i : i + PIECE_BYTES] for i in range(0, len(data), PIECE_BYTES)] or [b""]
         # torch's stub says str, but the c10d store takes bytes (values are byte strings)
         for i, piece in enumerate(pieces[1:], start=1):
+            self._check_open()  # abort() stops a large send between pieces (its head never goes: no message)
             self._store.set(f"{key}/{i}", piece)  # type: ignore[arg-type]
+        self._check_open()
         self._store.set(key, _COUNT.pack(len(pieces)) + pieces[0])  # type: ignore[arg-type]
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
