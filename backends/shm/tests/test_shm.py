@@ -296,6 +296,11 @@ def test_a_full_dev_shm_is_refused_by_every_member_with_what_to_do(rank_pools: P
     assert not _left_behind(before)
 
 
+def _state_of(pid: int) -> str:
+    """The process's state letter from /proc (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def stalled_stream(ctx: RankContext) -> dict[str, str] | None:
     """Rank 0 isends 16 MiB and stops itself (SIGSTOP) with the message part-way in the ring:
     rank 1's receive times out inside the message, and its next receive from rank 0 says the
@@ -315,7 +320,11 @@ def stalled_stream(ctx: RankContext) -> dict[str, str] | None:
         del work
         return None
     wait_for(ctx.store, ["pid"], 60)
-    time.sleep(0.5)  # rank 0 has stopped
+    stopped = int(ctx.store.get("pid"))
+    deadline = time.monotonic() + 30
+    while _state_of(stopped) != "T" and time.monotonic() < deadline:  # rank 0 has stopped itself
+        time.sleep(0.001)
+    assert _state_of(stopped) == "T", f"rank 0 (pid {stopped}) never stopped"
     out = {}
     try:
         group.recv(torch.empty(4 << 20), 0, timeout=1.0)
