@@ -202,7 +202,7 @@ class Batch:
                     return
             inner = self._inner
             if inner is not None:
-                inner.is_completed() if timeout <= 0 else inner._wait_done(timeout)
+                inner.is_completed() if timeout <= 0 else inner.wait_until_done(timeout)
 
         work = Work(op, driver=drive)
         self._members.append(work)
@@ -306,7 +306,7 @@ class Batch:
         ops, members = self._ops, self._members
 
         def drive(_: Work, timeout: float) -> None:
-            inner.is_completed() if timeout <= 0 else inner._wait_done(timeout)
+            inner.is_completed() if timeout <= 0 else inner.wait_until_done(timeout)
 
         work = self._work = Work(_OP, driver=drive)
 

@@ -186,13 +186,13 @@ class _Driver:
             for i, work in enumerate(pending):
                 try:
                     if i == 0:
-                        work._wait_done(_DRIVE_SLICE_S)
+                        work.wait_until_done(_DRIVE_SLICE_S)
                     else:
                         work.is_completed()
                 except BaseException as exc:  # a driver must not raise; if one does, its work fails with it
                     work.set_exception(exc)
             with self._cond:
-                self._pending = [w for w in self._pending if not w._done]
+                self._pending = [w for w in self._pending if not w.done]
 
 
 class _TorchWork(c10d.Work):
@@ -220,7 +220,7 @@ class _TorchWork(c10d.Work):
             future.set_result(value)
         else:
             work.add_done_callback(done)
-            if driver is not None and work._driver is not None and not work._done:
+            if driver is not None and work.driven and not work.done:
                 driver.add(work)
 
     def wait(self, timeout: timedelta | None = None) -> bool:

@@ -33,6 +33,11 @@ class Work:
     operations only while someone drives it passes ``driver``; ``wait`` and
     ``is_completed`` then call it, so polling ``is_completed()`` makes progress
     the way ``MPI_Test`` does.
+
+    Two ways to look without raising, for code that reacts to completion (callback chains,
+    drivers, transports): :attr:`done` says whether it has completed as far as is known now,
+    never driving it (``is_completed`` drives), and :meth:`wait_until_done` waits a bounded
+    time and returns whether it completed, instead of raising as ``wait`` does.
     """
 
     __slots__ = ("_callbacks", "_cond", "_done", "_driver", "_exc", "_lock", "_result", "op")
@@ -60,8 +65,9 @@ class Work:
     @property
     def done(self) -> bool:
         """Whether the work has completed, as far as is known now: unlike :meth:`is_completed`
-        it never drives the operation (for code that only reacts to completion, such as a
-        callback chain deciding whether to go on at once)."""
+        it never drives the operation and never blocks (for code that only reacts to completion,
+        such as a callback chain deciding whether to go on at once). A subclass whose completion
+        lives elsewhere (a transport's request) overrides it."""
         return self._done
 
     def set_result(self, result: Any = None) -> None:
@@ -105,6 +111,13 @@ class Work:
         except Exception:
             logging.getLogger("pg_core").exception("a done-callback of %r raised", self)
 
+    @property
+    def driven(self) -> bool:
+        """Whether the work completes only while someone drives it (made with a ``driver``:
+        ``wait``, ``is_completed`` and :meth:`wait_until_done` drive it), so that a caller
+        wanting its callbacks to run without waiting must drive it from a thread of its own."""
+        return self._driver is not None
+
     # -- consumer side -------------------------------------------------------
     def is_completed(self) -> bool:
         """Whether the operation finished (successfully or not); never blocks."""
@@ -119,7 +132,7 @@ class Work:
         timeout. Exceeding it raises :class:`~pg_core.errors.CollectiveTimeout`.
         Returns ``True``, as ``torch.distributed.Work.wait`` does.
         """
-        if not self._wait_done(timeout):
+        if not self.wait_until_done(timeout):
             raise CollectiveTimeout(
                 f"{self.op}: Work.wait(timeout={timeout}) expired before the operation finished",
                 op=self.op,
@@ -130,7 +143,7 @@ class Work:
 
     def exception(self, timeout: float | timedelta | None = None) -> BaseException | None:
         """Wait for the operation, then return its error (``None`` if it succeeded)."""
-        if not self._wait_done(timeout):
+        if not self.wait_until_done(timeout):
             raise CollectiveTimeout(f"{self.op}: not finished after {timeout} s", op=self.op)
         return self._exc
 
@@ -139,7 +152,11 @@ class Work:
         self.wait(timeout)
         return self._result
 
-    def _wait_done(self, timeout: float | timedelta | None) -> bool:
+    def wait_until_done(self, timeout: float | timedelta | None = None) -> bool:
+        """Block until the operation finishes or ``timeout`` seconds (``None``: no bound) pass,
+        driving it as ``wait`` does; return whether it finished. Never raises for the
+        operation's error or for the timeout (read :meth:`exception` once it returns ``True``),
+        which is what a driver or a callback chain wants where ``wait`` would raise."""
         if isinstance(timeout, timedelta):
             timeout = timeout.total_seconds()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -165,6 +182,10 @@ class Work:
                 if self._cond is None:
                     self._cond = threading.Condition(self._lock)
                 self._cond.wait(timeout)
+
+    #: The name plugins and core modules read before the public one existed (pg-tcp's backend,
+    #: algorithms.py, c10d.py): kept until they call :meth:`wait_until_done`.
+    _wait_done = wait_until_done
 
     def __repr__(self) -> str:
         if not self._done:
@@ -197,7 +218,7 @@ def mapped(inner: Work, fn: Callable[[Any], Any]) -> Work:
         if timeout <= 0:
             inner.is_completed()
         else:
-            inner._wait_done(timeout)
+            inner.wait_until_done(timeout)
 
     outer = Work(inner.op, driver=drive)
 
@@ -230,7 +251,7 @@ def all_of(op: str, works: list[Work]) -> Work:
                 return
             if timeout <= 0:
                 w.is_completed()
-            elif not w._wait_done(max(deadline - time.monotonic(), 0.0)):
+            elif not w.wait_until_done(max(deadline - time.monotonic(), 0.0)):
                 return
 
     outer = Work(op, driver=drive)
@@ -264,14 +285,14 @@ def unwrap(outer: Work) -> Work:
             if timeout <= 0:
                 outer.is_completed()
                 return
-            if not outer._wait_done(timeout):
+            if not outer.wait_until_done(timeout):
                 return
         inner = outer._result
         if isinstance(inner, Work):
             if timeout <= 0:
                 inner.is_completed()
             else:
-                inner._wait_done(max(deadline - time.monotonic(), 0.0))
+                inner.wait_until_done(max(deadline - time.monotonic(), 0.0))
 
     result = Work(outer.op, driver=drive)
 

@@ -1,0 +1,60 @@
+"""``Work``'s public ways to look at completion without raising: ``done`` (never drives),
+``wait_until_done`` (bounded, returns whether it completed) and ``driven``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from pg_core.errors import CollectiveTimeout
+from pg_core.work import Work
+
+
+def test_done_never_drives_but_is_completed_does() -> None:
+    calls: list[float] = []
+
+    def drive(work: Work, timeout: float) -> None:
+        calls.append(timeout)
+        work.set_result(7)
+
+    work = Work("op", driver=drive)
+    assert work.driven
+    assert not work.done
+    assert calls == []  # reading done drove nothing
+    assert work.is_completed()
+    assert calls == [0.0]
+    assert work.done and work.result() == 7
+
+
+def test_wait_until_done_is_bounded_and_never_raises() -> None:
+    work = Work("op")
+    assert not work.driven
+    started = time.monotonic()
+    assert work.wait_until_done(0.05) is False  # no raise on expiry, unlike wait()
+    assert time.monotonic() - started >= 0.05
+    with pytest.raises(CollectiveTimeout):
+        work.wait(0.01)
+    error = RuntimeError("the operation failed")
+    threading.Timer(0.01, work.set_exception, (error,)).start()
+    assert work.wait_until_done(10.0) is True  # completed with an error: reported, not raised
+    assert work.exception(0) is error
+    assert work.done
+
+
+def test_wait_until_done_drives_a_driven_work() -> None:
+    slices: list[float] = []
+
+    def drive(work: Work, timeout: float) -> None:
+        slices.append(timeout)
+        if len(slices) == 3:
+            work.set_result(None)
+
+    work = Work("op", driver=drive)
+    assert work.wait_until_done() is True
+    assert len(slices) == 3 and all(0 < s <= 1.0 for s in slices)
+
+
+def test_completed_work_is_done() -> None:
+    work = Work.completed("op", 3)
+    assert work.done and work.wait_until_done(0) and work.result() == 3
