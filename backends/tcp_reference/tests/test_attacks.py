@@ -29,18 +29,10 @@ from pg_core.errors import PeerFailureError, PGError
 from pg_core.ops import ReduceOp
 from pg_core.store import AuthenticatedStore, PrefixStore
 from pg_core.testing.pool import RankContext, RankPool
+from pg_tcp import handshake
 from pg_tcp.backend import TCPBackend
-from pg_tcp.transport import (
-    _AUTH,
-    _HELLO,
-    BYTES,
-    HEADER,
-    HELLO_MAGIC,
-    MAGIC,
-    PROTOCOL_VERSION,
-    RAW,
-    TENSOR,
-)
+from pg_tcp.handshake import AUTH, HELLO, HELLO_MAGIC
+from pg_tcp.wire import BYTES, HEADER, MAGIC, PROTOCOL_VERSION, RAW, TENSOR
 
 Pools = Callable[[int], RankPool]
 
@@ -83,7 +75,7 @@ def hello(ctx: RankContext, name: str, as_rank: int, victim: int = 0) -> socket.
     host, _, port = ctx.store.get(key).decode().rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
     uid = f"{name}-{ctx.job}".encode()
-    sock.sendall(_HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, as_rank, 0, len(uid)) + uid)
+    sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, as_rank, 0, len(uid)) + uid)
     return sock
 
 
@@ -369,8 +361,8 @@ def strangers_without_the_key(ctx: RankContext) -> list[str] | None:
         seen: list[str] = []
         addr = ctx.store.get(f"{name}/cpu/tcp/addr/0")  # MAC || address: readable, though not forgeable
         host, _, port = addr[32:].decode().rpartition(":")
-        plain = _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid)) + uid
-        captured = _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, _AUTH, len(uid)) + uid + os.urandom(32)
+        plain = HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid)) + uid
+        captured = HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, AUTH, len(uid)) + uid + os.urandom(32)
         # an unauthenticated hello; an authenticated-looking one with a made-up MAC; that hello replayed
         for said in (plain, captured, captured):
             with socket.create_connection((host, int(port)), timeout=10) as sock:
@@ -447,12 +439,12 @@ def replay_and_second_claim(ctx: RankContext) -> list[str] | None:
         host, _, port = address.rpartition(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:  # rank 2's second claim, to rank 0
             mine = os.urandom(32)
-            sock.sendall(_HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 2, _AUTH, len(uid)) + uid + mine)
-            _, _, rank, flags, length = _HELLO.unpack(read_exactly(sock, _HELLO.size))
+            sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 2, AUTH, len(uid)) + uid + mine)
+            _, _, rank, flags, length = HELLO.unpack(read_exactly(sock, HELLO.size))
             answer = read_exactly(sock, length + 64)
             theirs, proof = answer[length : length + 32], answer[length + 32 :]
             version, ranks = PROTOCOL_VERSION.to_bytes(2, "little"), (2).to_bytes(4, "little") + bytes(4)
-            assert rank == 0 and flags & _AUTH
+            assert rank == 0 and flags & AUTH
             assert proof == key.mac(b"pg-tcp", version, uid, ranks, mine, theirs, b"acceptor")  # rank 0 is real
             sock.sendall(key.mac(b"pg-tcp", version, uid, ranks, mine, theirs, b"maker") + header(BYTES, 4) + b"EVIL")
             seen.append("closed" if wait_closed(sock, 10.0) else "open")
@@ -470,8 +462,8 @@ def replay_and_second_claim(ctx: RankContext) -> list[str] | None:
             peer = transport._peers[2]
             assert peer is not None and peer.send is not None and peer.send.initiated
             conn = peer.send
-            hello_bytes = transport._hello(_AUTH) + conn.nonces[0]
-            proof = transport._mac(conn, 0, 2, b"maker")
+            hello_bytes = handshake.hello(0, uid, AUTH) + conn.nonces[0]
+            proof = handshake.mac(key, uid, maker=0, acceptor=2, nonces=conn.nonces, role=b"maker")
             ctx.store.set(f"{name}/captured", (hello_bytes + proof).hex())
         if ctx.rank == 1:
             ctx.store.wait([f"{name}/stranger"])

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from pg_core.backend import DTYPES, BackendContext, default_reduce_ops
+from pg_core.backend import DTYPES, BackendContext, default_reduce_ops, tensor_bytes
 from pg_core.errors import (
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -35,7 +35,6 @@ from pg_core.ops import OPS, RedOpType, ReduceOp
 from pg_core.store import PrefixStore
 from pg_core.testing.pool import RankContext, RankPool
 from pg_tcp.backend import TCPBackend
-from pg_tcp.transport import tensor_bytes
 
 Pools = Callable[[int], RankPool]
 

@@ -2,7 +2,8 @@
 
 Installing this distribution registers the ``tcp`` backend (entry point
 ``pg_core.backends``); users never import it. ``pg_tcp.backend.TCPBackend`` is the
-class, ``pg_tcp.transport`` the wire and progress engine it runs on.
+class, ``pg_tcp.transport`` the progress engine it runs on, ``pg_tcp.wire`` the frame
+format and ``pg_tcp.handshake`` how a connection is made and authenticated.
 """
 
 from __future__ import annotations

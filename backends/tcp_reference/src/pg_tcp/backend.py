@@ -51,24 +51,12 @@ from typing import Final, TypeVar
 
 import torch
 from pg_core import algorithms
-from pg_core.backend import Backend, BackendContext
+from pg_core.backend import Backend, BackendContext, tensor_bytes
 from pg_core.ops import RedOpType, ReduceOp
 from pg_core.work import Work
 
-from .transport import (
-    ANY,
-    BYTES,
-    COLL,
-    DTYPE_CODE,
-    OPCODE,
-    RAW,
-    TENSOR,
-    Recv,
-    Send,
-    Transport,
-    encode_arg,
-    tensor_bytes,
-)
+from .transport import ANY, Recv, Send, Transport
+from .wire import BYTES, COLL, DTYPE_CODE, OPCODE, RAW, TENSOR, encode_arg
 
 __all__ = ["TCPBackend", "TCPChannel"]
 

@@ -1,5 +1,5 @@
-"""The wire and the progress engine: TCP connections between the ranks of one group,
-made pair by pair on first use, and the machinery that moves framed messages over them.
+"""The progress engine: TCP connections between the ranks of one group, made pair by pair
+on first use, and the machinery that moves framed messages over them, under one lock.
 
 This module knows nothing about collectives. It offers *requests*: post a send
 or a receive, then wait for it, or turn it into a :class:`~pg_core.work.Work`.
@@ -31,55 +31,19 @@ communicators on first use, so point to point needs only its two ranks:
   refuses the connection, which fails what needs it with
   :class:`~pg_core.errors.PeerFailureError` at once.
 
-A connection opens with a hello (magic string, protocol version, rank, flags,
-``ctx.group_uid``) that the acceptor answers in the same format, so a stray
-connection (another group, a port scanner) is dropped instead of being taken for a
-peer, and the initiator knows it reached the right process. The initiator does not
-wait for the answer: its frames follow its hello at once.
+A connection opens with a hello, proves the job's secret where there is one, and settles
+which connection of a pair carries the frames: :mod:`pg_tcp.handshake` says how (its
+formats, its cryptography and its verdicts); this module runs it from the progress engine
+and applies the verdicts to its peers and connections. Sockets are non-blocking, with
+``TCP_NODELAY`` and short TCP keepalives (:func:`pg_tcp.handshake.tune`).
 
-**Authenticated jobs (protocol 4).** With a job secret (``ctx.auth_key``: ``PG_CORE_AUTH_KEY``,
-``ProcessGroup(..., auth_key=)``) a connection proves both ends hold it before any frame
-crosses. The maker's hello carries the ``_AUTH`` flag and a fresh 32-byte nonce; the
-acceptor answers with its own nonce and a MAC (HMAC-SHA256 under the secret) over the
-protocol version, the group uid, both ranks, both nonces and the word "acceptor"; the maker
-checks it, then sends its own MAC over the same fields with "maker", and only then lets
-its queued frames go (until then they wait: the connection is *gated*). The acceptor reads
-nothing from the connection but those 32 bytes of MAC until they verified. Binding both
-nonces and both ranks makes every MAC good for one connection only: a hello replayed from a
-capture is refused at once (the acceptor remembers the last 4096 nonces it answered), and
-one replayed with a fresh nonce cannot produce the maker's MAC for the acceptor's new nonce.
-A hello without the flag to an authenticated rank, one with it to a rank without a key, a
-wrong MAC and a replay are refused: the connection is closed unread and a warning on the
-``pg_tcp`` logger names the claimed rank and the remote address. A maker whose acceptor
-fails to prove itself loses that peer (``PeerFailureError``: "did not prove it holds the
-job's key"). An authenticated hello for a live rank that already has its connection is
-then refused as a second claim (below). The secret never travels; TCP is not encrypted.
-
-**One connection per pair.** Before connecting, a rank takes the connections
-already waiting in its listener. If both ranks of a pair still connect at the same
-moment, the lower rank's connection wins: the higher rank answers it with SWITCH,
-ends its own connection with a RETIRE frame behind whatever it already sent on it,
-and sends on the lower rank's from then on; the lower rank reads nothing that
-follows the SWITCH before it has read the RETIRE, so messages keep their order.
-Sockets are non-blocking, with ``TCP_NODELAY`` (small frames leave at once) and
-short TCP keepalives (a vanished host is noticed in seconds even when nothing is
-being sent).
-
-**Frames.** Every message is a 32-byte header followed by ``nbytes`` of payload::
-
-    magic u16 | kind u8 | opcode u8 | dtype u8 | pad 3 | tag i64 | seq u64 | nbytes u64
-
-``kind`` separates the traffic that shares a connection: point-to-point tensors
-(matched on (peer, tag), FIFO), variable-size byte messages (same, separate
-namespace), collective frames (matched FIFO per peer and checked against the
-receiver's expectation: sequence number, opcode, dtype, size and the op's
-argument, which travels in ``tag``), and control frames: ARRIVED (I am blocked in
-collective #seq, this opcode and argument), ABORT (collective #seq failed here,
-the payload says why), BYE (I shut down cleanly; nothing follows), RETIRE
-(nothing more on this connection; see above), ABORTED (I aborted; nothing follows). Because every collective frame says
-what it is, ranks that call different things get
-:class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's
-bytes as data.
+**Frames.** Every message is a 32-byte header followed by its payload, in the format of
+:mod:`pg_tcp.wire`: point-to-point tensors (matched on (peer, tag), FIFO), byte messages
+(same, separate namespace), collective frames (matched FIFO per peer and checked against
+the receiver's expectation: sequence number, opcode, dtype, size and the op's argument),
+and control frames (ARRIVED, ABORT, BYE, RETIRE, ABORTED). Because every collective frame
+says what it is, ranks that call different things get
+:class:`~pg_core.errors.CollectiveMismatchError` instead of reading each other's bytes as data.
 
 **Limits on what a peer announces.** A header's ``nbytes`` is checked before anything is
 allocated for it. A tensor or collective frame with a posted receive takes that receive's
@@ -94,12 +58,6 @@ Control frames carry at most 64 KiB. A refused frame drops every connection of i
 unread: the peer is lost as if it crashed (``PeerFailureError`` naming it, the announced size
 and the option, on whatever needed it), the collectives stop with an ABORT to the others,
 and the line is logged on the ``pg_tcp`` logger.
-
-**Second claims.** A rank makes at most one connection to a peer, and none at all once it has
-answered the peer's with OK (it had none of its own; "crossed" says it had one, whose hello
-comes). So an accepted hello for a rank that already made its connection, or whose answer
-said it makes none, is someone else's: refused, logged with the claimed rank and the remote
-address, never read.
 
 **Receiving from any source.** A tensor receive may name no peer (:data:`ANY`): it takes
 the oldest message queued on its tag from any peer (each arrival is numbered), or is
@@ -208,25 +166,20 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
-import hmac
 import logging
 import mmap
 import os
 import secrets
 import select
 import socket
-import struct
 import termios
 import threading
 import time
 from collections import deque
 from typing import Final
 
-import torch
-from pg_core.backend import DTYPES, BackendContext, tensor_bytes
-from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
+from pg_core.backend import BackendContext
 from pg_core.errors import (
-    AuthenticationError,
     BackendUnavailableError,
     CollectiveMismatchError,
     CollectiveTimeout,
@@ -235,9 +188,63 @@ from pg_core.errors import (
     PGError,
     StoreUnavailableError,
 )
-from pg_core.ops import COLLECTIVE_OPS, RedOpType
-from pg_core.store import advertise_address, wait_for
+from pg_core.store import advertise_address
 from pg_core.work import Work
+
+from .handshake import (
+    AUTH,
+    CHALLENGE_IN,
+    HELLO,
+    HELLO_IN,
+    HELLO_MAGIC,
+    HELLO_TIMEOUT,
+    MAC,
+    MAX_UID,
+    NONCE,
+    OPEN,
+    PROOF_IN,
+    REPLY_CLOSING,
+    REPLY_CROSSED,
+    REPLY_GONE,
+    REPLY_IN,
+    REPLY_OK,
+    REPLY_SWITCH,
+    Closing,
+    NonceLedger,
+    NotPublished,
+    Refused,
+    accept,
+    answer_challenge,
+    challenge,
+    connect,
+    hello,
+    hello_extra,
+    proven,
+    read_address,
+)
+from .wire import (
+    ABORT,
+    ABORTED,
+    ARRIVED,
+    BYE,
+    BYTES,
+    COLL,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_CONTROL_BYTES,
+    OPCODE,
+    PROTOCOL_VERSION,
+    REASON_CLASS,
+    REASON_CODE,
+    RETIRE,
+    TENSOR,
+    Frame,
+    describe_arg,
+    describe_dtype,
+    describe_op,
+    reason_code,
+)
 
 __all__ = [
     "ANY",
@@ -248,64 +255,12 @@ __all__ = [
     "Request",
     "Send",
     "Transport",
-    "describe_arg",
-    "encode_arg",
-    "tensor_bytes",
 ]
 
 _log = logging.getLogger("pg_tcp")
 
-# -- wire format ------------------------------------------------------------------
-
-HEADER: Final = struct.Struct("<HBBB3xqQQ")  # magic, kind, opcode, dtype, tag, seq, nbytes
-HEADER_SIZE: Final = HEADER.size  # 32
-MAGIC: Final = 0x5054  # "TP"
-#: 2: connections made on first use (hello flags, RETIRE); 3: the CROSSED answer; 4: authenticated hellos;
-#: 5: the ABORTED goodbye
-PROTOCOL_VERSION: Final = 5
-HELLO_MAGIC: Final = b"pg-tcp\x00\x01"
-
-# kinds
-TENSOR: Final = 1  # point-to-point tensor, matched on (peer, tag)
-BYTES: Final = 2  # point-to-point variable-size message, matched on (peer, tag)
-COLL: Final = 3  # collective frame, matched FIFO per peer, checked against (seq, opcode, tag, dtype, nbytes)
-ARRIVED: Final = 4  # control: "I am blocked in collective #seq", with its opcode and argument
-ABORT: Final = 5  # control: "collective #seq failed here"; opcode = error kind, payload = reason
-BYE: Final = 6  # control: clean shutdown, nothing follows; opcode/payload: why its collectives stopped, if they did
-RETIRE: Final = 7  # control: nothing more from me on this connection (my frames continue on my other one)
-ABORTED: Final = 8  # control: I aborted, nothing follows; payload: why, if it says
-
 #: The peer of a tensor receive from any source, until a message is matched to it (then its sender).
 ANY: Final = -1
-
-# dtype codes: 0 = none, 1.. = pg_core.dtypes' wire codes, 255 = raw bytes
-DTYPE_CODE: Final[dict[torch.dtype, int]] = {dtype: dtype_code(dtype) or 0 for dtype in DTYPES}
-RAW: Final = 255
-OPCODE: Final[dict[str, int]] = {name: i + 1 for i, name in enumerate(COLLECTIVE_OPS)}
-
-
-def encode_arg(*, root: int = -1, op: RedOpType | None = None) -> int:
-    """A collective's argument as it travels in its frames' ``tag``: root and reduce op."""
-    return (root + 1) << 8 | (0 if op is None else _REDOP_CODE[op])
-
-
-def describe_arg(arg: int) -> str:
-    root, op = (arg >> 8) - 1, arg & 0xFF
-    parts = ([f"root {root}"] if root >= 0 else []) + ([_REDOP_NAME.get(op, f"op#{op}")] if op else [])
-    return ", ".join(parts) or "no root or reduce op"
-
-
-_REDOP_CODE: Final[dict[RedOpType, int]] = {kind: i + 1 for i, kind in enumerate(RedOpType)}
-_REDOP_NAME: Final[dict[int, str]] = {code: kind.name for kind, code in _REDOP_CODE.items()}
-
-# Why collectives stopped (opcode of an ABORT frame, or of a BYE after they did)
-_ABORT_MISMATCH: Final = 1
-_ABORT_PEER: Final = 2
-_ABORT_CLASS: Final[dict[int, type[PGError]]] = {
-    _ABORT_MISMATCH: CollectiveMismatchError,
-    _ABORT_PEER: PeerFailureError,
-}
-_ABORT_CODE: Final[dict[type[PGError], int]] = {cls: code for code, cls in _ABORT_CLASS.items()}
 
 _POLLIN: Final = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 _POLLOUT: Final = select.POLLOUT
@@ -328,17 +283,6 @@ def _payload_buffer(nbytes: int) -> Payload:
     if nbytes >= _MMAP_BYTES and _POPULATE:
         return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
     return bytearray(nbytes)
-
-
-def _dtype_name(code: int) -> str:
-    if code == RAW:
-        return "bytes"
-    dtype = dtype_from_code(code)
-    return f"dtype#{code}" if dtype is None else dtype_name(dtype)
-
-
-def _op_name(opcode: int) -> str:
-    return COLLECTIVE_OPS[opcode - 1] if 1 <= opcode <= len(COLLECTIVE_OPS) else f"op#{opcode}"
 
 
 # -- requests -----------------------------------------------------------------------
@@ -513,23 +457,6 @@ class Recv(Request):
 
 # -- connections and peers ----------------------------------------------------------------
 
-Frame = tuple[int, int, int, int, int, int]  # kind, opcode, dtype, tag, seq, nbytes
-
-#: The hello, and the acceptor's answer in the same format: magic, protocol version, rank,
-#: flags (the answer's; 0 in a hello), length of the group_uid that follows.
-_HELLO: Final = struct.Struct("<8sHIBxH")
-_MAX_UID: Final = 4096
-_REPLY_OK: Final = 0  # "use this connection"
-_REPLY_SWITCH: Final = 1  # "use this connection; mine to you retires (RETIRE on it): read what follows here after that"
-_REPLY_CLOSING: Final = 2  # "I am shutting down; nothing comes here: my BYE comes on my own connection to you"
-_REPLY_GONE: Final = 3  # "I am shutting down, and I never sent you anything": a BYE
-_REPLY_CROSSED: Final = 4  # "use this connection; mine to you crossed it (its hello comes, then its RETIRE)"
-#: Flag of an authenticated job's hello and challenge: a nonce (and the challenge's MAC) follow the uid.
-_AUTH: Final = 0x80
-_NONCE: Final = 32
-_MAC: Final = 32
-_SEEN_NONCES: Final = 4096  # hello nonces remembered, to refuse a replayed hello at once
-
 #: Limits on what a peer may announce (options of the backend; see the module docstring).
 DEFAULT_MAX_MESSAGE_BYTES: Final = 256 << 20
 DEFAULT_MAX_UNEXPECTED_BYTES: Final = 512 << 20
@@ -541,19 +468,9 @@ DEFAULT_MAX_BUFFERED_SEND_BYTES: Final = 256 << 20
 #: caller's memory itself, with no copy.
 _STALL_S: Final = 0.005
 _BUDGET_POLL_S: Final = 0.05  # a send held back by the budget looks again at least this often
-_MAX_CONTROL_BYTES: Final = 1 << 16  # an ABORT's or a BYE's reason; ARRIVED and RETIRE carry nothing
 
-# connection states
-_OPEN: Final = 0  # frames flow
-_HELLO_IN: Final = 1  # accepted: waiting for the maker's hello
-_REPLY_IN: Final = 2  # made here: waiting for the acceptor's answer (frames already go out)
-_CHALLENGE_IN: Final = 3  # made here, authenticated job: waiting for the acceptor's nonce and MAC (frames held)
-_PROOF_IN: Final = 4  # accepted, authenticated job: challenge sent, waiting for the maker's MAC (nothing else read)
-
-_HELLO_TIMEOUT: Final = 10.0  # a maker says hello right after connecting; a silent stray is dropped after this
 _PROBE_S: Final = 1.0  # a rank waiting for a connection makes one itself after min(this, timeout/4)
 _RETRY_S: Final = 0.1  # a connection this rank must make could not be made yet: try again after this
-_STORE_SLICE_S: Final = 0.25  # store waits in slices, so that abort() is noticed
 _SHUTDOWN_HELLOS_S: Final = 1.0  # at shutdown: how long to wait for the hellos of connections never read
 _FLUSH_POLL_S: Final = 0.01  # at shutdown: how often to look whether the kernel has delivered what was sent
 _TIOCOUTQ: Final = getattr(termios, "TIOCOUTQ", None)  # bytes a socket has sent that its peer has not acknowledged
@@ -600,7 +517,7 @@ class _Conn:
         self.fd = sock.fileno()
         self.peer = peer  # None: accepted, hello not read yet
         self.initiated = initiated  # made by this rank
-        self.state = _REPLY_IN if initiated else _HELLO_IN
+        self.state = REPLY_IN if initiated else HELLO_IN
         self.hello_by = 0.0  # accepted: drop it if its hello has not come by then
         self.outq: deque[Send] = deque()
         self.send_error: str | None = None  # writing failed; the reader will tell why
@@ -658,24 +575,6 @@ class _Peer:
         self.sealed = False  # it answered ours saying it has none of its own: it makes none
 
 
-class _NotPublished(Exception):
-    """The peer has not published its address yet (a probe that does not wait)."""
-
-
-class _Closing(Exception):
-    """The transport closed while a connection was being made."""
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
-        option = getattr(socket, name, None)
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
 # -- the transport -----------------------------------------------------------------------
 
 
@@ -693,11 +592,10 @@ class Transport:
         self.label = f"pg-tcp group {ctx.group_name!r} rank {ctx.rank}"
         self._store = ctx.store
         self._key = ctx.auth_key  # the job's secret (API 1.8), or None: hellos are not authenticated
-        self._seen: set[bytes] = set()  # hello nonces already answered (bounded: see _remember)
-        self._seen_order: deque[bytes] = deque()
+        self._nonces = NonceLedger()  # hello nonces already answered (the latest ones)
         self._uid = ctx.group_uid.encode()
-        if len(self._uid) > _MAX_UID:
-            raise ValueError(f"{self.label}: group_uid is longer than {_MAX_UID} bytes")
+        if len(self._uid) > MAX_UID:
+            raise ValueError(f"{self.label}: group_uid is longer than {MAX_UID} bytes")
         self._max_message = ctx.byte_option("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self._max_unexpected = ctx.byte_option("max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED_BYTES)
         self._parked: set[_Conn] = set()  # connections whose next frame waits for its receive
@@ -979,7 +877,7 @@ class Transport:
             peer.connecting = True
         try:
             sock = self._dial(peer, req.deadline, block=block)
-        except (_NotPublished, _Closing):
+        except (NotPublished, Closing):
             sock = None
         except StoreUnavailableError as exc:  # (a ConnectionError, but the store's host is gone, not the peer)
             self._connect_failed(peer)
@@ -1033,9 +931,9 @@ class Transport:
             if self._key is None:
                 self._write(conn, Send.raw("hello", peer.rank, self._hello(0)))
             else:  # no frame leaves before the acceptor proved it holds the key, and we did
-                conn.nonces = (secrets.token_bytes(_NONCE), b"")
-                conn.state, conn.gated = _CHALLENGE_IN, True
-                self._write(conn, Send.raw("hello", peer.rank, self._hello(_AUTH) + conn.nonces[0]))
+                conn.nonces = (secrets.token_bytes(NONCE), b"")
+                conn.state, conn.gated = CHALLENGE_IN, True
+                self._write(conn, Send.raw("hello", peer.rank, self._hello(AUTH) + conn.nonces[0]))
             self._attach(peer, conn)
         self._settle()
 
@@ -1044,60 +942,19 @@ class Transport:
             peer.connecting = False
 
     def _dial(self, peer: _Peer, deadline: float, *, block: bool) -> socket.socket:
-        """A connected, tuned socket to ``peer``'s listener. Outside the lock."""
+        """A connected, tuned socket to ``peer``'s listener (its address read from the store
+        once). Outside the lock."""
         if peer.address is None:
-            key = f"addr/{peer.rank}"
-            if not block:
-                if not self._store.check([key]):
-                    raise _NotPublished
-            else:
-                while True:  # in slices, so that abort() is noticed
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise CollectiveTimeout(
-                            f"Timed out waiting for rank {peer.rank} to publish its address (has it created its "
-                            "pg-tcp backend?)"
-                        )
-                    if self._closed is not None:
-                        raise _Closing
-                    try:
-                        wait_for(self._store, [key], min(left, _STORE_SLICE_S), what=f"{self.label}: address")
-                        break
-                    except CollectiveTimeout:
-                        continue
-            said = bytes(self._store.get(key))
-            try:
-                host, _, port = said.decode().rpartition(":")
-                peer.address = (host, int(port))
-            except ValueError:  # UnicodeDecodeError included
-                raise AuthenticationError(
-                    f"{self.label}: store key {key!r} holds {said[:40]!r}, not the address rank {peer.rank} publishes: "
-                    "someone else wrote to this group's keys (run the job with PG_CORE_AUTH_KEY to refuse them)",
-                    key=key,
-                ) from None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CollectiveTimeout(f"Timed out before rank {peer.rank} could be reached")
-        if self._closed is not None:
-            raise _Closing
-        sock = socket.create_connection(peer.address, timeout=min(left, _HELLO_TIMEOUT))
-        try:
-            _tune(sock)
-        except OSError:
-            sock.close()
-            raise
-        return sock
+            peer.address = read_address(
+                self._store, peer.rank, deadline, block=block, closing=self._closing, label=self.label
+            )
+        return connect(peer.address, peer.rank, deadline, closing=self._closing)
+
+    def _closing(self) -> bool:
+        return self._closed is not None
 
     def _hello(self, flags: int) -> bytes:
-        return _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, self.rank, flags, len(self._uid)) + self._uid
-
-    def _mac(self, conn: _Conn, maker: int, acceptor: int, role: bytes) -> bytes:
-        """The MAC one end of an authenticated connection proves itself with: over the
-        protocol, the group, both ranks, both nonces and its role."""
-        assert self._key is not None
-        version = PROTOCOL_VERSION.to_bytes(2, "little")
-        ranks = maker.to_bytes(4, "little") + acceptor.to_bytes(4, "little")
-        return self._key.mac(b"pg-tcp", version, self._uid, ranks, conn.nonces[0], conn.nonces[1], role)
+        return hello(self.rank, self._uid, flags)
 
     def _progress_now(self) -> None:
         """Two rounds of progress that do not block (accept, then read hellos); none if
@@ -1441,21 +1298,10 @@ class Transport:
     def _accept(self) -> None:
         """Take every connection waiting in the listener; their hellos are read next. Driver only."""
         assert self._listener is not None
-        while True:
-            try:
-                sock, remote = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            try:
-                _tune(sock)
-            except OSError:
-                sock.close()
-                continue
+        for sock, remote in accept(self._listener):
             conn = _Conn(sock, None, initiated=False)
-            conn.remote = f"{remote[0]}:{remote[1]}"
-            conn.hello_by = time.monotonic() + _HELLO_TIMEOUT
+            conn.remote = remote
+            conn.hello_by = time.monotonic() + HELLO_TIMEOUT
             with self._lock:
                 self._add_conn(conn)
                 self._anonymous.add(conn)
@@ -1491,23 +1337,23 @@ class Transport:
             return False
         peer.accepted = True
         conn.peer = peer
-        conn.state = _OPEN
+        conn.state = OPEN
         peer.conns.append(conn)
         if self._closed is not None:  # shutting down: say so, rather than let it take our exit for a crash
             self._write(
-                conn, Send.raw("closing", rank, self._hello(_REPLY_GONE if peer.send is None else _REPLY_CLOSING))
+                conn, Send.raw("closing", rank, self._hello(REPLY_GONE if peer.send is None else REPLY_CLOSING))
             )
             conn.ended = conn.quiet = True
             self._poll_dirty = True
             return False
         if peer.send is None:
-            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_OK)))
+            self._write(conn, Send.raw("reply", rank, self._hello(REPLY_OK)))
             self._attach(peer, conn)
         elif self.rank > rank:
             # Both connected at once, and the lower rank's connection wins: everything sent on
             # ours so far is followed by RETIRE, and the rest goes on this one.
             old = peer.send
-            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_SWITCH)))
+            self._write(conn, Send.raw("reply", rank, self._hello(REPLY_SWITCH)))
             self._write(old, Send("retire", RETIRE, rank, _EMPTY, timeout=_CONTROL_TIMEOUT))
             old.quiet = True
             peer.send = conn
@@ -1515,7 +1361,7 @@ class Transport:
         else:
             # Both connected at once, and ours wins: the peer retires this one once it has
             # read our hello; until then frames from it arrive here.
-            self._write(conn, Send.raw("reply", rank, self._hello(_REPLY_CROSSED)))
+            self._write(conn, Send.raw("reply", rank, self._hello(REPLY_CROSSED)))
         return True
 
     def _refuse_claim(self, conn: _Conn, rank: int, why: str) -> None:
@@ -1544,21 +1390,21 @@ class Transport:
                 crashed=True,
             )
             return False
-        conn.state = _OPEN
-        if flags == _REPLY_OK:
+        conn.state = OPEN
+        if flags == REPLY_OK:
             # The peer had no connection of its own to us, and will make none: a connection
             # that claims to be it from now on is someone else's.
             peer.sealed = True
-        if flags == _REPLY_SWITCH:
+        if flags == REPLY_SWITCH:
             peer.hold += 1
             if peer.hold > 0:
                 conn.held = True
                 self._poll_dirty = True
                 return False
-        elif flags in (_REPLY_CLOSING, _REPLY_GONE):
+        elif flags in (REPLY_CLOSING, REPLY_GONE):
             conn.ended = conn.quiet = True
             self._poll_dirty = True
-            if flags == _REPLY_GONE:
+            if flags == REPLY_GONE:
                 self._lose_peer(peer, f"rank {peer.rank} shut down", crashed=False)
             else:
                 self._stop_sending(peer, conn)
@@ -1674,9 +1520,9 @@ class Transport:
                     return
                 continue
             try:
-                if conn.state != _OPEN:
+                if conn.state != OPEN:
                     if conn.hello is None:
-                        n = sock.recv_into(conn.hdr_view[conn.hdr_got : _HELLO.size])
+                        n = sock.recv_into(conn.hdr_view[conn.hdr_got : HELLO.size])
                     else:
                         n = sock.recv_into(memoryview(conn.hello[2])[conn.got :])
                 elif conn.frame is None:
@@ -1697,7 +1543,7 @@ class Transport:
                     conn, f"rank {rank} closed its connection without saying goodbye (did its process die?)"
                 )
                 return
-            if conn.state != _OPEN:
+            if conn.state != OPEN:
                 if not self._read_hello(conn, n):
                     return
                 continue
@@ -1727,17 +1573,14 @@ class Transport:
         (not one of ours, held, or it ends); True: read on. Driver only."""
         if conn.hello is None:
             conn.hdr_got += n
-            if conn.hdr_got < _HELLO.size:
+            if conn.hdr_got < HELLO.size:
                 return True
             conn.hdr_got = 0
-            magic, version, rank, flags, uid_len = _HELLO.unpack_from(conn.hdr)
-            if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or uid_len > _MAX_UID:
+            magic, version, rank, flags, uid_len = HELLO.unpack_from(conn.hdr)
+            if magic != HELLO_MAGIC or version != PROTOCOL_VERSION or uid_len > MAX_UID:
                 self._bad_hello(conn, f"magic {magic!r}, protocol version {version}")
                 return False
-            extra = 0
-            if conn.state in (_CHALLENGE_IN, _HELLO_IN) and flags & _AUTH:
-                extra = _NONCE + (_MAC if conn.state == _CHALLENGE_IN else 0)
-            conn.hello = (rank, flags, bytearray(uid_len + extra))
+            conn.hello = (rank, flags, bytearray(uid_len + hello_extra(conn.state, flags)))
             conn.got = 0
         else:
             conn.got += n
@@ -1747,11 +1590,11 @@ class Transport:
         conn.hello = None
         conn.got = 0
         with self._lock:
-            if conn.state == _PROOF_IN:
+            if conn.state == PROOF_IN:
                 return self._proven(conn, rank, bytes(uid))
-            if conn.state == _CHALLENGE_IN:
+            if conn.state == CHALLENGE_IN:
                 return self._challenged(conn, rank, flags, bytes(uid))
-            if conn.state == _HELLO_IN and (self._key is not None or flags & _AUTH):
+            if conn.state == HELLO_IN and (self._key is not None or flags & AUTH):
                 return self._authenticate(conn, rank, flags, bytes(uid))
             if conn.initiated:
                 return self._answered(conn, rank, flags, bytes(uid))
@@ -1772,31 +1615,30 @@ class Transport:
     def _authenticate(self, conn: _Conn, rank: int, flags: int, rest: bytes) -> bool:
         """An accepted connection said hello, and this job (or the hello) is authenticated:
         answer with this end's nonce and MAC, then read only the maker's MAC. Under the lock."""
-        if self._key is None:
-            return self._refuse(conn, rank, "its hello is authenticated but this job has no key (PG_CORE_AUTH_KEY)")
-        if not flags & _AUTH:
-            return self._refuse(
-                conn, rank, "its hello is not authenticated and this job is (another job, or a stranger)"
+        try:
+            conn.nonces, answer = challenge(
+                self._key,
+                self._uid,
+                size=self.size,
+                me=self.rank,
+                rank=rank,
+                flags=flags,
+                rest=rest,
+                ledger=self._nonces,
             )
-        uid, nonce = rest[: len(rest) - _NONCE], rest[len(rest) - _NONCE :]
-        if uid != self._uid or not 0 <= rank < self.size or rank == self.rank:
-            return self._refuse(conn, rank, "another group's hello")
-        if nonce in self._seen:
-            return self._refuse(conn, rank, "a replayed hello (its nonce was answered before)")
-        self._remember(nonce)
-        conn.nonces = (nonce, secrets.token_bytes(_NONCE))
-        mac = self._mac(conn, rank, self.rank, b"acceptor")
-        self._write(conn, Send.raw("challenge", rank, self._hello(_AUTH) + conn.nonces[1] + mac))
-        conn.state = _PROOF_IN
-        conn.hello = (rank, flags, bytearray(_MAC))  # what is read next: the maker's MAC, nothing else
+        except Refused as exc:
+            return self._refuse(conn, rank, str(exc))
+        self._write(conn, Send.raw("challenge", rank, answer))
+        conn.state = PROOF_IN
+        conn.hello = (rank, flags, bytearray(MAC))  # what is read next: the maker's MAC, nothing else
         return True
 
     def _proven(self, conn: _Conn, rank: int, mac: bytes) -> bool:
         """The maker's MAC arrived: verify it, then take the connection as an ordinary hello."""
         assert self._key is not None
-        if not hmac.compare_digest(mac, self._mac(conn, rank, self.rank, b"maker")):
+        if not proven(self._key, self._uid, maker=rank, me=self.rank, nonces=conn.nonces, proof=mac):
             return self._refuse(conn, rank, "it failed to prove it holds the job's key (wrong MAC)")
-        conn.state = _HELLO_IN
+        conn.state = HELLO_IN
         return self._identify(conn, rank, self._uid)
 
     def _challenged(self, conn: _Conn, rank: int, flags: int, rest: bytes) -> bool:
@@ -1804,21 +1646,18 @@ class Transport:
         and let the held frames go. Under the lock."""
         peer = conn.peer
         assert peer is not None and self._key is not None
-        if not flags & _AUTH:
-            if flags in (_REPLY_CLOSING, _REPLY_GONE) and rest == self._uid and rank == peer.rank:
-                conn.state = _REPLY_IN  # it is shutting down and read nothing: nothing to prove
+        if not flags & AUTH:
+            if flags in (REPLY_CLOSING, REPLY_GONE) and rest == self._uid and rank == peer.rank:
+                conn.state = REPLY_IN  # it is shutting down and read nothing: nothing to prove
                 conn.gated = False
                 return self._answered(conn, rank, flags, rest)
             self._lose_peer(peer, f"rank {peer.rank}'s address answered without authentication", crashed=True)
             return False
-        uid = rest[: len(rest) - _NONCE - _MAC]
-        nonce, mac = rest[len(uid) : len(uid) + _NONCE], rest[len(uid) + _NONCE :]
-        conn.nonces = (conn.nonces[0], nonce)
-        if (
-            rank != peer.rank
-            or uid != self._uid
-            or not hmac.compare_digest(mac, self._mac(conn, self.rank, peer.rank, b"acceptor"))
-        ):
+        try:
+            theirs, proof = answer_challenge(
+                self._key, self._uid, me=self.rank, peer=peer.rank, rank=rank, mine=conn.nonces[0], rest=rest
+            )
+        except Refused:
             _log.warning(
                 "%s: the process at rank %d's address %s failed to prove it holds the job's key",
                 self.label,
@@ -1831,18 +1670,13 @@ class Transport:
                 crashed=True,
             )
             return False
-        conn.outq.appendleft(Send.raw("proof", peer.rank, self._mac(conn, self.rank, peer.rank, b"maker")))
+        conn.nonces = (conn.nonces[0], theirs)
+        conn.outq.appendleft(Send.raw("proof", peer.rank, proof))
         conn.gated = False
-        conn.state = _REPLY_IN
+        conn.state = REPLY_IN
         self._poll_dirty = True
         self._wake_driver()
         return True
-
-    def _remember(self, nonce: bytes) -> None:
-        self._seen.add(nonce)
-        self._seen_order.append(nonce)
-        if len(self._seen_order) > _SEEN_NONCES:
-            self._seen.discard(self._seen_order.popleft())
 
     def _bad_hello(self, conn: _Conn, what: str) -> None:
         with self._lock:
@@ -1885,9 +1719,9 @@ class Transport:
         frame: Frame = (kind, opcode, dtype, tag, seq, nbytes)
         conn.frame, conn.got, conn.dest, conn.target = frame, 0, None, None
         if kind >= ARRIVED:
-            if nbytes > _MAX_CONTROL_BYTES:
+            if nbytes > MAX_CONTROL_BYTES:
                 with self._lock:
-                    self._refuse_frame(conn, f"a control frame of {nbytes} bytes (at most {_MAX_CONTROL_BYTES})")
+                    self._refuse_frame(conn, f"a control frame of {nbytes} bytes (at most {MAX_CONTROL_BYTES})")
                 return False
             if kind in (ABORT, BYE, ABORTED):
                 reason = conn.target = bytearray(nbytes)
@@ -2014,7 +1848,7 @@ class Transport:
                 return  # discarded
             if kind in (ABORT, BYE) and opcode:
                 reason = bytes(target).decode(errors="replace")
-                cls = _ABORT_CLASS.get(opcode, CollectiveMismatchError)
+                cls = REASON_CLASS.get(opcode, CollectiveMismatchError)
                 self._break_collectives(cls, f"rank {peer.rank} reported: {reason}", (peer.rank,), seq, notify=False)
             if kind == BYE:
                 self._lose_peer(peer, f"rank {peer.rank} shut down", crashed=False)
@@ -2055,10 +1889,10 @@ class Transport:
         if kind == COLL:
             if (seq, opcode, tag, dtype, nbytes) == (req.seq, req.opcode, req.tag, req.dtype, req.nbytes):
                 return None
-            theirs = f"{_op_name(opcode)} #{seq} ({describe_arg(tag)}; {nbytes} bytes of {_dtype_name(dtype)})"
+            theirs = f"{describe_op(opcode)} #{seq} ({describe_arg(tag)}; {nbytes} bytes of {describe_dtype(dtype)})"
             ours = (
-                f"{_op_name(req.opcode)} #{req.seq} ({describe_arg(req.tag)}; "
-                f"{req.nbytes} bytes of {_dtype_name(req.dtype)})"
+                f"{describe_op(req.opcode)} #{req.seq} ({describe_arg(req.tag)}; "
+                f"{req.nbytes} bytes of {describe_dtype(req.dtype)})"
             )
             return CollectiveMismatchError(
                 f"{self.label}: collective mismatch: rank {req.peer} sent a message of {theirs} "
@@ -2072,7 +1906,7 @@ class Transport:
             )
             return CollectiveMismatchError(
                 f"{self.label}: {what} (tag {req.tag}) into {req.nbytes} bytes of "
-                f"{_dtype_name(req.dtype)}, but the message carries {nbytes} bytes of {_dtype_name(dtype)}; "
+                f"{describe_dtype(req.dtype)}, but the message carries {nbytes} bytes of {describe_dtype(dtype)}; "
                 "send and recv must use tensors of the same dtype and number of elements",
                 peers=(req.peer,),
             )
@@ -2223,7 +2057,7 @@ class Transport:
         if self._parked:  # a parked collective frame is to be read past now
             self._unpark()
         if notify:
-            code = _ABORT_PEER if issubclass(cls, PeerFailureError) else _ABORT_CODE.get(cls, _ABORT_MISMATCH)
+            code = reason_code(cls)
             payload = memoryview(f"collective #{seq}: {reason}".encode())
             for peer in self._live_peers():
                 self._send_locked(
@@ -2274,8 +2108,8 @@ class Transport:
             self._break_collectives(
                 CollectiveMismatchError,
                 f"collective mismatch at collective #{seq}: rank {peer} is blocked in "
-                f"{_op_name(opcode)} ({describe_arg(arg)}) while rank {self.rank} is in "
-                f"{_op_name(our_opcode)} ({describe_arg(our_arg)})",
+                f"{describe_op(opcode)} ({describe_arg(arg)}) while rank {self.rank} is in "
+                f"{describe_op(our_opcode)} ({describe_arg(our_arg)})",
                 (peer,),
                 seq,
                 notify=True,
@@ -2358,19 +2192,19 @@ class Transport:
             self._drive(None, min(0.05, max(deadline - time.monotonic(), 0.0)))
         with self._lock:
             code, reason = 0, _EMPTY
-            if self._broken is not None and self._broken[0] in _ABORT_CODE:
+            if self._broken is not None and self._broken[0] in REASON_CODE:
                 # peers still waiting learn why, not just "shut down" (a timeout each rank sees for itself)
-                code = _ABORT_CODE[self._broken[0]]
+                code = REASON_CODE[self._broken[0]]
                 reason = memoryview(self._broken[1].encode())
             for peer in self._live_peers():
                 assert peer.send is not None
                 self._write(peer.send, Send("bye", BYE, peer.rank, reason, opcode=code, timeout=timeout))
                 for conn in peer.conns:  # a connection both made at once whose RETIRE is still to come
-                    if conn is not peer.send and not conn.quiet and not conn.dead and conn.state == _OPEN:
+                    if conn is not peer.send and not conn.quiet and not conn.dead and conn.state == OPEN:
                         self._write(conn, Send("retire", RETIRE, peer.rank, _EMPTY, timeout=timeout))
                         conn.quiet = True
             for conn in list(self._anonymous):  # still silent: whoever it is, nothing comes from here
-                self._write(conn, Send.raw("closing", -1, self._hello(_REPLY_CLOSING)))
+                self._write(conn, Send.raw("closing", -1, self._hello(REPLY_CLOSING)))
                 conn.ended = conn.quiet = True
         self._settle()
         # Deliver before closing: what is queued here, then what the kernel holds. A socket
