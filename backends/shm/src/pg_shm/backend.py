@@ -51,6 +51,10 @@ __all__ = ["ShmBackend"]
 #: 16 MiB (8 phases), torch's Gloo 88 ms in the same processes. A member's segment is two slots
 #: plus 1 MiB per peer: 35 MiB at 4 ranks.
 DEFAULT_SLOT_BYTES = 16 << 20
+#: How often the drainer advances launched collectives that nobody waits for, while there are
+#: any (seconds): a waiter drives its own at once; this is for a rank busy elsewhere (a
+#: blocking receive that needs the peer's collective to finish first), about 20 us each time.
+UNATTENDED = 0.002
 #: Longest a close waits for its own threads to leave (they do within a slice of its wake-ups).
 JOIN_S = 2.0
 
@@ -83,7 +87,9 @@ class ShmBackend(Backend):
             peer_bell = Word(segments[peer].address + DOORBELL, 32)
             self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name, hold=self._hold, leave=self._leave)
             self.inboxes[peer] = Inbox(theirs, peer, self.live, name)
-        self.shared = collectives.Shared(self.rank, self.size, segments, self.layout, self.live)
+        self.shared = collectives.Shared(
+            self.rank, self.size, segments, self.layout, self.live, enter=self._enter, leave=self._leave
+        )
         self._drainer: threading.Thread | None = None
         if self.size > 1:
             self._drainer = threading.Thread(target=self._drain, name=f"pg-shm {name} drainer", daemon=True)
@@ -157,13 +163,26 @@ class ShmBackend(Backend):
             raise error
 
     # -- collectives over shared slots ---------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> Work | None:
+    #: collectives launch with ``async_op=True`` (API 1.2), in the caller's thread: see :meth:`_collective`
+    launches = True
+
+    def _collective(self, op: str, steps: collectives.Steps, timeout: float, async_op: bool) -> Work | None:
+        """Run a shared-slot collective's steps here (blocking), or launch them: run here as far
+        as they go without a peer, returning a work that waiting on (or polling) drives, that a
+        later collective drives before its own steps, and that the drainer drives where nobody
+        does (:class:`pg_shm.collectives.Shared`). Either way after every collective launched
+        before it, with the call's deadline."""
         self._enter()
         try:
-            self.shared.all_reduce(tensor, op, time.monotonic() + timeout)
+            if async_op:
+                return self.shared.launch(op, steps, time.monotonic() + timeout)
+            self.shared.run(op, steps, time.monotonic() + timeout)
         finally:
             self._leave()
         return None
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        return self._collective("all_reduce", self.shared.all_reduce(tensor, op), timeout, async_op)
 
     def prepared_all_reduce(
         self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
@@ -176,45 +195,31 @@ class ShmBackend(Backend):
             enter()
             try:
                 if not small(tensor, monotonic() + timeout):
-                    shared.all_reduce(tensor, op, monotonic() + timeout)
+                    shared.run("all_reduce", shared.all_reduce(tensor, op), monotonic() + timeout)
             finally:
                 leave()
 
         return run
 
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> Work | None:
-        self._enter()
-        try:
-            self.shared.broadcast(tensor, src, time.monotonic() + timeout)
-        finally:
-            self._leave()
-        return None
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
+        return self._collective("broadcast", self.shared.broadcast(tensor, src), timeout, async_op)
 
-    def barrier(self, *, timeout: float) -> Work | None:
-        self._enter()
-        try:
-            self.shared.barrier(time.monotonic() + timeout)
-        finally:
-            self._leave()
-        return None
+    def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
+        return self._collective("barrier", self.shared.barrier(), timeout, async_op)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> Work | None:
-        self._enter()
-        try:
-            self.shared.all_gather_into_tensor(output, input, time.monotonic() + timeout)
-        finally:
-            self._leave()
-        return None
+    def all_gather_into_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
+    ) -> Work | None:
+        return self._collective(
+            "all_gather_into_tensor", self.shared.all_gather_into_tensor(output, input), timeout, async_op
+        )
 
     def reduce_scatter_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float
+        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
     ) -> Work | None:
-        self._enter()
-        try:
-            self.shared.reduce_scatter_tensor(output, input, op, time.monotonic() + timeout)
-        finally:
-            self._leave()
-        return None
+        return self._collective(
+            "reduce_scatter_tensor", self.shared.reduce_scatter_tensor(output, input, op), timeout, async_op
+        )
 
     # -- life ----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -231,6 +236,7 @@ class ShmBackend(Backend):
             self._state.value = state
             self._users += 1  # this close's own reference: its wake-ups touch the segments
         try:
+            self.shared.fail_pending(GroupClosedError(f"group {self.ctx.group_name!r}: pg-shm backend {why}"))
             for word in self._wake_words():
                 futex_wake(word)
             # The threads leave within a slice of the wake-ups; joining them only keeps them from
@@ -287,11 +293,13 @@ class ShmBackend(Backend):
     def _drain(self) -> None:
         bell = self._doorbell
         try:
+            shared = self.shared
             while self.live.closed is None:
-                futex_wait(bell.address, 0, SLICE)
+                futex_wait(bell.address, 0, UNATTENDED if shared.pending() else SLICE)
                 if self.live.closed is not None:
                     return
                 for inbox in self.inboxes.values():
                     inbox.drain()
+                shared.background()
         finally:
             self._leave()

@@ -21,18 +21,30 @@ extra barrier, and every phase reads only its own parity's slots.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
 from typing import Final
 
 import torch
 from pg_core.algorithms import BINARY_OPS, divide_, scale_
+from pg_core.errors import CollectiveTimeout
 from pg_core.ops import RedOpType, ReduceOp
+from pg_core.work import Work
 
 from .layout import COLL_SLEEPS, STEP, Layout
 from .segment import Segment, Word, futex_wake
-from .waiting import SPINS, Flag, Liveness, wait_until
+from .waiting import SLICE, SPINS, Flag, Liveness, wait_until
 
-__all__ = ["SMALL_BYTES", "Shared"]
+__all__ = ["SMALL_BYTES", "Shared", "Steps"]
+
+#: What a collective's steps wait for: every peer (of the list, or all where ``None``) to have
+#: published the phase, and what that is, for errors.
+Wait = tuple[int, Sequence[int] | None, str]
+#: A collective written once as steps (a generator yielding each :data:`Wait` not met yet):
+#: :meth:`Shared.run` drives it blocking, :meth:`Shared.launch` from its work's waiters.
+Steps = Generator[Wait, None, None]
 
 #: Largest all_reduce folded whole by every member (one phase).
 SMALL_BYTES: Final = 64 << 10
@@ -51,8 +63,22 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 class Shared:
     """This member's view of every member's step counter and slots."""
 
-    def __init__(self, rank: int, size: int, segments: Sequence[Segment], layout: Layout, live: Liveness) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        segments: Sequence[Segment],
+        layout: Layout,
+        live: Liveness,
+        *,
+        enter: Callable[[], None],
+        leave: Callable[[], None],
+    ) -> None:
         self.rank, self.size, self.live = rank, size, live
+        self._enter, self._leave = enter, leave  # a driver's reference to the mappings
+        #: held while a collective's steps run (blocking, or a launched one's driver)
+        self._lock = threading.Lock()
+        self._pending: deque[_Launched] = deque()  # launched, not ended: in launch order
         self.steps = [Word(s.address + STEP) for s in segments]
         self.sleeps = [Word(s.address + COLL_SLEEPS, 32) for s in segments]
         self._flag = Flag(self.sleeps[rank])
@@ -82,13 +108,15 @@ class Shared:
         self._typed.clear()
 
     # -- phases --------------------------------------------------------------------------
-    def _begin(self, deadline: float, op: str, writes: bool) -> tuple[int, int]:
+    def _begin(self, writes: bool) -> Generator[Wait, None, tuple[int, int]]:
         """The next phase's number and parity; if this member ``writes`` its slot, first wait
         until every peer has read what that slot last held."""
         s = self.step + 1
         parity = s % 2
         if writes:
-            self._wait_all(self._written[parity] + 1, deadline, op, "reading the previous use of this member's slot")
+            last = self._written[parity] + 1
+            if not self._reached(last, None):
+                yield (last, None, "reading the previous use of this member's slot")
             self._written[parity] = s
         return s, parity
 
@@ -103,6 +131,14 @@ class Shared:
             if cell.value:
                 futex_wake(self._my_step_address)
                 return
+
+    def _reached(self, s: int, among: Sequence[int] | None) -> bool:
+        """Whether every peer (of ``among``) published phase ``s``."""
+        me, steps = self.rank, self.steps
+        for peer in range(self.size) if among is None else among:
+            if peer != me and steps[peer].value < s:
+                return False
+        return True
 
     def _wait_all(self, s: int, deadline: float, op: str, doing: str, among: Sequence[int] | None = None) -> None:
         for peer in range(self.size) if among is None else among:
@@ -123,6 +159,132 @@ class Shared:
                 op=op,
             )
 
+    # -- running the steps of a collective: blocking, or launched ----------------------------
+    def run(self, op: str, steps: Steps, deadline: float) -> None:
+        """Run a collective's ``steps`` here, blocking, after every launched one still pending."""
+        with self._lock:
+            if self._pending:
+                self._progress(None, deadline, blocking=True)
+            for s, among, doing in steps:
+                self._wait_all(s, deadline, op, doing, among)
+
+    def launch(self, op: str, steps: Steps, deadline: float) -> Work:
+        """Launch a collective's ``steps``: run them here as far as they go without waiting for
+        a peer (an error there raises here), and return a work that completes once they end
+        (see :class:`_Launched`). Behind a launched collective still pending, nothing runs here:
+        the steps start when those before them end."""
+        with self._lock:
+            job = _Launched(self, op, steps, deadline)
+            if not self._pending:
+                try:
+                    done = job.advance()
+                except BaseException:
+                    steps.close()
+                    raise
+                if done:
+                    return Work.completed(op)
+            self._pending.append(job)
+            return job.work
+
+    def pending(self) -> bool:
+        """Whether a launched collective has not ended yet."""
+        return bool(self._pending)
+
+    def drive(self, job: _Launched, budget: float) -> None:
+        """``job``'s work's driver: the launched collectives up to ``job`` advanced, for at most
+        ``budget`` seconds (``0``: only what is ready now). Never raises for their failure."""
+        if job.work.done:
+            return
+        if not (self._lock.acquire(blocking=False) if budget <= 0 else self._lock.acquire(timeout=budget)):
+            return  # another thread drives them (a waiter, a blocking collective, the drainer)
+        try:
+            try:
+                self._enter()
+            except BaseException as exc:  # closed: nothing may touch the segments any more
+                self._fail(exc)
+                return
+            try:
+                self._progress(job, time.monotonic() + budget, blocking=budget > 0)
+            finally:
+                self._leave()
+        except BaseException:  # recorded on the works by _progress; never the driver's to raise
+            pass
+        finally:
+            self._lock.release()
+
+    def background(self) -> None:
+        """The drainer's part (its reference held): advance the launched collectives that
+        nobody drives, without waiting; past a slice since the last look, check the peers
+        and the deadline, failing them as a wait would."""
+        if not self._pending or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._progress(None, 0.0, blocking=False)
+            if self._pending:
+                head = self._pending[0]
+                now = time.monotonic()
+                if now - head.looked >= SLICE:
+                    head.looked = now
+                    try:
+                        self._check(head, now)
+                    except BaseException as exc:
+                        self._fail(exc)
+        except BaseException:  # recorded on the works
+            pass
+        finally:
+            self._lock.release()
+
+    def fail_pending(self, exc: BaseException) -> None:
+        """Fail every launched collective still pending with ``exc`` (this member closed): their
+        waiters and callbacks hear of it now, whoever holds the lock."""
+        for job in list(self._pending):
+            job.work.set_exception(exc)
+
+    def _check(self, job: _Launched, now: float) -> None:
+        s, among, doing = job.waiting or (0, None, "")
+        late = [p for p in (range(self.size) if among is None else among) if p != self.rank and self.steps[p].value < s]
+        self.live.check(late, f"{job.op}: waiting for ranks {late} ({doing})")
+        if now > job.deadline:
+            raise CollectiveTimeout(
+                f"Timed out in {job.op} (group {self.live.group!r}): waiting for ranks {late} ({doing})",
+                op=job.op,
+                peers=late,
+            )
+
+    def _progress(self, until: _Launched | None, end: float, *, blocking: bool) -> None:
+        """Advance the pending launched collectives in order (under the lock): all of them, or
+        up to ``until``; waiting for peers until ``end`` (``time.monotonic()``) where
+        ``blocking``. A failure fails the first and every later one (the group latches it) and,
+        with ``until=None`` (a blocking collective behind them), raises."""
+        pending = self._pending
+        while pending and not (until is not None and until.work.done):
+            head = pending[0]
+            try:
+                if head.advance():
+                    pending.popleft()
+                    head.work.set_result(None)
+                    continue
+                if not blocking:
+                    return
+                s, among, doing = head.waiting  # type: ignore[misc]
+                try:
+                    self._wait_all(s, min(head.deadline, end), head.op, doing, among)
+                except CollectiveTimeout:
+                    if time.monotonic() < head.deadline:
+                        return  # this driver's own budget ran out, not the collective's
+                    raise
+            except BaseException as exc:
+                self._fail(exc)
+                if until is None:
+                    raise
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        pending, self._pending = list(self._pending), deque()
+        for job in pending:
+            job.steps.close()
+            job.work.set_exception(exc)
+
     def _slot(self, rank: int, parity: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         typed = self._typed.get((rank, parity, dtype))
         if typed is None:
@@ -136,10 +298,11 @@ class Shared:
         return self.slot_bytes // _width(dtype)
 
     # -- collectives -----------------------------------------------------------------------
-    def barrier(self, deadline: float) -> None:
-        s, _ = self._begin(deadline, "barrier", writes=False)
+    def barrier(self) -> Steps:
+        s, _ = yield from self._begin(writes=False)
         self._publish(s)
-        self._wait_all(s, deadline, "barrier", "arriving")
+        if not self._reached(s, None):
+            yield (s, None, "arriving")
 
     def small_all_reduce(self, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, float], bool]:
         """The one-phase all_reduce of ``dtype`` with ``op``, prepared: ``run(tensor, deadline)``
@@ -163,6 +326,8 @@ class Shared:
         memmove = ctypes.memmove
 
         def run(tensor: torch.Tensor, deadline: float) -> bool:
+            if self._pending:  # behind a launched collective: the general path drives it first
+                return False
             nbytes = tensor.nbytes
             if not 0 < nbytes <= limit or tensor.dtype != dtype or tensor.requires_grad or not tensor.is_contiguous():
                 return False
@@ -202,7 +367,7 @@ class Shared:
 
         return run
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, deadline: float) -> None:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Steps:
         flat = _flat(tensor)
         kind = op.type
         if kind is RedOpType.PREMUL_SUM:
@@ -211,11 +376,12 @@ class Shared:
             return
         fn = BINARY_OPS[kind]
         if flat.nbytes <= min(SMALL_BYTES, self.slot_bytes):
-            s, parity = self._begin(deadline, "all_reduce", writes=True)
+            s, parity = yield from self._begin(writes=True)
             n = flat.numel()
             ctypes.memmove(self._addresses[parity], flat.data_ptr(), flat.nbytes)
             self._publish(s)
-            self._wait_all(s, deadline, "all_reduce", "contributing")
+            if not self._reached(s, None):
+                yield (s, None, "contributing")
             slots = [self._slot(r, parity, flat.dtype, n) for r in range(self.size)]
             fn(slots[0], slots[1], out=flat)
             for other in slots[2:]:
@@ -223,17 +389,17 @@ class Shared:
         else:
             step = self._elements(flat.dtype)
             for start in range(0, flat.numel(), step):
-                self._all_reduce_piece(flat[start : start + step], fn, deadline)
+                yield from self._all_reduce_piece(flat[start : start + step], fn)
         if kind is RedOpType.AVG:
             divide_(flat, self.size, 0)
 
-    def _all_reduce_piece(self, piece: torch.Tensor, fn: object, deadline: float) -> None:
+    def _all_reduce_piece(self, piece: torch.Tensor, fn: object) -> Steps:
         """Phase ``s`` (slot A): contribute, then fold this member's share of every slot A.
         Phase ``s + 1`` (slot B): publish the share, then copy every member's share."""
         n, size, dtype, me = piece.numel(), self.size, piece.dtype, self.rank
         bounds = [n * r // size for r in range(size + 1)]
         lo, hi = bounds[me], bounds[me + 1]
-        s, a = self._begin(deadline, "all_reduce", writes=True)
+        s, a = yield from self._begin(writes=True)
         mine = self._slot(me, a, dtype, n)
         # only the others read this member's slot outside its share; ranks 0 and 1 fold their share
         # from the tensor itself (it is the fold's first output), the others need theirs kept aside
@@ -244,38 +410,41 @@ class Shared:
         else:
             mine.copy_(piece)
         self._publish(s)
-        self._wait_all(s, deadline, "all_reduce", "contributing")
+        if not self._reached(s, None):
+            yield (s, None, "contributing")
         out = piece[lo:hi]
         if hi > lo:
             slots = [out if direct and r == me else self._slot(r, a, dtype, n)[lo:hi] for r in range(size)]
             fn(slots[0], slots[1], out=out)  # type: ignore[operator]
             for other in slots[2:]:
                 fn(out, other, out=out)  # type: ignore[operator]
-        s2, b = self._begin(deadline, "all_reduce", writes=True)
+        s2, b = yield from self._begin(writes=True)
         self._slot(me, b, dtype, n)[lo:hi].copy_(out)
         self._publish(s2)
-        self._wait_all(s2, deadline, "all_reduce", "reducing their shares")
+        if not self._reached(s2, None):
+            yield (s2, None, "reducing their shares")
         for r in range(size):
             if r != me and bounds[r + 1] > bounds[r]:
                 piece[bounds[r] : bounds[r + 1]].copy_(self._slot(r, b, dtype, n)[bounds[r] : bounds[r + 1]])
 
-    def broadcast(self, tensor: torch.Tensor, src: int, deadline: float) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Steps:
         flat = _flat(tensor)
         if self.size == 1 or flat.numel() == 0:
             return
         step = self._elements(flat.dtype)
         for start in range(0, flat.numel(), step):
             piece = flat[start : start + step]
-            s, parity = self._begin(deadline, "broadcast", writes=self.rank == src)
+            s, parity = yield from self._begin(writes=self.rank == src)
             if self.rank == src:
                 self._slot(src, parity, flat.dtype, piece.numel()).copy_(piece)
                 self._publish(s)
             else:
-                self._wait_all(s, deadline, "broadcast", f"rank {src}'s data", among=[src])
+                if not self._reached(s, [src]):
+                    yield (s, [src], f"rank {src}'s data")
                 piece.copy_(self._slot(src, parity, flat.dtype, piece.numel()))
                 self._publish(s)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, deadline: float) -> None:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Steps:
         src, out = _flat(input), _flat(output)
         m = src.numel()
         if m == 0:
@@ -287,14 +456,15 @@ class Shared:
         step = self._elements(src.dtype)
         for start in range(0, m, step):
             k = min(step, m - start)
-            s, parity = self._begin(deadline, "all_gather_into_tensor", writes=True)
+            s, parity = yield from self._begin(writes=True)
             self._slot(self.rank, parity, src.dtype, k).copy_(src[start : start + k])
             self._publish(s)
-            self._wait_all(s, deadline, "all_gather_into_tensor", "contributing")
+            if not self._reached(s, None):
+                yield (s, None, "contributing")
             for r in range(self.size):
                 blocks[r][start : start + k].copy_(self._slot(r, parity, src.dtype, k))
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, deadline: float) -> None:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Steps:
         src, out = _flat(input), _flat(output)
         kind = op.type
         size, m = self.size, out.numel()
@@ -312,11 +482,12 @@ class Shared:
         step = max(1, self._elements(src.dtype) // size)
         for start in range(0, m, step):
             k = min(step, m - start)
-            s, parity = self._begin(deadline, "reduce_scatter_tensor", writes=True)
+            s, parity = yield from self._begin(writes=True)
             mine = self._slot(self.rank, parity, src.dtype, size * k).view(size, k)
             mine.copy_(src.view(size, m)[:, start : start + k])
             self._publish(s)
-            self._wait_all(s, deadline, "reduce_scatter_tensor", "contributing")
+            if not self._reached(s, None):
+                yield (s, None, "contributing")
             rows = [self._slot(r, parity, src.dtype, size * k).view(size, k)[self.rank] for r in range(size)]
             target = out[start : start + k]
             fn(rows[0], rows[1], out=target)
@@ -324,3 +495,30 @@ class Shared:
                 fn(target, other, out=target)
         if kind is RedOpType.AVG:
             divide_(out, size, 0)
+
+
+class _Launched:
+    """One launched collective: its steps, where they wait, its deadline, and its work, which
+    waiting on (or polling) drives (:meth:`Shared.drive`). The steps run only under the
+    :class:`Shared`'s lock, one collective after another in launch order, so the phases are
+    numbered as the blocking calls would number them."""
+
+    __slots__ = ("_reached", "deadline", "looked", "op", "steps", "waiting", "work")
+
+    def __init__(self, shared: Shared, op: str, steps: Steps, deadline: float) -> None:
+        self.op, self.steps, self.deadline = op, steps, deadline
+        self._reached = shared._reached
+        self.waiting: Wait | None = None  # the phase the steps wait for; None: not started, or go on
+        self.looked = time.monotonic()  # when the drainer last checked the peers for it
+        self.work = Work(op, driver=lambda _work, budget: shared.drive(self, budget))
+
+    def advance(self) -> bool:
+        """Run the steps on while what they wait for has come; ``True`` once they ended."""
+        waiting, reached = self.waiting, self._reached
+        while waiting is None or reached(waiting[0], waiting[1]):
+            try:
+                waiting = self.waiting = next(self.steps)
+            except StopIteration:
+                self.waiting = None
+                return True
+        return False
