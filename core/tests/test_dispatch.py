@@ -1123,3 +1123,47 @@ def test_a_backend_whose_sends_may_wait_needs_an_isend_for_the_default_collectiv
                 assert g._dispatch.instance(torch.device("cpu")).native_isend
         finally:
             g.abort()
+
+
+def test_form_backend_creates_the_device_types_backend_once_and_returns_it(group):
+    assert Recorder.created == []
+    meta = group.form_backend("meta")
+    assert isinstance(meta, MetaRecorder) and Recorder.created == ["meta"]
+    assert group.form_backend(torch.device("meta")) is meta  # made already: the same one, nothing formed
+    assert isinstance(group.form_backend("cpu"), CpuRecorder)
+    assert Recorder.created == ["meta", "cpu"]
+    with pytest.raises(ValueError, match=r"no backend for device type 'cuda'.*cpu, meta"):
+        group.form_backend("cuda")
+
+
+def test_open_batch_is_this_threads_block_only(group):
+    assert group.open_batch is None
+    seen: list[object] = []
+    with group.coalescing() as batch:
+        assert group.open_batch is batch
+        other = threading.Thread(target=lambda: seen.append(group.open_batch))
+        other.start()
+        other.join(10)
+        with pytest.raises(RuntimeError, match="blocks do not nest"):
+            group.coalescing()
+        with pytest.raises(RuntimeError, match="monitored_barrier cannot run inside a coalescing block"):
+            group.monitored_barrier()
+    assert seen == [None]  # another thread's view: no block of its own
+    assert group.open_batch is None
+
+
+def test_open_blocks_is_false_unless_a_block_is_open():
+    from pg_core.coalescing import OpenBlocks
+
+    blocks = OpenBlocks("g")
+    assert not blocks and blocks.current() is None and not blocks.inside()
+    blocks.refuse_inside("barrier")  # outside any block: nothing to refuse
+    sentinel = object()
+    ident = blocks.enter(sentinel)  # type: ignore[arg-type]
+    assert blocks and blocks.current() is sentinel and blocks.inside()
+    with pytest.raises(RuntimeError, match="barrier cannot run inside a coalescing block of group 'g'"):
+        blocks.refuse_inside("barrier")
+    with pytest.raises(RuntimeError, match="blocks do not nest"):
+        blocks.enter(sentinel)  # type: ignore[arg-type]
+    blocks.leave(ident)
+    assert not blocks and blocks.current() is None

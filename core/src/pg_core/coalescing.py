@@ -17,7 +17,7 @@ group's queued collectives).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -37,10 +37,60 @@ if TYPE_CHECKING:
     from .instance import Instance
     from .validation import Staging
 
-__all__ = ["Batch", "Recorder"]
+__all__ = ["Batch", "OpenBlocks", "Recorder", "refuse_inside"]
 
 #: what a batch is called in errors, sequence numbers and works
 _OP = "coalesced"
+
+
+class OpenBlocks(dict[int, "Batch"]):
+    """The coalescing blocks open on one group: at most one per thread, by thread ident. The
+    group makes one; its batches enter and leave through :meth:`enter` and :meth:`leave`, and
+    everyone else asks :meth:`current`, :meth:`inside` or the refusals.
+
+    Its truth is the hot paths' cheap empty test (``if blocks:``: false unless some thread is
+    inside a block of the group), a dict's own length, with no Python call; only when it is
+    true do they ask whether the block is this thread's."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._name = name  # the group's, for errors
+
+    def current(self) -> Batch | None:
+        """This thread's open block on the group, or ``None``."""
+        return self.get(threading.get_ident())
+
+    def inside(self) -> bool:
+        """Whether this thread is inside a block of the group."""
+        return threading.get_ident() in self
+
+    def enter(self, batch: Batch) -> int:
+        """``batch`` becomes this thread's open block (refused if one is open already, see
+        :meth:`refuse_nested`); returns the thread's ident, for :meth:`leave`."""
+        self.refuse_nested()
+        ident = threading.get_ident()
+        self[ident] = batch
+        return ident
+
+    def leave(self, ident: int) -> None:
+        """The block thread ``ident`` entered is closed."""
+        self.pop(ident, None)
+
+    def refuse_nested(self) -> None:
+        """Raise if this thread is inside a coalescing block of the group already."""
+        if threading.get_ident() in self:
+            raise RuntimeError(
+                f"group {self._name!r}: this thread is already inside a coalescing block of the group; blocks do "
+                "not nest (the inner calls already join the open batch)"
+            )
+
+    def refuse_inside(self, op: str) -> None:
+        """Raise if this thread is inside a coalescing block of the group: ``op`` (a barrier,
+        an object or message operation) cannot be part of a batch, nor overtake it."""
+        if self and threading.get_ident() in self:
+            raise _refusal(op, self._name)
 
 
 @dataclass(slots=True)
@@ -69,7 +119,7 @@ class Batch:
         name: str,
         executor: Executor,
         dispatch: Dispatcher,
-        open_batches: MutableMapping[int, Batch],
+        blocks: OpenBlocks,
         async_op: bool,
         timeout: float,
         default_timeout: float,
@@ -78,7 +128,7 @@ class Batch:
         self._name = name
         self._executor = executor
         self._dispatch = dispatch
-        self._open = open_batches
+        self._blocks = blocks
         self._async = async_op
         self._timeout = timeout  # for the calls that give none
         self._default = default_timeout  # the group's, for seconds()
@@ -93,20 +143,18 @@ class Batch:
 
     # -- the block -----------------------------------------------------------------------
     def __enter__(self) -> Batch:
-        ident = threading.get_ident()
         if self._thread is not None:
             raise RuntimeError("a coalescing block is entered once; call group.coalescing() for the next one")
-        refuse_nested(self._open, self._name)
+        self._blocks.refuse_nested()
         self._executor.check_open()
-        self._thread = ident
-        self._open[ident] = self
+        self._thread = self._blocks.enter(self)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         assert self._thread is not None  # (entered)
-        self._open.pop(self._thread, None)
+        self._blocks.leave(self._thread)
         if exc is not None:
             self._discard(exc)
             return  # the block's exception goes on
@@ -353,18 +401,9 @@ class Recorder:
         return self._batch.p2p(self._inst, kind, tensor, peer, tag, timeout=self._timeout, async_op=async_op)
 
 
-def refuse_nested(open_batches: Mapping[int, object], name: str) -> None:
-    """Raise if this thread is inside a coalescing block of the group already."""
-    if threading.get_ident() in open_batches:
-        raise RuntimeError(
-            f"group {name!r}: this thread is already inside a coalescing block of the group; blocks do not nest "
-            "(the inner calls already join the open batch)"
-        )
-
-
 def refuse_inside(open_batches: Mapping[int, object], op: str, name: str) -> None:
-    """Raise if this thread is inside a coalescing block of the group: ``op`` (a barrier, an
-    object or message operation) cannot be part of a batch, nor overtake it."""
+    """:meth:`OpenBlocks.refuse_inside` for a holder of the group's blocks as a mapping
+    (objects.py's)."""
     if open_batches and threading.get_ident() in open_batches:
         raise _refusal(op, name)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +24,7 @@ import torch
 from . import environment, messages
 from .auth import AuthKey, resolve_key
 from .check import Checker, check_mode
-from .coalescing import Batch, Recorder, refuse_inside, refuse_nested
+from .coalescing import Batch, OpenBlocks, Recorder
 from .dispatch import (
     BackendsArg,
     Dispatcher,
@@ -69,7 +68,7 @@ from .work import Work, mapped, then
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .backend import BackendSpec
+    from .backend import Backend, BackendSpec
     from .instance import Instance, Lane
     from .registry import Registry
 
@@ -278,8 +277,8 @@ class ProcessGroup:
         )
         # where barrier (an op without tensors) and messages go: the cpu backend, else the first configured one
         self._barrier_device = message_device(self._specs)
-        #: the open coalescing blocks on this group, by thread (empty but while one is open)
-        self._coalescing: dict[int, Batch] = {}
+        #: the open coalescing blocks on this group, by thread (false but while one is open)
+        self._coalescing = OpenBlocks(f.name)
         #: blocking all_reduce's fast path: the backend's prepared call as an executor lane (or None) per
         #: (device, dtype, reduce op type)
         self._lanes: dict[tuple[torch.device, torch.dtype, RedOpType], Callable[[torch.Tensor], None] | None] = {}
@@ -424,6 +423,26 @@ class ProcessGroup:
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         return self._dispatch.available(device_type)
 
+    def form_backend(self, device: str | torch.device, op: str = "form_backend") -> Backend:
+        """Collective where the backend's construction is (Gloo's is): create this group's
+        backend for ``device``'s type now, on every member, and return it (the one already
+        made, if it exists; nothing is exchanged then). Every member must call it for the same
+        device type, before anything that leaves some of them out (point to point, a torch
+        wrapper) uses it. ``device`` is a device type (``"cuda"``: the current device of that
+        type, or the one the backend already uses) or a device (``cuda:1``); ``op`` names the
+        operation a timeout while forming it is reported against. Raises :class:`ValueError`
+        for a device type the group has no backend for and
+        :class:`~pg_core.errors.BackendUnavailableError` for one that cannot run here."""
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if device_type not in self._specs:
+            raise ValueError(
+                f"group {self._name!r} has no backend for device type {device_type!r} (it has "
+                f"{', '.join(sorted(self._specs)) or 'none'}); pass one of those, or form the group with "
+                f"backends= naming one for {device_type!r}"
+            )
+        where = device if isinstance(device, torch.device) else self._dispatch.device(device_type)
+        return self._dispatch.instance(where, op).backend
+
     def supports(
         self,
         op: str,
@@ -476,7 +495,7 @@ class ProcessGroup:
             device, dtype = staging.device, staging.dtype
         self._supported.check(op, device, dtype, reduce_op)
         if self._coalescing:  # (empty unless some thread is inside a coalescing block of this group)
-            batch = self._coalescing.get(threading.get_ident())
+            batch = self._coalescing.current()
             if batch is not None:
                 return batch.collective(op, device, staging, args, timeout=timeout, async_op=async_op)
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
@@ -512,6 +531,12 @@ class ProcessGroup:
         inner = self._executor.launch(op, launch, args, device.type)
         return then(inner, staging.finish) if staging is not None and staging.back else inner
 
+    @property
+    def open_batch(self) -> Batch | None:
+        """The batch of this thread's open ``with group.coalescing()`` block on this group, or
+        ``None`` outside one (other threads' blocks are theirs)."""
+        return self._coalescing.current()
+
     def coalescing(self, *, async_op: bool = False, timeout: float | timedelta | None = None) -> Batch:
         """``with group.coalescing() as batch:``: the tensor collectives and ``isend``/``irecv``
         (and ``batch_isend_irecv``) this thread calls on this group inside the block are
@@ -535,13 +560,13 @@ class ProcessGroup:
         sequence numbers its collectives would have taken one by one; a batch of point to
         point only goes straight to the backend.
         """
-        refuse_nested(self._coalescing, self._name)
+        self._coalescing.refuse_nested()
         self._executor.check_open()
         return Batch(
             name=self._name,
             executor=self._executor,
             dispatch=self._dispatch,
-            open_batches=self._coalescing,
+            blocks=self._coalescing,
             async_op=async_op,
             timeout=self._seconds(timeout),
             default_timeout=self._timeout,
@@ -572,7 +597,7 @@ class ProcessGroup:
         plain = plain and op.type is not RedOpType.PREMUL_SUM  # type: ignore[union-attr]
         rop = as_reduce_op(op)
         if getattr(tensor, "layout", None) in SPARSE_LAYOUTS:  # summed from gathers of its parts (as Gloo does)
-            refuse_inside(self._coalescing, "all_reduce of a sparse tensor", self._name)
+            self._coalescing.refuse_inside("all_reduce of a sparse tensor")
             return all_reduce_sparse(self, tensor, rop, async_op=async_op, timeout=timeout)
         st = Staging("all_reduce")
         t = st.stage(tensor, written=True)
@@ -895,7 +920,7 @@ class ProcessGroup:
         Every missing rank is named whatever ``wait_all_ranks`` says (kept for torch's spelling).
         """
         self._executor.check_open()
-        refuse_inside(self._coalescing, "monitored_barrier", self._name)
+        self._coalescing.refuse_inside("monitored_barrier")
         budget = self._timeout if timeout is None else seconds(timeout, self._timeout)
         self._monitored += 1
         key = f"monitored_barrier/{self._monitored}"
@@ -986,7 +1011,7 @@ class ProcessGroup:
         st = Staging(kind)
         staged = st.stage(tensor) if kind == "send" else st.stage(tensor, written=True)
         if self._coalescing:  # inside this thread's coalescing block: recorded in its batch instead
-            batch = self._coalescing.get(threading.get_ident())
+            batch = self._coalescing.current()
             if batch is not None:
                 if peer is None:
                     raise RuntimeError(
@@ -1174,7 +1199,7 @@ class ProcessGroup:
             for p in p2p_op_list:  # validate everything before starting anything
                 self._p2p("send" if p.kind == "isend" else "recv", p.tensor, p.peer, p.tag, None)
             return [(self.isend if p.kind == "isend" else self.irecv)(p.tensor, p.peer, p.tag) for p in p2p_op_list]  # type: ignore[arg-type]
-        if threading.get_ident() not in self._coalescing:
+        if not self._coalescing.inside():
             with self.coalescing(async_op=True):
                 return self.batch_isend_irecv(p2p_op_list)
         return [(self.isend if p.kind == "isend" else self.irecv)(p.tensor, p.peer, p.tag) for p in p2p_op_list]  # type: ignore[arg-type]
@@ -1600,7 +1625,7 @@ class ProcessGroup:
         group._lineage = self._lineage.child(formation.parent_ranks)
         try:
             for device_type in formation.split_from:  # created now, while every member is here
-                group._dispatch.instance(self._dispatch.device(device_type), "split")
+                group.form_backend(self._dispatch.device(device_type), "split")
         except BaseException:
             group.abort()
             raise
@@ -1834,7 +1859,7 @@ def rendezvous(
         )
     )
     try:
-        group._objects.endpoint("rendezvous")  # the message backend, created while every member is here
+        group.form_backend(group._barrier_device, "rendezvous")  # the message backend, while every member is here
     except BaseException:
         group.abort()
         raise

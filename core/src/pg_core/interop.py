@@ -87,7 +87,7 @@ def to_torch(group: ProcessGroup) -> dist.ProcessGroup:
     natives = {}
     usable = [device_type for device_type in group.backends if group.supports_device(device_type)]
     for device_type in usable:
-        backend = group._dispatch.instance(group._dispatch.device(device_type), "to_torch").backend
+        backend = group.form_backend(device_type, "to_torch")
         if isinstance(backend, C10dBackend):
             natives[device_type] = backend
     if len(natives) == len(usable):
@@ -489,7 +489,7 @@ class _Adapter(dist.ProcessGroup):
         native = self._natives.get(torch.device(device).type)
         if native is not None:
             return self._native_group(native)._end_coalescing(device)
-        batch = self._g._coalescing.get(threading.get_ident())
+        batch = self._g.open_batch
         if batch is None:
             raise RuntimeError(f"_end_coalescing on torch group {self._name!r} without _start_coalescing")
         batch.__exit__(None, None, None)
@@ -499,7 +499,7 @@ class _Adapter(dist.ProcessGroup):
         """``calls(group, async_op)`` as one batch: in this thread's open block (torch's
         ``_start_coalescing``), else in a block of their own, blocking as ``opts.asyncOp`` says."""
         group = self._g
-        if threading.get_ident() in group._coalescing:
+        if group.open_batch is not None:
             return self._work(all_of("coalesced", [w for w in calls(group, True) if w is not None]), value)
         with group.coalescing(async_op=_async(opts)) as batch:
             calls(group, False)

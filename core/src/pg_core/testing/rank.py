@@ -117,7 +117,7 @@ class _Lane:
         """Run the lane's calls on ``group`` (formed for this lane); the caller shuts it down."""
         # Form the backend on every member now: a backend's construction may be collective (Gloo's is),
         # and a lane may start with messages that leave some ranks out.
-        group._dispatch.instance(self.device)
+        group.form_backend(self.device)
         coalesced = self.lane.coalesced
         try:
             with group.coalescing(async_op=coalesced == "async") if coalesced else contextlib.nullcontext() as batch:
@@ -865,7 +865,7 @@ def run_dead_peer(
             group.recv(t, victim)
 
     try:
-        group._dispatch.instance(device)
+        group.form_backend(device)
         exchange()  # the group works
         if ctx.rank == victim:
             os._exit(0)
