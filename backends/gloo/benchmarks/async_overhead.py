@@ -5,8 +5,9 @@
 Each rank is pinned to its own core (where there are two). Per round and per case, the blocking
 and the asynchronous form run back to back, ``iters`` iterations each; the table gives each
 form's median over the rounds' medians (microseconds per iteration, one way for point to point:
-a round trip halved) and the difference. Interleaving the forms in every round is what makes
-the difference meaningful on a loaded machine.
+a round trip halved) and the difference, and the difference in rank 0's process CPU time per iteration (all its
+threads): on a loaded machine it shows a form's own cost where the wall time mostly shows the
+scheduler. Interleaving the forms in every round is what makes the difference meaningful there.
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ def _rank(rank: int, port: int, rounds: int, iters: int, out: dict[str, list[flo
             for name, blocking, asynchronous, per in cases:
                 for form, fn in (("blocking", blocking), ("async", asynchronous)):
                     group.barrier()
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     for _ in range(iters):
                         fn()
                     if rank == 0:
                         key = f"{name}|{form}"
                         out[key] = [*out.get(key, []), (time.perf_counter() - start) / iters / per * 1e6]
+                        out[f"{key}|cpu"] = [
+                            *out.get(f"{key}|cpu", []),
+                            (time.process_time() - cpu) / iters / per * 1e6,
+                        ]
 
 
 def main() -> None:
@@ -98,11 +103,12 @@ def main() -> None:
         p.join(600)
     if any(p.exitcode != 0 for p in procs):
         sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-    print(f"{'case':28} {'blocking us':>12} {'async+wait us':>14} {'difference':>11}")
+    print(f"{'case':28} {'blocking us':>12} {'async+wait us':>14} {'difference':>11} {'cpu difference':>15}")
     for name in dict.fromkeys(k.split("|")[0] for k in out):
         blocking = statistics.median(out[f"{name}|blocking"])
         asynchronous = statistics.median(out[f"{name}|async"])
-        print(f"{name:28} {blocking:12.1f} {asynchronous:14.1f} {asynchronous - blocking:+11.1f}")
+        cpu = statistics.median(out[f"{name}|async|cpu"]) - statistics.median(out[f"{name}|blocking|cpu"])
+        print(f"{name:28} {blocking:12.1f} {asynchronous:14.1f} {asynchronous - blocking:+11.1f} {cpu:+15.1f}")
 
 
 if __name__ == "__main__":
