@@ -401,29 +401,34 @@ class Messages:
 
     def _headed(self, receive: _Receive, first: torch.Tensor, error: BaseException | None) -> None:
         """(A waiter thread, once the first Gloo receive ended.) Take the message, post its
-        payload's receive, or refuse it; then post the next receive of the stream."""
+        payload's receive, or refuse it; post the next receive of the stream; then, last, end the
+        receive (its caller wakes to a thread about to let go of the GIL: :class:`Waiters`), so
+        that a caller's next receive on the stream finds nothing ahead of it and posts at once."""
+        ended: BaseException | None = None
         try:
             if error is not None:  # the buffer is not kept: Gloo may still write to it
-                receive.end(self._refused(error, receive))
-                return
-            view = tensor_bytes(first)
-            nbytes, code = _HEADER.unpack_from(view)
-            refusal = receive.refusal(nbytes, code)
-            if nbytes <= _INLINE:
+                ended = self._refused(error, receive)
+            else:
+                view = tensor_bytes(first)
+                nbytes, code = _HEADER.unpack_from(view)
+                refusal = receive.refusal(nbytes, code)
+                if nbytes > _INLINE:
+                    self._spares.give(first)
+                    self._post_payload(receive, nbytes, refusal)
+                    return
                 if refusal is None:
                     if receive.tensor is None:
                         receive.result = bytearray(view[_HEAD : _HEAD + nbytes])
                     else:
                         tensor_bytes(receive.tensor)[:] = view[_HEAD : _HEAD + nbytes]
+                else:
+                    ended = CollectiveMismatchError(refusal, peers=[receive.src])
                 self._spares.give(first)  # (view, of its memory, is used up)
-                receive.end(None if refusal is None else CollectiveMismatchError(refusal, peers=[receive.src]))
-                return
-            self._spares.give(first)
-            self._post_payload(receive, nbytes, refusal)
         except BaseException as exc:
-            receive.end(exc)
+            ended = exc
         finally:
             self._next(receive)
+        receive.end(ended)  # last: the caller wakes to a thread about to let go of the GIL
 
     def _post_payload(self, receive: _Receive, nbytes: int, refusal: str | None) -> None:
         """Post the receive of a payload above the eager limit: straight into the tensor, into a

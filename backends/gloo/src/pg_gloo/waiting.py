@@ -99,7 +99,14 @@ class Ticket:
 class Waiters:
     """Threads that sit in Gloo's ``Work.wait()`` on behalf of callers who must stay
     interruptible; one per operation waited for at the same time, kept for the next one.
-    Receives from different peers never wait for each other."""
+    Receives from different peers never wait for each other.
+
+    Once Gloo's wait returns, a thread is idle again before it runs the continuation, and a
+    continuation wakes its caller as its last step: the caller, woken, finds the GIL about to be
+    let go (the thread's next step is to park on its queue) instead of being scheduled only to
+    wait for it behind the rest of the continuation (on a core the two threads share, each such
+    wake-up is two more context switches; measured in docs/decisions.md). A work handed to a
+    thread while it runs a continuation waits only for that continuation, never for a Gloo wait."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -135,17 +142,17 @@ class Waiters:
             except BaseException as exc:  # Gloo's RuntimeError, for the caller to translate
                 ticket.error = exc
             del item, work
+            with self._lock:  # idle again before the continuation wakes anyone (see the class)
+                closed = self._closed
+                if not closed:
+                    self._idle.append(inbox)
             if then is not None:
                 try:
                     then(ticket.error)
                 except BaseException:  # a continuation ends its own operation; never this thread
                     logging.getLogger("pg_gloo").exception("a continuation of a Gloo wait raised")
                 del then
-            with self._lock:
-                closed = self._closed
-                if not closed:
-                    self._idle.append(inbox)
-            ticket.set()  # last: the caller wakes to a thread about to let go of the GIL
+            ticket.set()
             del ticket
             if closed:
                 return
