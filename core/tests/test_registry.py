@@ -506,7 +506,7 @@ def spec_file(tmp_path: Path) -> Path:
 
 
 def test_a_file_reference_names_a_spec_and_loads_once(spec_file: Path) -> None:
-    from pg_core.registry import resolve_backend_ref
+    from pg_core.backend_refs import resolve_backend_ref
 
     got = resolve_backend_ref(f"{spec_file}:SPEC", "cpu")
     assert (got.name, got.factory, got.devices) == ("mytcp", "pg_tcp.backend:TCPBackend", ("cpu",))
@@ -516,7 +516,7 @@ def test_a_file_reference_names_a_spec_and_loads_once(spec_file: Path) -> None:
 
 
 def test_a_wrong_attribute_names_the_file_the_attribute_and_what_the_file_defines(spec_file: Path) -> None:
-    from pg_core.registry import resolve_backend_ref
+    from pg_core.backend_refs import resolve_backend_ref
 
     ref = f"{spec_file}:SPECC"
     with pytest.raises(BackendNotFoundError) as info:
@@ -531,7 +531,7 @@ def test_a_wrong_attribute_names_the_file_the_attribute_and_what_the_file_define
 
 
 def test_file_and_module_references_of_every_kind(spec_file: Path, tmp_path: Path) -> None:
-    from pg_core.registry import resolve_backend_ref
+    from pg_core.backend_refs import resolve_backend_ref
 
     wrapped = resolve_backend_ref(f"{spec_file}:MyBackend")  # a Backend subclass gets a spec named after it
     assert (wrapped.name, wrapped.devices, wrapped.factory.__name__) == ("MyBackend", ("cpu",), "MyBackend")
@@ -560,7 +560,7 @@ def test_file_and_module_references_of_every_kind(spec_file: Path, tmp_path: Pat
 def test_an_absolute_reference_names_the_same_file_from_any_directory(
     spec_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pg_core.registry import absolute_backend_ref, resolve_backend_ref
+    from pg_core.backend_refs import absolute_backend_ref, resolve_backend_ref
 
     monkeypatch.chdir(spec_file.parent)
     absolute = absolute_backend_ref(" my_spec.py:SPEC ")
@@ -579,7 +579,7 @@ def test_an_absolute_reference_names_the_same_file_from_any_directory(
 
 
 def test_a_name_reference_is_the_registrys() -> None:
-    from pg_core.registry import resolve_backend_ref
+    from pg_core.backend_refs import resolve_backend_ref
 
     reg = Registry(load_entry_points=False)
     s = spec("mine")
@@ -587,3 +587,32 @@ def test_a_name_reference_is_the_registrys() -> None:
     assert resolve_backend_ref("mine", "cpu", registry=reg) is s
     with pytest.raises(BackendNotFoundError, match="Unknown backend 'theirs'"):
         resolve_backend_ref("theirs", registry=reg)
+
+
+def test_a_backend_class_gets_one_spec_whether_given_to_backends_or_named_on_a_command_line(
+    spec_file: Path, tmp_path: Path
+) -> None:
+    from pg_core.backend_refs import resolve_backend_ref
+    from pg_core.dispatch import resolve_backends
+
+    (tmp_path / "named_backends.py").write_text(
+        "from pg_core.backend import Backend, Capabilities\n"
+        "class Plain(Backend):\n    devices = ('cpu', 'meta')\n"
+        "class Named(Backend):\n    name = 'my-named'\n    capabilities = Capabilities(ops=frozenset({'all_reduce'}))\n"
+        "ALIAS = Named\n"
+    )
+    for attr, name in [("Plain", "Plain"), ("Named", "my-named"), ("ALIAS", "my-named")]:
+        ref = resolve_backend_ref(f"{tmp_path / 'named_backends.py'}:{attr}")
+        given = resolve_backends(ref.factory)
+        assert ref.name == name and {s.name for s in given.values()} == {name}
+        assert set(given) == set(ref.devices) and given[ref.devices[0]].capabilities == ref.capabilities
+    assert resolve_backend_ref(f"{tmp_path / 'named_backends.py'}:Plain").devices == ("cpu", "meta")
+
+
+def test_the_resolver_is_still_found_under_its_old_module() -> None:
+    from pg_core import backend_refs, registry
+
+    assert registry.resolve_backend_ref is backend_refs.resolve_backend_ref  # type: ignore[attr-defined]
+    assert registry.absolute_backend_ref is backend_refs.absolute_backend_ref  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        registry.nothing_here  # type: ignore[attr-defined]

@@ -36,6 +36,7 @@ __all__ = [
     "Dispatcher",
     "context_factory",
     "describe",
+    "factory_spec",
     "fallbacks",
     "message_device",
     "parse_backends",
@@ -77,9 +78,17 @@ def parse_backends(backends: BackendsArg) -> dict[str, BackendValue] | str | Bac
     return backends
 
 
-def _adhoc_spec(value: Any, devices: Sequence[str]) -> BackendSpec:
-    """A spec for a Backend subclass or factory given directly (tests, notebooks)."""
-    name = getattr(value, "name", None) or getattr(value, "__name__", None) or type(value).__name__
+def factory_spec(value: Any, devices: Sequence[str] | None = None) -> BackendSpec:
+    """The spec of a :class:`~pg_core.backend.Backend` subclass or factory given as a backend
+    (``backends=``, a command-line reference): named after it (its ``name`` attribute where
+    that is a string, else its ``__name__``, spaces made ``_``), for ``devices`` (default: its
+    ``devices`` attribute, else ``cpu``), declaring its ``capabilities`` attribute where that
+    is a :class:`~pg_core.backend.Capabilities` (else the default ones)."""
+    name = getattr(value, "name", None)
+    if not isinstance(name, str) or not name:
+        name = getattr(value, "__name__", None) or type(value).__name__
+    if devices is None:
+        devices = getattr(value, "devices", None) or ("cpu",)
     caps = getattr(value, "capabilities", None)
     if not isinstance(caps, Capabilities):
         caps = Capabilities()
@@ -152,8 +161,7 @@ def resolve_backends(backends: BackendsArg, registry: Registry | None = None) ->
         for device in registry.declared(parsed).devices:
             specs[device] = registry.declared(parsed, device)
     else:
-        devices_of = getattr(parsed, "devices", None) or ("cpu",)
-        spec = parsed if isinstance(parsed, BackendSpec) else _adhoc_spec(parsed, devices_of)
+        spec = parsed if isinstance(parsed, BackendSpec) else factory_spec(parsed)
         for device in spec.devices:
             specs[device] = spec
     messages = message_device(specs).type
@@ -186,7 +194,7 @@ def _resolve(registry: Registry, value: BackendValue, device: str) -> BackendSpe
         value.capabilities_for(device)  # raises if the spec does not declare it
         return value
     if callable(value):
-        return _adhoc_spec(value, (device,))
+        return factory_spec(value, (device,))
     raise TypeError(f"backend for {device!r} must be a name, a BackendSpec or a Backend factory, got {value!r}")
 
 

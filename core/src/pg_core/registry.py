@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import pluggy
 
-from .backend import API_VERSION, Backend, BackendSpec, Capabilities, parse_api_version
+from .backend import API_VERSION, BackendSpec, parse_api_version
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -83,12 +83,10 @@ __all__ = [
     "PluginEntry",
     "PluginSpecs",
     "Registry",
-    "absolute_backend_ref",
     "default_registry",
     "hookimpl",
     "hookspec",
     "register_backend",
-    "resolve_backend_ref",
 ]
 
 #: The entry-point group plugin distributions declare their hook module in.
@@ -216,11 +214,12 @@ def _label(distribution: str | None, version: str | None, in_process: bool = Fal
     return f"{distribution} {version}" if version else distribution
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
+    """``exc`` as an error message quotes it: its class and its text."""
     return f"{type(exc).__name__}: {exc}"
 
 
-def _clause(text: str | None) -> str:
+def clause(text: str | None) -> str:
     """``text`` without its final full stop, to go inside a sentence."""
     return (text or "").rstrip().rstrip(".")
 
@@ -229,8 +228,9 @@ def _parse_list(raw: str) -> frozenset[str]:
     return frozenset(_canonical(item) for item in raw.split(",") if item.strip())
 
 
-def _api_error(spec: BackendSpec, where: str, distribution: str | None) -> tuple[PluginVersionError, str] | None:
-    """``None`` if ``spec.api_version`` has the core's major version, else the error and a short reason."""
+def api_version_error(spec: BackendSpec, where: str, distribution: str | None) -> tuple[PluginVersionError, str] | None:
+    """``None`` if ``spec.api_version`` has the core's major version, else the error to raise
+    (naming the spec, ``where`` it came from and what to install) and a short reason."""
     from . import __version__
 
     core = parse_api_version(API_VERSION)
@@ -406,7 +406,7 @@ class Registry:
             if reason is None:
                 return None
             return BackendUnavailableError(
-                f"Backend {spec.name!r} is installed but unavailable: {_clause(reason)}. "
+                f"Backend {spec.name!r} is installed but unavailable: {clause(reason)}. "
                 f"{self._alternatives(device, exclude=spec.name)}"
             )
 
@@ -450,9 +450,9 @@ class Registry:
                     if device not in spec.devices:
                         reasons.append(f"{head}: declares {', '.join(spec.devices)}, not {device!r}")
                     else:
-                        reasons.append(f"{head}: unavailable: {_clause(why)}")
+                        reasons.append(f"{head}: unavailable: {clause(why)}")
                 else:
-                    reasons.append(f"{head}: {view.status}: {_clause(view.reason)}")
+                    reasons.append(f"{head}: {view.status}: {clause(view.reason)}")
             hint = ""
             if device == "cpu" and not any(_canonical(v.record.distribution or "") == "pg-tcp" for v in views):
                 hint = " `pip install pg-core[tcp]` gives the pure-Python default."
@@ -492,7 +492,7 @@ class Registry:
         """
         if not isinstance(spec, BackendSpec):
             raise TypeError(f"register() takes a pg_core.BackendSpec, got {type(spec).__name__}: {spec!r}")
-        mismatch = _api_error(spec, "register()", spec.distribution)
+        mismatch = api_version_error(spec, "register()", spec.distribution)
         if mismatch is not None:
             raise mismatch[0]
         with self._lock:
@@ -624,7 +624,7 @@ class Registry:
                 continue
             if pin is not None and _canonical(record.distribution or "") != _canonical(pin):
                 continue
-            raise BackendNotFoundError(f"Backend {name!r} from {record.label} is disabled: {_clause(view.reason)}.")
+            raise BackendNotFoundError(f"Backend {name!r} from {record.label} is disabled: {clause(view.reason)}.")
 
     def _unknown_message(self, views: list[_View], name: str) -> str:
         if not views:
@@ -640,7 +640,7 @@ class Registry:
             )
         else:
             parts.append("No usable backend is installed.")
-        broken = [f"{v.record.name} ({v.record.label}): {_clause(v.reason)}" for v in views if v.status == "broken"]
+        broken = [f"{v.record.name} ({v.record.label}): {clause(v.reason)}" for v in views if v.status == "broken"]
         if broken:
             parts.append("Broken: " + "; ".join(broken) + ".")
         disabled = [f"{v.record.name} ({v.record.label})" for v in views if v.status == "disabled"]
@@ -730,13 +730,13 @@ class Registry:
                 record = dataclasses.replace(base, name=spec.name, state="ok", spec=spec)
                 try:
                     filled = dataclasses.replace(spec, distribution=dist_name, version=version)
-                    mismatch = _api_error(filled, base.label, dist_name)
+                    mismatch = api_version_error(filled, base.label, dist_name)
                 except Exception as exc:  # a spec subclass with its own ideas
                     error = PluginLoadError(
-                        f"Backend {spec.name!r} from {base.label}: {_error_text(exc)}", distribution=dist_name
+                        f"Backend {spec.name!r} from {base.label}: {error_text(exc)}", distribution=dist_name
                     )
                     error.__cause__ = exc
-                    yield dataclasses.replace(record, state="broken", reason=_error_text(exc), error=error)
+                    yield dataclasses.replace(record, state="broken", reason=error_text(exc), error=error)
                     continue
                 record.spec = filled
                 if mismatch is not None:
@@ -766,13 +766,13 @@ class Registry:
             return outcome
         except Exception as exc:
             error = PluginLoadError(
-                f"Plugin {base.entry_point!r} from {base.label} failed to load: {_error_text(exc)}. "
+                f"Plugin {base.entry_point!r} from {base.label} failed to load: {error_text(exc)}. "
                 f"Other backends are unaffected; fix or uninstall {base.distribution or 'it'}, "
                 f"or skip it with {DISABLE_ENV}={base.name}.",
                 distribution=base.distribution,
             )
             error.__cause__ = exc
-            return dataclasses.replace(base, state="broken", reason=_error_text(exc), error=error)
+            return dataclasses.replace(base, state="broken", reason=error_text(exc), error=error)
 
     def _call_hook(self, manager: pluggy.PluginManager, plugin: object, base: _Record) -> list[BackendSpec] | Exception:
         try:
@@ -833,217 +833,14 @@ def register_backend(spec: BackendSpec, *, override: bool = False) -> None:
     default_registry().register(spec, override=override)
 
 
-# -- backend references on command lines ---------------------------------------------------------
-
-#: sys.modules names of spec files loaded by :func:`resolve_backend_ref` start with this.
-_FILE_MODULE_PREFIX: Final = "pg_core_backend_file_"
+# -- moved ------------------------------------------------------------------------------------
 
 
-def resolve_backend_ref(
-    ref: str,
-    device: str | None = None,
-    *,
-    registry: Registry | None = None,
-    factories: bool = True,
-    here: bool = True,
-    _available: bool = True,
-) -> BackendSpec:
-    """The backend that a command-line reference names, ready to use here. One function
-    for every command that takes a backend (``pg-core conformance``, ``pg-core bench``):
+def __getattr__(name: str) -> Any:
+    """The command-line reference resolver moved to :mod:`pg_core.backend_refs`; its two names
+    are still found here for the importers that predate the move."""
+    if name in ("resolve_backend_ref", "absolute_backend_ref"):
+        from . import backend_refs
 
-    * ``"tcp"`` or ``"tcp@pg-tcp"``: a registered backend (:meth:`Registry.require`);
-    * ``"package.module:ATTR"``: ``ATTR`` of an importable module;
-    * ``"path/to/file.py:ATTR"``: ``ATTR`` of a Python file, not installed anywhere
-      (loaded once per process under a private module name).
-
-    ``ATTR`` (dotted for nested attributes) names a :class:`~pg_core.backend.BackendSpec`
-    or, with ``factories=True``, a :class:`~pg_core.backend.Backend` subclass or a factory
-    function, which gets a spec named after the attribute's last part, declaring the
-    ``devices`` and ``capabilities`` class attributes it has (default ``cpu``, every op).
-
-    With ``device``, the backend must declare it. Raises
-    :class:`~pg_core.errors.BackendNotFoundError` for a reference that names nothing usable
-    (the message names the module or file and the attribute, and lists what it does
-    define), :class:`~pg_core.errors.PluginLoadError` if importing the module or running
-    the file fails, :class:`~pg_core.errors.PluginVersionError` for a spec of another API
-    major version, :class:`~pg_core.errors.NotSupportedError` /
-    :class:`~pg_core.errors.BackendUnavailableError` as :meth:`Registry.require` does.
-
-    ``here=False`` is for a process that starts the backend's ranks rather than being one: a
-    backend that declares a ``launcher`` is then asked whether it can run in a process started
-    through it (:func:`pg_core.launchers.why_unavailable_launched`), not in this one.
-    """
-    if not here:
-        spec = resolve_backend_ref(ref, device, registry=registry, factories=factories, here=True, _available=False)
-        if spec.launcher is None:
-            reason = spec.why_unavailable()
-        else:
-            from .launchers import why_unavailable_launched
-
-            reason = why_unavailable_launched(ref, spec.launcher)
-        if reason is not None:
-            raise BackendUnavailableError(f"Backend {spec.name!r} ({ref}) cannot run here: {_clause(reason)}.")
-        return spec
-    if not isinstance(ref, str):
-        raise TypeError(f"a backend reference is a str, got {type(ref).__name__}: {ref!r}")
-    ref = ref.strip()
-    if ":" not in ref:
-        chosen = registry or default_registry()
-        if not _available:
-            spec = chosen.get(ref)
-            if device is not None and device not in spec.devices:
-                return chosen.require(ref, device)  # its error, naming the alternatives
-            return spec
-        return chosen.require(ref, device)
-    where, _, attr = (part.strip() for part in ref.rpartition(":"))
-    if not where or not attr or not all(part.isidentifier() for part in attr.split(".")):
-        raise BackendNotFoundError(
-            f"{ref!r} is not a backend reference: expected a backend name (see `pg-core backends`), "
-            f"'package.module:ATTR' or 'path/to/file.py:ATTR'"
-        )
-    module, source = _load_ref_module(ref, where) if _is_file_ref(where) else _import_ref_module(ref, where)
-    obj: Any = module
-    parts = attr.split(".")
-    for i, part in enumerate(parts):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            owner = source if i == 0 else f"{'.'.join(parts[:i])} in {source}"
-            raise BackendNotFoundError(
-                f"cannot load {ref!r}: {owner} defines no {part!r}. {_defined(obj, module.__name__, part)}"
-            ) from None
-    if isinstance(obj, BackendSpec):
-        spec = obj
-    elif factories and _is_factory(obj):
-        devices = getattr(obj, "devices", None) or ("cpu",)
-        caps = getattr(obj, "capabilities", None)
-        spec = BackendSpec(
-            name=attr.rpartition(".")[2],
-            factory=obj,
-            devices=tuple(devices),
-            capabilities=caps if isinstance(caps, Capabilities) else Capabilities(),
-        )
-    else:
-        wanted = "a BackendSpec" + (", a Backend subclass or a factory function" if factories else "")
-        raise BackendNotFoundError(
-            f"cannot load {ref!r}: {attr} in {source} is {_describe(obj)}, not {wanted}. "
-            f"{_defined(module, module.__name__, attr)}"
-        )
-    mismatch = _api_error(spec, source, None)
-    if mismatch is not None:
-        raise mismatch[0]
-    if device is not None and device not in spec.devices:
-        raise NotSupportedError(
-            f"Backend {spec.name!r} ({ref}) does not support device {device!r}: it declares {', '.join(spec.devices)}."
-        )
-    reason = spec.why_unavailable() if _available else None
-    if reason is not None:
-        raise BackendUnavailableError(f"Backend {spec.name!r} ({ref}) cannot run here: {_clause(reason)}.")
-    return spec
-
-
-def absolute_backend_ref(ref: str) -> str:
-    """``ref`` as :func:`resolve_backend_ref` would read it here, for another process that
-    may run in another working directory: a ``path/to/file.py:ATTR`` reference with its path
-    made absolute (``~`` expanded, relative to the current directory); a name or a
-    ``module:ATTR`` reference as it is. Both resolve to the same file in every process."""
-    if not isinstance(ref, str):
-        raise TypeError(f"a backend reference is a str, got {type(ref).__name__}: {ref!r}")
-    ref = ref.strip()
-    where, sep, attr = (part.strip() for part in ref.rpartition(":"))
-    if not sep or not where or not _is_file_ref(where):
-        return ref
-    return f"{os.path.abspath(os.path.expanduser(where))}:{attr}"
-
-
-def _is_file_ref(where: str) -> bool:
-    """Whether the part of a reference before its last ``:`` names a file, not a module."""
-    return where.endswith(".py") or os.sep in where or "/" in where
-
-
-def _import_ref_module(ref: str, name: str) -> tuple[Any, str]:
-    try:
-        return importlib.import_module(name), f"module {name}"
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and name.startswith(exc.name):  # the module itself, not one it imports
-            hint = " (a file is named as path/to/file.py:ATTR)"
-            raise BackendNotFoundError(f"cannot load {ref!r}: there is no module {name!r}{hint}") from None
-        raise PluginLoadError(f"cannot load {ref!r}: importing {name} failed: {_error_text(exc)}") from exc
-    except Exception as exc:
-        raise PluginLoadError(f"cannot load {ref!r}: importing {name} failed: {_error_text(exc)}") from exc
-
-
-def _load_ref_module(ref: str, where: str) -> tuple[Any, str]:
-    import hashlib
-    import importlib.util
-    import sys
-
-    path = os.path.abspath(os.path.expanduser(where))
-    if not os.path.isfile(path):
-        raise BackendNotFoundError(f"cannot load {ref!r}: there is no file {where}" + _resolved(where, path))
-    name = _FILE_MODULE_PREFIX + hashlib.sha256(path.encode()).hexdigest()[:16]
-    source = f"file {where}"
-    module = sys.modules.get(name)
-    if module is not None:
-        return module, source
-    loader_spec = importlib.util.spec_from_file_location(name, path)
-    if loader_spec is None or loader_spec.loader is None:
-        raise BackendNotFoundError(f"cannot load {ref!r}: {where} is not a Python file Python can load")
-    module = importlib.util.module_from_spec(loader_spec)
-    sys.modules[name] = module  # dataclasses and pickle look a module up by name while it runs
-    try:
-        loader_spec.loader.exec_module(module)
-    except BaseException as exc:
-        del sys.modules[name]
-        if not isinstance(exc, Exception):
-            raise
-        raise PluginLoadError(f"cannot load {ref!r}: running {where} failed: {_error_text(exc)}") from exc
-    return module, source
-
-
-def _resolved(given: str, path: str) -> str:
-    return "" if given == path else f" ({path})"
-
-
-def _is_factory(obj: object) -> bool:
-    if isinstance(obj, type):
-        return issubclass(obj, Backend)
-    return callable(obj)
-
-
-def _describe(obj: object) -> str:
-    if isinstance(obj, BackendSpec):
-        return f"a BackendSpec named {obj.name!r}"
-    if isinstance(obj, type):
-        return "a Backend subclass" if issubclass(obj, Backend) else "a class"
-    if inspect.ismodule(obj):
-        return "a module"
-    if inspect.isfunction(obj):
-        return "a function"
-    kind = type(obj).__name__
-    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
-
-
-def _defined(owner: object, module_name: str, missing: str, limit: int = 12) -> str:
-    """What ``owner`` (a module, or an object in it) defines, for an error message: backend
-    specs, then Backend subclasses, then its other public names; what it imported is left out."""
-    names = []
-    for name, value in sorted(vars(owner).items()) if hasattr(owner, "__dict__") else []:
-        if name.startswith("_") or inspect.ismodule(value) or type(value).__module__ == "typing":
-            continue
-        if (inspect.isclass(value) or inspect.isfunction(value)) and value.__module__ != module_name:
-            continue  # imported, not defined here
-        names.append(name)
-    if not names:
-        return "It defines nothing public."
-
-    def order(name: str) -> tuple[int, str]:
-        value = getattr(owner, name)
-        return (0 if isinstance(value, BackendSpec) else 1 if _is_factory(value) else 2, name)
-
-    names.sort(key=order)
-    shown = [f"{n} ({_describe(getattr(owner, n)).partition(' ')[2]})" for n in names[:limit]]
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    text = f"It defines: {', '.join(shown)}{more}."
-    close = [] if missing in names else difflib.get_close_matches(missing, names, n=1)
-    return text + (f" Did you mean {close[0]!r}?" if close else "")
+        return getattr(backend_refs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
