@@ -20,11 +20,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
 import torch
+from pg_core.algorithms import BINARY_OPS
 from pg_core.errors import BackendUnavailableError, CollectiveTimeout
 from pg_core.ops import RedOpType
 
@@ -76,16 +77,6 @@ OP_NAMES: Final[dict[RedOpType, str]] = {
     RedOpType.BAND: "BAND",
     RedOpType.BOR: "BOR",
     RedOpType.BXOR: "BXOR",
-}
-
-#: torch's elementwise ops for the reductions of dtypes MPI has no type for.
-_TORCH_OPS: Final[dict[RedOpType, Callable[..., torch.Tensor]]] = {
-    RedOpType.SUM: torch.add,
-    RedOpType.AVG: torch.add,
-    RedOpType.PREMUL_SUM: torch.add,
-    RedOpType.PRODUCT: torch.mul,
-    RedOpType.MIN: torch.minimum,
-    RedOpType.MAX: torch.maximum,
 }
 
 
@@ -316,9 +307,9 @@ def _wraps(mpi: Any, dtype: torch.dtype, type_name: str, op_name: str) -> bool:
 def user_op(mpi: Any, dtype: torch.dtype, kind: RedOpType) -> Any:
     """A new commutative ``MPI_Op`` that reduces ``dtype`` (carried as MPI elements of its
     size: 2-byte ones for float16 and bfloat16) with torch's own elementwise op for ``kind``:
-    ``inout = in (op) inout``, rounded or wrapped around to ``dtype`` as torch's CPU ops do.
-    The caller frees it."""
-    fn = _TORCH_OPS[kind]
+    ``inout = in (op) inout``, rounded or wrapped around to ``dtype`` as torch's CPU ops do
+    (the core's table of them, :data:`pg_core.algorithms.BINARY_OPS`). The caller frees it."""
+    fn = BINARY_OPS[kind]
 
     def reduce(inbuf: Any, inoutbuf: Any, _datatype: Any) -> None:
         inout = torch.frombuffer(inoutbuf, dtype=dtype)

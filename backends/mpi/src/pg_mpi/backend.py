@@ -510,7 +510,7 @@ class MPIBackend(Backend):
             if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
                 return
             try:
-                if work._done:  # completed by another thread meanwhile
+                if work.done:  # completed by another thread meanwhile
                     return
                 if budget <= 0:
                     done = request.Test()
@@ -536,7 +536,7 @@ class MPIBackend(Backend):
             else:
                 work.set_result(None)
             finally:
-                if work._done:
+                if work.done:
                     held.clear()
                 testing.release()
 
@@ -995,7 +995,7 @@ class MPIBackend(Backend):
             if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
                 return
             try:
-                if work._done:
+                if work.done:
                     return
                 if budget <= 0:
                     done = request.Test()
@@ -1097,7 +1097,7 @@ class MPIBackend(Backend):
             if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
                 return
             try:
-                if work._done:
+                if work.done:
                     return
                 try:
                     try:
