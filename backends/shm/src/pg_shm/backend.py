@@ -32,7 +32,7 @@ import torch
 from pg_core.backend import Backend, BackendContext
 from pg_core.dtypes import dtype_code
 from pg_core.errors import GroupClosedError
-from pg_core.ops import ReduceOp
+from pg_core.ops import RedOpType, ReduceOp
 from pg_core.work import Work
 
 from . import collectives
@@ -90,6 +90,7 @@ class ShmBackend(Backend):
         self.shared = collectives.Shared(
             self.rank, self.size, segments, self.layout, self.live, enter=self._enter, leave=self._leave
         )
+        self._small_launches: dict[tuple[torch.dtype, RedOpType], Callable[[torch.Tensor, float], Work | None]] = {}
         self._drainer: threading.Thread | None = None
         if self.size > 1:
             self._drainer = threading.Thread(target=self._drain, name=f"pg-shm {name} drainer", daemon=True)
@@ -182,6 +183,18 @@ class ShmBackend(Backend):
         return None
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        if async_op and op.type is not RedOpType.PREMUL_SUM:  # a small one: prepared once per kind
+            key = (tensor.dtype, op.type)
+            small = self._small_launches.get(key)
+            if small is None:
+                small = self._small_launches[key] = self.shared.small_launch(tensor.dtype, op)
+            self._enter()
+            try:
+                work = small(tensor, time.monotonic() + timeout)
+            finally:
+                self._leave()
+            if work is not None:
+                return work
         return self._collective("all_reduce", self.shared.all_reduce(tensor, op), timeout, async_op)
 
     def prepared_all_reduce(

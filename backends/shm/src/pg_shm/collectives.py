@@ -311,9 +311,23 @@ class Shared:
         :meth:`all_reduce`). Same phases, same words and same folds as :meth:`all_reduce`: the
         two interleave freely. What a call would look up is looked up here once (the slot views
         per element count, the counters' ctypes cells), so a call is a few Python lines."""
+        go = self._small(dtype, op)
+        return lambda tensor, deadline: go(tensor, deadline, False) is not None
+
+    def small_launch(self, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, float], Work | None]:
+        """:meth:`small_all_reduce` launched: ``run(tensor, deadline)`` returns its work, done
+        where the peers had contributed within a spin, else pending (the fold left to its
+        driver, as :meth:`launch` leaves it); ``None`` for anything else, untouched (the caller
+        takes :meth:`all_reduce` and :meth:`launch`), among which a slot still being read."""
+        go = self._small(dtype, op)
+        return lambda tensor, deadline: go(tensor, deadline, True)  # type: ignore[return-value]
+
+    def _small(self, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, float, bool], Work | bool | None]:
+        """The one body of :meth:`small_all_reduce` (``launched=False``: ``True`` once done,
+        ``None`` untouched) and :meth:`small_launch` (a work, or ``None`` untouched)."""
         kind = op.type
         if self.size == 1 or kind is RedOpType.PREMUL_SUM:
-            return lambda tensor, deadline: False
+            return lambda tensor, deadline, launched: None
         fn = BINARY_OPS[kind]
         avg = kind is RedOpType.AVG
         limit = min(SMALL_BYTES, self.slot_bytes)
@@ -325,12 +339,24 @@ class Shared:
         views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         memmove = ctypes.memmove
 
-        def run(tensor: torch.Tensor, deadline: float) -> bool:
+        def fold(tensor: torch.Tensor, mine: list[torch.Tensor]) -> None:
+            flat = tensor.view(-1) if tensor.dim() != 1 else tensor
+            fn(mine[0], mine[1], out=flat)
+            for other in mine[2:]:
+                fn(flat, other, out=flat)
+            if avg:
+                divide_(flat, size, 0)
+
+        def rest(tensor: torch.Tensor, mine: list[torch.Tensor], s: int) -> Steps:
+            yield (s, None, "contributing")
+            fold(tensor, mine)
+
+        def run(tensor: torch.Tensor, deadline: float, launched: bool) -> Work | bool | None:
             if self._pending:  # behind a launched collective: the general path drives it first
-                return False
+                return None
             nbytes = tensor.nbytes
             if not 0 < nbytes <= limit or tensor.dtype != dtype or tensor.requires_grad or not tensor.is_contiguous():
-                return False
+                return None
             n = tensor.numel()
             slots = views.get(n)
             if slots is None:
@@ -341,6 +367,8 @@ class Shared:
             last = written[parity] + 1  # every peer read this slot's last use once its step reached this
             for cell in cells:
                 if cell.value < last:
+                    if launched:
+                        return None  # (the general path's steps wait for it)
                     self._wait_all(last, deadline, "all_reduce", "reading the previous use of this member's slot")
                     break
             written[parity] = s
@@ -348,22 +376,22 @@ class Shared:
             self.step = s
             my_step.value = s
             self._wake_sleepers()
+            mine = slots[parity]
             for cell in cells:
                 if cell.value < s:
                     for _ in range(SPINS):  # the peer is usually a few microseconds behind: poll the bare cell
                         if cell.value >= s:
                             break
                     else:
+                        if launched:
+                            job = _Launched(self, "all_reduce", rest(tensor, mine, s), deadline)
+                            with self._lock:
+                                self._pending.append(job)
+                            return job.work
                         self._wait_all(s, deadline, "all_reduce", "contributing")
                         break
-            mine = slots[parity]
-            flat = tensor.view(-1) if tensor.dim() != 1 else tensor
-            fn(mine[0], mine[1], out=flat)
-            for other in mine[2:]:
-                fn(flat, other, out=flat)
-            if avg:
-                divide_(flat, size, 0)
-            return True
+            fold(tensor, mine)
+            return Work.completed("all_reduce") if launched else True
 
         return run
 
