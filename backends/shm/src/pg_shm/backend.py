@@ -37,7 +37,7 @@ from pg_core.work import Work
 
 from . import collectives
 from .formation import form
-from .layout import ABORTED, DOORBELL, KIND_BYTES, KIND_TENSOR, RING_META, SHUT_DOWN, STATE, Layout
+from .layout import ABORTED, DOORBELL, KIND_BYTES, RING_META, SHUT_DOWN, STATE, Layout
 from .receiving import Inbox
 from .rings import RING_BYTES, Ring, parts_of
 from .segment import Word, futex_wait, futex_wake
@@ -105,9 +105,7 @@ class ShmBackend(Backend):
     def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
         self._enter()
         try:
-            work = self.outboxes[dst].post_tensor(
-                tensor, dtype_code(tensor.dtype) or 0, tag, deadline=time.monotonic() + timeout, op="send"
-            )
+            work = self.outboxes[dst].post_tensor(tensor, tag, timeout, "send")
         finally:
             self._leave()
         if work is not None:
@@ -116,9 +114,7 @@ class ShmBackend(Backend):
     def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
         self._enter()
         try:
-            work = self.outboxes[dst].post_tensor(
-                tensor, dtype_code(tensor.dtype) or 0, tag, deadline=time.monotonic() + timeout, op="isend"
-            )
+            work = self.outboxes[dst].post_tensor(tensor, tag, timeout, "isend")
         finally:
             self._leave()
         return Work.completed("isend") if work is None else work
@@ -126,7 +122,7 @@ class ShmBackend(Backend):
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         self._enter()
         try:
-            self.inboxes[src].receive(KIND_TENSOR, tag, tensor, time.monotonic() + timeout, "recv")
+            self.inboxes[src].receive_tensor(tensor, tag, timeout, "recv")
         finally:
             self._leave()
 

@@ -11,20 +11,27 @@ whole small messages moved out of a full ring while their sender asks for room.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from ctypes import memmove
 
 import torch
 from pg_core.backend import tensor_bytes
 from pg_core.dtypes import dtype_code, dtype_from_code
 from pg_core.errors import CollectiveMismatchError, PeerFailureError
 
-from .layout import HEADER, message_span
-from .rings import EAGER_LIMIT, Ring
+from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
+from .rings import CODES, EAGER_LIMIT, Ring
 from .segment import futex_wake
 from .waiting import SPINS, Flag, Liveness, wait_until
 
 __all__ = ["Inbox"]
+
+_HEADER_BYTES = HEADER.size
+_ALIGN = ALIGN
+_ALIGN_MASK = ~(ALIGN - 1)
+_unpack_header = HEADER.unpack_from
 
 
 class Inbox:
@@ -39,6 +46,44 @@ class Inbox:
         self._kept: dict[tuple[int, int], deque[tuple[int, bytearray]]] = {}
         self._flag = Flag(ring.recv_sleeps)
         self.broken: str | None = None
+        # what receive_tensor's common case reads, looked up once
+        self._head, self._tail, self._sender_sleeps = ring.head.cell, ring.tail.cell, ring.sender_sleeps.cell
+        self._tail_address, self._cap, self._data, self._base = ring.tail.address, ring.capacity, ring.data, ring.base
+
+    def receive_tensor(self, into: torch.Tensor, tag: int, timeout: float, op: str) -> None:
+        """:meth:`receive` of a tensor message (deadline ``timeout`` seconds from now): the
+        common case (the next message in the ring is this one, whole, not wrapping, and nothing
+        is kept) copied straight into ``into`` from cells looked up once; after a short spin
+        for it, anything else takes :meth:`receive`."""
+        head, tail, data, cap = self._head, self._tail, self._data, self._cap
+        nbytes = into.nbytes
+        span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
+        for spin in (True, False):
+            with self.lock:
+                seen = head.value
+                start = tail.value
+                if self.broken is None and not self._kept and seen - start >= span:
+                    off = start % cap
+                    k, code, t, n = _unpack_header(data, off)
+                    if (
+                        k == KIND_TENSOR
+                        and t == tag
+                        and n == nbytes
+                        and code == CODES.get(into.dtype, 0)
+                        and off + span <= cap
+                    ):
+                        if nbytes:
+                            memmove(into.data_ptr(), self._base + off + _HEADER_BYTES, nbytes)
+                        tail.value = start + span
+                        if self._sender_sleeps.value:
+                            futex_wake(self._tail_address)
+                        return
+            if not spin:
+                break
+            for _ in range(SPINS):  # the sender is usually a few microseconds away: poll the bare cell
+                if head.value != seen:
+                    break
+        self.receive(KIND_TENSOR, tag, into, time.monotonic() + timeout, op)
 
     def receive(self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str) -> bytearray | None:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size

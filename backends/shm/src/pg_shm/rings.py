@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import torch
-from pg_core.backend import tensor_bytes
+from pg_core.backend import DTYPES, tensor_bytes
+from pg_core.dtypes import dtype_code
 
 from .layout import BROKEN, HEAD, RECV_SLEEPS, SENDER_SLEEPS, TAIL, WANT_DRAIN, message_span
 from .segment import Segment
 
-__all__ = ["EAGER_LIMIT", "RING_BYTES", "Payload", "Ring", "parts_bytes", "parts_of", "tensor_parts"]
+__all__ = ["CODES", "EAGER_LIMIT", "RING_BYTES", "Payload", "Ring", "parts_bytes", "parts_of", "tensor_parts"]
 
 #: The declared eager limit (``Capabilities.eager_limit_bytes``): 1 MiB.
 EAGER_LIMIT: Final = 1 << 20
@@ -26,6 +27,9 @@ EAGER_LIMIT: Final = 1 << 20
 RING_BYTES: Final = message_span(EAGER_LIMIT)
 
 Payload = list[memoryview]
+
+#: The wire code a tensor message's header carries for each dtype (0: none), read without a call.
+CODES: Final[dict[torch.dtype, int]] = {dtype: dtype_code(dtype) or 0 for dtype in DTYPES}
 
 
 def parts_bytes(parts: Payload) -> int:

@@ -24,12 +24,17 @@ import torch
 from pg_core.errors import PeerFailureError
 from pg_core.work import Work
 
-from .layout import HEADER, KIND_TENSOR, message_span
-from .rings import EAGER_LIMIT, Payload, Ring, parts_bytes, tensor_parts
+from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
+from .rings import CODES, EAGER_LIMIT, Payload, Ring, parts_bytes, tensor_parts
 from .segment import Word, futex_wake
 from .waiting import Flag, Liveness, wait_until
 
 __all__ = ["Outbox"]
+
+_HEADER_BYTES = HEADER.size
+_ALIGN = ALIGN
+_ALIGN_MASK = ~(ALIGN - 1)
+_pack_header = HEADER.pack_into
 
 
 class _Job:
@@ -70,35 +75,35 @@ class Outbox:
         self._thread: threading.Thread | None = None
         self._flag = Flag(ring.sender_sleeps)
         self.broken: str | None = None
+        # what post_tensor's common case reads, looked up once
+        self._head, self._tail, self._recv_sleeps = ring.head.cell, ring.tail.cell, ring.recv_sleeps.cell
+        self._head_address, self._cap, self._data, self._base = ring.head.address, ring.capacity, ring.data, ring.base
 
     # -- the caller's side -----------------------------------------------------------
-    def post_tensor(self, tensor: torch.Tensor, code: int, tag: int, *, deadline: float, op: str) -> Work | None:
-        """:meth:`post` of a tensor: the common case (it fits now) copied straight from its memory."""
-        ring = self.ring
+    def post_tensor(self, tensor: torch.Tensor, tag: int, timeout: float, op: str) -> Work | None:
+        """:meth:`post` of a tensor (deadline ``timeout`` seconds from now): the common case (it
+        fits now, without wrapping) copied straight from its memory, its words read from
+        cells looked up once (about 2 us of Python)."""
         nbytes = tensor.nbytes
-        span = message_span(nbytes)
-        cap = ring.capacity
+        span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
+        code = CODES.get(tensor.dtype, 0)
         with self._lock:
-            head = ring.head.cell.value
+            head = self._head.value
             if (
                 self.broken is None
                 and not self._queue
                 and not self._busy
-                and span <= cap - (head - ring.tail.cell.value)
+                and span <= self._cap - (head - self._tail.value)
+                and (pos := head % self._cap) + span <= self._cap  # the message does not wrap
             ):
-                pos = head % cap
-                if pos + span <= cap:  # the message does not wrap: one pack, one memmove
-                    HEADER.pack_into(ring.data, pos, KIND_TENSOR, code, tag, nbytes)
-                    if nbytes:
-                        memmove(ring.base + pos + HEADER.size, tensor.data_ptr(), nbytes)
-                else:
-                    self._write_header(head, KIND_TENSOR, code, tag, nbytes)
-                    if nbytes:
-                        ring.move_in(head + HEADER.size, tensor.data_ptr(), nbytes)
-                ring.head.cell.value = head + span
-                if ring.recv_sleeps.cell.value:
-                    futex_wake(ring.head.address)
+                _pack_header(self._data, pos, KIND_TENSOR, code, tag, nbytes)
+                if nbytes:
+                    memmove(self._base + pos + _HEADER_BYTES, tensor.data_ptr(), nbytes)
+                self._head.value = head + span
+                if self._recv_sleeps.value:
+                    futex_wake(self._head_address)
                 return None
+        deadline = time.monotonic() + timeout
         return self.post(KIND_TENSOR, code, tag, tensor_parts(tensor), deadline=deadline, op=op, keep=tensor)
 
     def post(
