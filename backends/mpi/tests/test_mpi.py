@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -378,6 +379,43 @@ def wrong_size_then_right(ctx: RankContext) -> str:
 
 def test_a_receive_of_the_wrong_size_is_a_mismatch_and_the_stream_stays_in_step(pools: Pools) -> None:
     assert pools(2).run(wrong_size_then_right, timeout=120) == ["sent", "refused"]
+
+
+def queued_before_irecv(ctx: RankContext) -> list[Any] | None:
+    """Rank 0 sends four messages (within the eager limit) before rank 1 posts any irecv: MPI
+    has them queued by the time rank 1 is out of the barrier that rank 0 joined after sending."""
+    with _group(ctx) as group:
+        if ctx.rank == 0:
+            for n in (8, 2, 4):
+                group.send(torch.arange(n, dtype=torch.float32) + 100, 1)
+            group.send(torch.tensor([7.0]), 1, tag=3)
+            group.barrier()
+            group.barrier()
+            return None
+        group.barrier()  # (its polls took the messages in: rank 0 sent them before it joined)
+        small = torch.empty(4)
+        works = [group.irecv(small, 0) for _ in range(2)]
+        works.append(group.irecv(small, 0))
+        one = torch.empty(1)
+        tagged = group.irecv(one, 0, tag=3)
+        # a receive whose message had come is taken when it is posted: done without a wait
+        seen = [w.done for w in (*works, tagged)]
+        errors = []
+        for w in works[:2]:
+            with pytest.raises(CollectiveMismatchError) as err:
+                w.wait()
+            errors.append(str(err.value))
+        works[2].wait()
+        tagged.wait()
+        group.barrier()
+        return [seen, errors, small.tolist(), one.tolist()]
+
+
+def test_an_irecv_whose_message_came_first_is_done_when_posted_and_still_refuses_a_wrong_size(pools: Pools) -> None:
+    _, (seen, errors, small, one) = pools(2).run(queued_before_irecv, timeout=120)
+    assert seen == [True, True, True, True]
+    assert re.search(r"the message is (larger than 16|32) bytes", errors[0]) and "8 bytes" in errors[1]
+    assert small == [100.0, 101.0, 102.0, 103.0] and one == [7.0]
 
 
 def from_any_source(ctx: RankContext) -> list[Any] | None:

@@ -124,6 +124,10 @@ _MAX_NAP: Final = 1e-3
 #: or an abort is seen within a few tens of them.
 _CHECK_EVERY: Final = 16
 
+#: The tests of one burst between two such checks (a ``for`` over it is the loop's only work
+#: between tests, so that a test follows the last one as soon as it can).
+_BURST: Final = range(_CHECK_EVERY)
+
 #: How a wait names its operation in an error: the name, or a callable that makes it (where
 #: making it would cost the call that does not fail).
 _What = str | Callable[[], str]
@@ -234,6 +238,9 @@ class MPIBackend(Backend):
         self._seq = 0
         #: when this rank's last collective completed (``time.monotonic()``)
         self._active = 0.0
+        #: asynchronous all_reduce by (dtype, reduce op type): its launch (:meth:`_launcher`), or
+        #: None where it takes the general way
+        self._launchers: dict[tuple[torch.dtype, RedOpType], Callable[[torch.Tensor, float], Work] | None] = {}
 
     @property
     def comm(self) -> Any:
@@ -285,17 +292,17 @@ class MPIBackend(Backend):
         self._polling.append(None)
         try:
             naps_from = time.monotonic() + _YIELD_S
-            polls = 0
-            each = self._yield_each
+            burst = _BURST
             while True:
-                if each:
-                    _yield()
-                if ready():
-                    return True
-                polls += 1
-                if polls % _CHECK_EVERY:
-                    continue
-                if not each:
+                if self._yield_each:
+                    for _ in burst:
+                        _yield()
+                        if ready():
+                            return True
+                else:
+                    for _ in burst:  # (tests back to back: each loop step is a test's latency)
+                        if ready():
+                            return True
                     _yield()
                 if self._closed is not None:
                     raise self._closed_error()
@@ -507,19 +514,19 @@ class MPIBackend(Backend):
         held = [keep]
 
         def drive(work: Work, budget: float) -> None:
-            if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
+            if not testing.acquire(blocking=False) and (budget <= 0 or not testing.acquire(timeout=budget)):
                 return
             try:
                 if work.done:  # completed by another thread meanwhile
                     return
-                if budget <= 0:
-                    done = request.Test()
-                    if not done:
+                done = request.Test()
+                if not done:
+                    if budget <= 0:
                         self._listen(what, self._others)
-                else:
-                    done = self._wait_until(
-                        request.Test, min(deadline, time.monotonic() + budget), what=what, needs=self._others
-                    )
+                    else:
+                        done = self._poll(
+                            request.Test, min(deadline, time.monotonic() + budget), what=what, needs=self._others
+                        )
                 if not done:
                     if time.monotonic() >= deadline:
                         self._give_up(request, keep, seq)
@@ -628,6 +635,13 @@ class MPIBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
+        if async_op:
+            key = (tensor.dtype, op.type)
+            launch = self._launchers.get(key)
+            if launch is None and key not in self._launchers:
+                launch = self._launchers[key] = self._launcher(tensor.dtype, op)
+            if launch is not None:
+                return launch(tensor, timeout)
         mpi_op = self._op(tensor.dtype, op)
         self._scaled(tensor, op, in_place=True)
         buf = self._typed(tensor)
@@ -677,6 +691,37 @@ class MPIBackend(Backend):
                 raise error(exc, "all_reduce") from exc
 
         return run
+
+    def _launcher(self, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor, float], Work] | None:
+        """``all_reduce(tensor, op, timeout=..., async_op=True)`` for one dtype and reduce op,
+        with MPI's datatype and op looked up once, as :meth:`prepared_all_reduce` does for the
+        blocking call: ``MPI_Iallreduce`` and the work that tests its request when waited for or
+        polled (:meth:`_work`), nothing else. (A test right after posting rarely completes it,
+        even where every peer posted first: MPICH advances the collective's schedule over
+        several tests.) ``None`` where :meth:`prepared_all_reduce` is."""
+        if op.type in (RedOpType.AVG, RedOpType.PREMUL_SUM) or self._torch_reduced(dtype, op):
+            return None
+        mpi = self._mpi
+        mpi_op, mpi_type, in_place = getattr(mpi, OP_NAMES[op.type]), getattr(mpi, TYPE_NAMES[dtype]), mpi.IN_PLACE
+        address, itemsize = mpi.buffer.fromaddress, dtype.itemsize
+        posting, error, tag, noticed, work = self._posting, self._error, self._notice_tag, self._noticed, self._work
+        aborted = self._aborted_peers
+
+        def launch(tensor: torch.Tensor, timeout: float) -> Work:
+            comm = self._comm
+            if self._closed is not None or self._gave_up or aborted or (tag is not None and noticed(comm)):
+                comm, seq = posting("all_reduce")  # the full check: raises, or counts the call
+            else:
+                seq = self._seq = self._seq + 1
+            try:
+                request = comm.Iallreduce(
+                    in_place, [address(tensor.data_ptr(), tensor.numel() * itemsize), mpi_type], mpi_op
+                )
+            except mpi.Exception as exc:
+                raise error(exc, "all_reduce") from exc
+            return work(request, "all_reduce", timeout, seq=seq, keep=tensor)
+
+        return launch
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
         buf = self._bytes(tensor)
@@ -992,19 +1037,19 @@ class MPIBackend(Backend):
         def drive(work: Work, budget: float) -> None:
             testing = entry.testing
             assert testing is not None
-            if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
+            if not testing.acquire(blocking=False) and (budget <= 0 or not testing.acquire(timeout=budget)):
                 return
             try:
                 if work.done:
                     return
-                if budget <= 0:
-                    done = request.Test()
-                    if not done:
+                done = request.Test()
+                if not done:
+                    if budget <= 0:
                         self._listen(what, [dst])
-                else:
-                    done = self._wait_until(
-                        request.Test, min(deadline, time.monotonic() + budget), what=what, needs=[dst]
-                    )
+                    else:
+                        done = self._poll(
+                            request.Test, min(deadline, time.monotonic() + budget), what=what, needs=[dst]
+                        )
                 if done:
                     work.set_result(None)
                 elif time.monotonic() >= deadline:
@@ -1083,46 +1128,68 @@ class MPIBackend(Backend):
         return self._irecv(tensor, None, tag, timeout)
 
     def _irecv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float) -> Work:
-        what, peers = _receiving(src, tag), self._peers(src)
-        comm = self._check(what, () if src is None else peers)
-        status = self._mpi.Status()
+        mpi, peers = self._mpi, self._peers(src)
+        if self._closed is None and not self._send_errors:  # (the hot path, as in _recv)
+            comm = self._comm
+        else:
+            comm = self._check(_receiving(src, tag), () if src is None else peers)
+        status = mpi.Status()
+        nbytes = tensor.nbytes
         try:
-            request = comm.Irecv(self._bytes(tensor), self._mpi.ANY_SOURCE if src is None else src, tag)
-        except self._mpi.Exception as exc:
-            raise self._error(exc, what, peers) from exc
+            request = comm.Irecv(
+                [mpi.buffer.fromaddress(tensor.data_ptr(), nbytes), nbytes, mpi.BYTE],
+                mpi.ANY_SOURCE if src is None else src,
+                tag,
+            )
+        except mpi.Exception as exc:
+            raise self._error(exc, _receiving(src, tag), peers) from exc
+        try:  # a message that came before its receive is taken now: the work is returned done
+            done = request.Test(status)
+            if done:
+                sender = self._check_count(status, tensor, tag)  # (raises, naming the sender)
+                return Work.completed("recv", None if src is not None else sender)
+        except (mpi.Exception, CollectiveMismatchError) as exc:
+            failed = Work("recv")
+            if isinstance(exc, mpi.Exception):
+                exc = self._received_error(exc, tensor, _sender(src, status), tag)
+            failed.set_exception(exc)
+            return failed
         deadline = time.monotonic() + timeout
         testing = threading.Lock()
 
+        def what() -> str:  # (named only where it is said: a look for notices, a failure)
+            return _receiving(src, tag)
+
         def drive(work: Work, budget: float) -> None:
-            if not (testing.acquire(timeout=budget) if budget > 0 else testing.acquire(blocking=False)):
+            if not testing.acquire(blocking=False) and (budget <= 0 or not testing.acquire(timeout=budget)):
                 return
             try:
                 if work.done:
                     return
                 try:
                     try:
-                        if budget <= 0:
-                            done = request.Test(status)
-                            if not done:
+                        done = request.Test(status)
+                        if not done:
+                            if budget <= 0:
                                 self._listen(what, peers)
-                        else:
-                            done = self._wait_until(
-                                lambda: request.Test(status),
-                                min(deadline, time.monotonic() + budget),
-                                what=what,
-                                needs=peers,
-                            )
+                            else:
+                                done = self._poll(
+                                    lambda: request.Test(status),
+                                    min(deadline, time.monotonic() + budget),
+                                    what=what,
+                                    needs=peers,
+                                )
                         if not done:
                             if time.monotonic() < deadline:
                                 return
-                            self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers)
+                            self._withdraw(request, status, tensor, what=what(), timeout=timeout, peers=peers)
                     except PeerFailureError as exc:
-                        self._withdraw(request, status, tensor, what=what, timeout=timeout, peers=peers, failure=exc)
-                except self._mpi.Exception as exc:
+                        self._withdraw(request, status, tensor, what=what(), timeout=timeout, peers=peers, failure=exc)
+                except mpi.Exception as exc:
                     raise self._received_error(exc, tensor, _sender(src, status), tag) from None
                 sender = self._check_count(status, tensor, tag)
             except BaseException as exc:
-                work.set_exception(self._error(exc, what, peers))
+                work.set_exception(self._error(exc, what(), peers))
             else:
                 work.set_result(None if src is not None else sender)
             finally:
