@@ -34,7 +34,7 @@ from .dispatch import (
     resolve_backends,
     unavailable,
 )
-from .errors import CollectiveTimeout, NotSupportedError, PeerFailureError, PluginError, warn_user
+from .errors import CollectiveTimeout, NotSupportedError, PeerFailureError, warn_user
 from .executor import Executor
 from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave, never_joined
@@ -1005,7 +1005,7 @@ class ProcessGroup:
         check_tag(tag)
         self._supported.check(kind, tensor.device, tensor.dtype)
         if peer is None:
-            self._check_any_source(tensor.device)
+            self._supported.check_any_source(tensor.device, self._size, self._formation.registry)
         inst = self._dispatch.instance(tensor.device, kind)
         inst.tags.check(tag)
         st = Staging(kind)
@@ -1039,37 +1039,6 @@ class ProcessGroup:
         """:meth:`_p2p` for a receive from any source, which never joins a coalescing batch."""
         inst, t, st, budget = self._p2p("recv", tensor, None, tag, timeout)
         return cast("Instance", inst), t, st, budget
-
-    def _check_any_source(self, device: torch.device) -> None:
-        """A receive from any source: the device's backend declares it, and there is a peer."""
-        spec = self._supported.spec(device.type)
-        if not spec.capabilities_for(device.type).supports("recv_anysource"):
-            from .registry import default_registry
-
-            registry = self._formation.registry or default_registry()
-            others = [
-                s.name
-                for s in registry.available_for(device.type)
-                if s.capabilities_for(device.type).supports("recv_anysource")
-            ]
-            raise NotSupportedError(
-                f"recv with src=None (from any source): backend {spec.name!r} on {device.type} does not declare "
-                "'recv_anysource'. Name the sender (src=RANK), or use a backend that declares it for "
-                f"{device.type} (installed and available: {', '.join(others) or 'none'})"
-            )
-        if self._size == 1:
-            raise ValueError(f"recv with src=None: group {self._name!r} has no rank but this one to receive from")
-
-    def _sender(self, inst: Instance, value: object) -> int:
-        """What a backend's any-source receive returned: the sender's group rank, or the error naming it."""
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self._size and value != self._rank:
-            return value
-        spec = inst.spec
-        raise PluginError(
-            f"backend {spec.name!r} broke the contract: its any-source receive returned {value!r}, not the group "
-            f"rank of the sender (another rank in 0..{self._size - 1} than this one, {self._rank})",
-            distribution=spec.distribution,
-        )
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
@@ -1145,7 +1114,7 @@ class ProcessGroup:
         """A blocking receive by the full path (:meth:`_p2p`): what :meth:`recv` does where no lane may take it."""
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
-            sender = self._sender(inst, inst.recv_any(t, tag, budget, async_op=False))
+            sender = inst.recv_any(t, tag, budget)
         else:
             via, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
             via.p2p("recv", t, src, tag, budget, async_op=False)
@@ -1167,15 +1136,8 @@ class ProcessGroup:
         is then the sender's rank."""
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
-            inner: Work = inst.recv_any(t, tag, budget, async_op=True)
-
-            def received(value: object) -> int:
-                sender = self._sender(inst, value)
-                if st.back:
-                    st.finish()
-                return sender
-
-            return mapped(inner, received)
+            inner = inst.irecv_any(t, tag, budget)  # (its result: the sender, checked)
+            return then(inner, st.finish) if st.back else inner
         via, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inner = via.p2p("recv", t, src, tag, budget, async_op=True)
         return then(inner, st.finish) if st.back else inner

@@ -31,7 +31,7 @@ from .backend import Backend, BackendContext, BackendSpec, parse_api_version
 from .errors import GroupClosedError, PluginError
 from .ops import COLLECTIVE_OPS
 from .tags import TagMap
-from .work import Work
+from .work import Work, mapped
 
 __all__ = ["ANY", "Instance", "Lane"]
 
@@ -67,7 +67,9 @@ class Instance:
         "native_isend",
         "native_release",
         "native_split",
+        "rank",
         "scatter_gather",
+        "size",
         "spec",
         "tags",
     )
@@ -92,6 +94,7 @@ class Instance:
         self.backend = backend
         self.spec = spec
         self.device: torch.device = ctx.device
+        self.rank, self.size = ctx.rank, ctx.size  # the group's, for the senders any-source receives name
         self.tags = TagMap(spec.capabilities_for(ctx.device.type).max_tag, spec.name)
         #: collectives launch with ``async_op=True`` and return a Work (API 1.2)
         self.launches = getattr(backend, "launches", False) is True
@@ -166,18 +169,41 @@ class Instance:
         device, for a caller that has checked one such call in full (see :class:`Lane`)."""
         return Lane(self, kind, dtype)
 
-    def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float, *, async_op: bool) -> Any:
-        """The user's receive from any source with user ``tag`` (mapped as for ``recv``): what
-        the backend's ``recv_anysource`` returns, the sender's rank; with ``async_op`` its
-        ``irecv_anysource`` where it has one, else ``recv_anysource`` on the helper thread of
-        the tag's any-source stream (a :class:`Work` whose ``result()`` is the sender)."""
+    def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float) -> int:
+        """The user's blocking receive from any source with user ``tag`` (mapped as for
+        ``recv``), in the order of the tag's any-source stream: the sender's group rank, as the
+        backend's ``recv_anysource`` returns it, checked (:meth:`sender`)."""
         wire = self.tags.user(tag)
         backend = self.backend
-        if async_op and self.native_irecv_any:
-            return backend.irecv_anysource(tensor, wire, timeout=timeout)
-        op = "irecv" if async_op else "recv"
-        return self.ordered(
-            "recv", ANY, wire, op, lambda: backend.recv_anysource(tensor, wire, timeout=timeout), async_op=async_op
+        received = self.ordered(
+            "recv", ANY, wire, "recv", lambda: backend.recv_anysource(tensor, wire, timeout=timeout), async_op=False
+        )
+        return self.sender(received)
+
+    def irecv_any(self, tensor: torch.Tensor, tag: int, timeout: float) -> Work:
+        """:meth:`recv_any` started: the backend's ``irecv_anysource`` where it has one, else
+        ``recv_anysource`` on the helper thread of the tag's any-source stream; a :class:`Work`
+        whose ``result()`` is the sender, checked (:meth:`sender`)."""
+        wire = self.tags.user(tag)
+        backend = self.backend
+        if self.native_irecv_any:
+            inner = backend.irecv_anysource(tensor, wire, timeout=timeout)
+        else:
+            inner = self.ordered(
+                "recv", ANY, wire, "irecv", lambda: backend.recv_anysource(tensor, wire, timeout=timeout), async_op=True
+            )
+        return mapped(inner, self.sender)
+
+    def sender(self, value: object) -> int:
+        """``value``, what the backend's any-source receive returned, as the sender's group rank;
+        a :class:`PluginError` naming the backend unless it is another rank of the group."""
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < self.size and value != self.rank:
+            return value
+        spec = self.spec
+        raise PluginError(
+            f"backend {spec.name!r} broke the contract: its any-source receive returned {value!r}, not the group "
+            f"rank of the sender (another rank in 0..{self.size - 1} than this one, {self.rank})",
+            distribution=spec.distribution,
         )
 
     # -- life -------------------------------------------------------------------------

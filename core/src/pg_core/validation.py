@@ -8,12 +8,16 @@ the dense tensors the contract promises and copies results back into the user's 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backend import BackendSpec
 from .errors import BackendUnavailableError, NotSupportedError
 from .ops import ReduceOp
+
+if TYPE_CHECKING:
+    from .registry import Registry
 
 __all__ = [
     "Staging",
@@ -121,6 +125,28 @@ class Supported:
         if device is not None and device.type in self._unavailable:
             raise BackendUnavailableError(self._unavailable[device.type])
         return device
+
+    def check_any_source(self, device: torch.device, size: int, registry: Registry | None) -> None:
+        """A receive from any source on ``device`` in a group of ``size``: raise
+        :class:`NotSupportedError` unless its backend declares ``recv_anysource`` (naming the
+        backends of ``registry``, default the installed ones, that do), :class:`ValueError`
+        where there is no other rank to receive from."""
+        spec = self.spec(device.type)
+        if not spec.capabilities_for(device.type).supports("recv_anysource"):
+            from .registry import default_registry
+
+            others = [
+                s.name
+                for s in (registry or default_registry()).available_for(device.type)
+                if s.capabilities_for(device.type).supports("recv_anysource")
+            ]
+            raise NotSupportedError(
+                f"recv with src=None (from any source): backend {spec.name!r} on {device.type} does not declare "
+                "'recv_anysource'. Name the sender (src=RANK), or use a backend that declares it for "
+                f"{device.type} (installed and available: {', '.join(others) or 'none'})"
+            )
+        if size == 1:
+            raise ValueError(f"recv with src=None: group {self._group!r} has no rank but this one to receive from")
 
     def check(
         self, op: str, device: torch.device, dtype: torch.dtype | None, reduce_op: ReduceOp | None = None
