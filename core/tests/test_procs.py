@@ -96,3 +96,69 @@ def test_a_command_not_of_the_form_python_m_module_is_refused(tmp_path):
         ForkedRanks([[sys.executable, "script.py"]], log_dir=tmp_path)
     with pytest.raises(ValueError, match="at least one"):
         ForkedRanks([], log_dir=tmp_path)
+
+
+def test_alive_says_a_zombie_is_gone_and_a_reaped_process_too():
+    import subprocess
+
+    from pg_core.procs import alive
+
+    assert alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    assert alive(child.pid)
+    assert child.stdin is not None
+    child.stdin.close()
+    assert wait_exited([child.pid], 30) == []  # exited, not reaped: a zombie
+    assert not alive(child.pid)
+    child.wait(30)
+    assert not alive(child.pid)
+
+
+def test_watch_parent_calls_gone_when_also_says_so_and_stops():
+    import threading
+
+    from pg_core.procs import watch_parent
+
+    called = threading.Event()
+    flag = [False]
+    thread = watch_parent(os.getppid(), called.set, every_s=0.01, also=lambda: flag[0])
+    assert not called.wait(0.1)  # the parent is here and also() says no
+    flag[0] = True
+    assert called.wait(10)
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+_TREE = """
+import os, subprocess, sys
+from pg_core.procs import EXEC_WITH_PARENT
+child = subprocess.Popen([sys.executable, "-c", EXEC_WITH_PARENT, str(os.getpid()), sys.executable, "-c",
+                          "import os, sys, time; print(os.getpid(), flush=True); time.sleep(600)"], stdout=subprocess.PIPE)
+print(child.stdout.readline().decode().strip(), flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_command_started_through_exec_with_parent_dies_with_its_parent():
+    import subprocess
+
+    parent = subprocess.run([sys.executable, "-c", _TREE], capture_output=True, timeout=120, check=False)
+    assert parent.returncode == -signal.SIGKILL
+    pid = int(parent.stdout.split()[0])  # the command itself: EXEC_WITH_PARENT became it (same pid)
+    assert wait_exited([pid], 30) == []
+
+
+def test_exec_with_parent_gives_up_if_the_parent_is_already_gone():
+    import subprocess
+
+    from pg_core.procs import EXEC_WITH_PARENT
+
+    not_my_parent = str(os.getpid() + 1_000_000)
+    done = subprocess.run(
+        [sys.executable, "-c", EXEC_WITH_PARENT, not_my_parent, sys.executable, "-c", "print('ran')"],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 137 and b"ran" not in done.stdout

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Final, TextIO
 
 from .auth import environment_with_key
+from .procs import EXEC_WITH_PARENT, alive, kill_on_parent_death, watch_parent
 
 __all__ = ["add_arguments", "add_parser", "main", "run"]
 
@@ -84,18 +85,6 @@ _INHERITED: Final = (
     "RANK",
     "LOCAL_RANK",
     "GROUP_RANK",
-)
-
-#: What a rank runs first: ask Linux to SIGKILL it when pgrun dies (``PR_SET_PDEATHSIG``,
-#: kept across ``exec``), give up if pgrun is already gone, then become the command.
-_BOOT: Final = (
-    "import os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    "    import ctypes\n"
-    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    os._exit(137)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
 
 
@@ -471,7 +460,7 @@ class _Job:
 
     def _spawn(self, label: str, command: Sequence[str], env: Mapping[str, str], prefix: bytes) -> _Proc:
         popen = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(os.getpid()), *command],
+            [sys.executable, "-c", EXEC_WITH_PARENT, str(os.getpid()), *command],
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -844,7 +833,7 @@ def _mpi_rank(argv: Sequence[str]) -> int:
     env["LOCAL_RANK"] = str(local)
     fds = tuple(int(env[v]) for v in ("PMI_FD",) if env.get(v, "").isdigit())  # Hydra's PMI connection
     child = subprocess.Popen(
-        [sys.executable, "-c", _BOOT, str(os.getpid()), *command],
+        [sys.executable, "-c", EXEC_WITH_PARENT, str(os.getpid()), *command],
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -876,15 +865,12 @@ def _mpi_rank(argv: Sequence[str]) -> int:
         t.start()
     launcher, parent = int(os.environ.get("PGRUN_PID", "0")), os.getppid()
 
-    def watchdog() -> None:  # pgrun or mpiexec's proxy killed: they may not take the rank down, so this does
-        while True:
-            time.sleep(0.5)
-            if (launcher and not _alive(launcher)) or os.getppid() != parent:
-                with contextlib.suppress(OSError):
-                    child.kill()
-                os._exit(137)
+    def gone() -> None:  # pgrun or mpiexec's proxy killed: they may not take the rank down, so this does
+        with contextlib.suppress(OSError):
+            child.kill()
+        os._exit(137)
 
-    threading.Thread(target=watchdog, daemon=True).start()
+    watch_parent(parent, gone, every_s=0.5, also=lambda: bool(launcher) and not alive(launcher))
     status = child.wait()
     for t in pumps:
         t.join(5.0)
@@ -894,16 +880,6 @@ def _mpi_rank(argv: Sequence[str]) -> int:
         json.dump(report, f)
     os.replace(path + ".partial", path)  # pgrun never reads half a report
     return _exit_code(status)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- the store's process ------------------------------------------------------------------------
@@ -916,10 +892,7 @@ def _host_store_main(argv: Sequence[str]) -> int:
     torch's ``TCPStore`` server on the listening socket ``FD`` that pgrun bound, until pgrun
     kills it (the ranks gone), dies (``PR_SET_PDEATHSIG``) or closes this process's stdin."""
     fd_text, host, port_text, timeout_text, pgrun_text = argv
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))
+    kill_on_parent_death()
     if os.getppid() != int(pgrun_text):  # pgrun died before the line above
         return 137
     from datetime import timedelta

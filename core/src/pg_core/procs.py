@@ -34,20 +34,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
 __all__ = [
+    "EXEC_WITH_PARENT",
     "EXIT_UNKNOWN",
     "ForkedRanks",
     "LaunchedRanks",
     "RankProcesses",
     "adopt_launched_rank",
+    "alive",
     "die_with_parent",
+    "kill_on_parent_death",
     "prepare_rank",
     "tail",
     "wait_exited",
+    "watch_parent",
 ]
 
 #: How long :meth:`RankProcesses.dump_stacks` waits at most for the dumps to be written.
@@ -268,7 +272,7 @@ class LaunchedRanks(RankProcesses):
         code = self.launcher.poll()
         if code is not None:
             return [code] * len(self)
-        return [None if pid is None or _alive(pid) else EXIT_UNKNOWN for pid in self._bound()]
+        return [None if pid is None or alive(pid) else EXIT_UNKNOWN for pid in self._bound()]
 
     def wait(self, rank: int, timeout: float) -> int | None:
         deadline = time.monotonic() + timeout
@@ -283,7 +287,7 @@ class LaunchedRanks(RankProcesses):
 
     def _signal(self, rank: int, sig: int) -> bool:
         pid = self._bound()[rank]
-        if pid is None or not _alive(pid):
+        if pid is None or not alive(pid):
             return False
         try:
             os.kill(pid, sig)
@@ -314,7 +318,7 @@ class LaunchedRanks(RankProcesses):
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.launcher.wait(10.0)
         deadline = time.monotonic() + 10.0
-        while any(pid is not None and _alive(pid) for pid in self.pids) and time.monotonic() < deadline:
+        while any(pid is not None and alive(pid) for pid in self.pids) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -486,8 +490,10 @@ def adopt_launched_rank(log_dir: str | os.PathLike[str]) -> int:
     return rank
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (read from ``/proc`` where there is one)."""
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (read from ``/proc`` where there is
+    one, else asked with signal 0: a process this one may not signal exists). The one test of
+    every supervisor here: :class:`RankProcesses` and its kin, ``pgrun`` and its rank wrappers."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
@@ -513,9 +519,9 @@ def wait_exited(pids: Iterable[int], timeout: float) -> list[int]:
     running = []
     for pid in pids:
         if not hasattr(os, "pidfd_open"):
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)  # no pidfd: nothing tells another session's process's exit
-            if _alive(pid):
+            if alive(pid):
                 running.append(pid)
             continue
         try:
@@ -568,32 +574,66 @@ def prepare_rank(*, parent_pid: int | None = None, threads: int | None = 1) -> N
         die_with_parent(parent_pid)
 
 
-def die_with_parent(parent: int) -> None:
-    """End this process when ``parent`` (its parent's pid) dies: a killed parent must not
-    leave ranks behind.
+#: ``prctl``'s option that has the kernel signal this process when its parent dies (Linux).
+PR_SET_PDEATHSIG: Final = 1
 
-    On Linux the kernel delivers SIGKILL (``PR_SET_PDEATHSIG``), which also ends a rank
-    blocked inside C++ with the GIL held (a store connecting, a socket waiting); note that
-    Linux sends it when the parent's *thread* that started the process ends, so start
-    ranks that use this from a thread that outlives them. Elsewhere, and as a backstop,
-    a daemon thread checks the parent every second.
-    """
+#: A ``python -c`` program, ``python -c EXEC_WITH_PARENT PARENT_PID COMMAND...``, for a process
+#: that must start fast and import nothing (a rank that ``pgrun`` starts): the rules of
+#: :func:`kill_on_parent_death` and :func:`die_with_parent`'s first check (gone already: exit
+#: 137, as SIGKILL would), then it becomes ``COMMAND`` (the signal is kept across ``exec``).
+EXEC_WITH_PARENT: Final = (
+    "import os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    import ctypes\n"
+    f"    ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, int(signal.SIGKILL))\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(137)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def kill_on_parent_death() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux's
+    ``PR_SET_PDEATHSIG``; nothing elsewhere, or where ``prctl`` cannot be reached). It also
+    ends a process blocked inside C++ with the GIL held (a store connecting, a socket
+    waiting); note that Linux sends it when the parent's *thread* that started the process
+    ends, so start such processes from a thread that outlives them. Check the parent right
+    after (it may have died before this call): ``os.getppid() != parent``."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             import ctypes
 
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-    if os.getppid() != parent:  # died before we could ask
-        os._exit(3)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def watch_parent(
+    parent: int, gone: Callable[[], None], *, every_s: float = 1.0, also: Callable[[], bool] | None = None
+) -> threading.Thread:
+    """Call ``gone()`` (which ends the process) from a daemon thread once this process's parent
+    is no longer ``parent`` (it died: the process was re-parented), or ``also()`` says true;
+    checked every ``every_s`` seconds. The backstop to :func:`kill_on_parent_death`, and what
+    there is where the kernel has no such signal."""
 
     def loop() -> None:
         while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(3)
+            time.sleep(every_s)
+            if os.getppid() != parent or (also is not None and also()):
+                gone()
+                return
 
-    threading.Thread(target=loop, name="pg-core-parent-watch", daemon=True).start()
+    thread = threading.Thread(target=loop, name="pg-core-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when ``parent`` (its parent's pid) dies: a killed parent must not
+    leave ranks behind. :func:`kill_on_parent_death`, exit 3 at once if the parent is gone
+    already, and :func:`watch_parent` as the backstop (every second)."""
+    kill_on_parent_death()
+    if os.getppid() != parent:  # died before we could ask
+        os._exit(3)
+    watch_parent(parent, lambda: os._exit(3))
 
 
 if __name__ == "__main__":
