@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from typing import Any
 
 import pytest
 from pg_core.errors import CollectiveTimeout
-from pg_core.work import Work
+from pg_core.work import Work, stop_worker
 
 
 def test_done_never_drives_but_is_completed_does() -> None:
@@ -58,3 +60,41 @@ def test_wait_until_done_drives_a_driven_work() -> None:
 def test_completed_work_is_done() -> None:
     work = Work.completed("op", 3)
     assert work.done and work.wait_until_done(0) and work.result() == 3
+
+
+def _worker(items: queue.SimpleQueue[Any], ran: list[str]) -> threading.Thread:
+    def run() -> None:
+        while (item := items.get()) is not None:
+            work, fn = item
+            work.set_result(fn())
+            ran.append(work.op)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_stop_worker_stops_the_thread_and_fails_what_is_queued_behind_a_stuck_call() -> None:
+    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    ran: list[str] = []
+    thread = _worker(items, ran)
+    release, inside = threading.Event(), threading.Event()
+    stuck, behind = Work("stuck"), Work("behind")
+    items.put((stuck, lambda: (inside.set(), release.wait(30))))
+    items.put((behind, lambda: "never"))
+    assert inside.wait(30)
+    stop_worker(items, thread, lambda w: RuntimeError(f"{w.op}: stopped"), join_s=0.05)
+    assert behind.done and str(behind.exception(0)) == "behind: stopped"  # failed, not left pending
+    assert thread.is_alive() and not stuck.done
+    release.set()  # the stuck call returns: its work completes, and the thread takes its stop mark again
+    thread.join(30)
+    assert not thread.is_alive() and stuck.done and ran == ["stuck"]
+
+
+def test_stop_worker_of_an_idle_thread_joins_it() -> None:
+    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    ran: list[str] = []
+    thread = _worker(items, ran)
+    stop_worker(items, thread, lambda w: RuntimeError("stopped"), join_s=30)
+    assert not thread.is_alive() and items.empty()
+    stop_worker(items, None, lambda w: RuntimeError("stopped"), join_s=30)  # no thread: nothing to stop

@@ -26,7 +26,7 @@ from typing import Any
 
 from .errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from .recorder import FlightRecorder, describe_args
-from .work import Work
+from .work import Work, stop_worker
 
 __all__ = ["Executor"]
 
@@ -384,18 +384,8 @@ class Executor:
             self._state = "aborted"
             worker, self._worker, self._worker_ident = self._worker, None, None
         release()
-        if worker is not None:
-            self._queue.put(None)
-            if worker is not threading.current_thread():
-                worker.join(timeout=10.0)
-        if worker is None or not worker.is_alive():
-            while True:  # fail what never ran (the worker is gone; nothing else reads the queue)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item[0].set_exception(GroupClosedError(f"group {self._name!r} was aborted"))
+        aborted = GroupClosedError(f"group {self._name!r} was aborted")
+        stop_worker(self._queue, worker, lambda _: aborted, join_s=10.0)  # what never ran fails
         return True
 
 

@@ -31,7 +31,7 @@ from .backend import Backend, BackendContext, BackendSpec, parse_api_version
 from .errors import GroupClosedError, PluginError
 from .ops import COLLECTIVE_OPS
 from .tags import TagMap
-from .work import Work, mapped
+from .work import Work, mapped, stop_worker
 
 __all__ = ["ANY", "Instance", "Lane"]
 
@@ -358,18 +358,14 @@ class _Helper:
             self._pending -= 1
 
     def stop(self) -> None:
+        """Refuse new calls, stop the thread and fail what was queued behind the stop (:func:`stop_worker`)."""
         with self._lock:
+            if self._stopped:
+                return
             self._stopped = True
-            self._queue.put(None)
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=5.0)
-        # whatever was queued behind the stop never runs: fail it rather than leave it pending
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].set_exception(GroupClosedError(f"{item[0].op}: the backend was closed before it ran"))
-        if self.thread.is_alive():  # stuck in a call: leave it its stop signal for when it returns
-            self._queue.put(None)
+        stop_worker(
+            self._queue,
+            self.thread,
+            lambda work: GroupClosedError(f"{work.op}: the backend was closed before it ran"),
+            join_s=5.0,
+        )

@@ -10,6 +10,7 @@ whole vocabulary of asynchrony between core, plugins and users.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 
 from .errors import CollectiveTimeout
 
-__all__ = ["Work", "all_of", "mapped", "then", "unwrap"]
+__all__ = ["Work", "all_of", "mapped", "stop_worker", "then", "unwrap"]
 
 #: ``driver(work, timeout)`` makes progress on ``work`` for at most ``timeout``
 #: seconds (``0``: only what is ready now) and returns; it never raises for the
@@ -307,3 +308,32 @@ def unwrap(outer: Work) -> Work:
 
     outer.add_done_callback(ran)
     return result
+
+
+def stop_worker(
+    items: queue.SimpleQueue[Any],
+    thread: threading.Thread | None,
+    error: Callable[[Work], BaseException],
+    *,
+    join_s: float,
+) -> None:
+    """Stop ``thread``, a worker that runs the items of ``items`` in order until it takes
+    ``None`` (each item a tuple whose first element is its :class:`Work`), and fail what it
+    will not run: the stop mark is queued, the thread waited for at most ``join_s`` seconds
+    (never by itself), then every work still queued completes with ``error(work)``. A thread
+    still inside a call then (stuck in a backend) gets its stop mark again, for when the call
+    returns. The caller refuses new items first. The one rule of the group's progress thread
+    (:class:`~pg_core.executor.Executor`) and a backend's stream helpers (``instance.py``)."""
+    if thread is not None:
+        items.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout=join_s)
+    while True:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            break
+        if item is not None:
+            item[0].set_exception(error(item[0]))
+    if thread is not None and thread.is_alive():
+        items.put(None)
