@@ -38,8 +38,8 @@ from pg_core.work import Work
 from . import collectives
 from .formation import form
 from .layout import ABORTED, DOORBELL, KIND_BYTES, RING_META, SHUT_DOWN, STATE, Layout
-from .receiving import Inbox
-from .rings import RING_BYTES, Ring, parts_of
+from .receiving import Held, Inbox
+from .rings import EAGER_LIMIT, RING_BYTES, Ring, parts_of
 from .segment import Word, futex_wait, futex_wake
 from .sending import Outbox
 from .waiting import SLICE, Liveness
@@ -51,6 +51,11 @@ __all__ = ["ShmBackend"]
 #: 16 MiB (8 phases), torch's Gloo 88 ms in the same processes. A member's segment is two slots
 #: plus 1 MiB per peer: 35 MiB at 4 ranks.
 DEFAULT_SLOT_BYTES = 16 << 20
+#: Most bytes of messages a member's drainer holds for receives not posted yet (the
+#: ``max_unexpected_bytes`` option, at least the eager limit), as pg-tcp's buffered sends are
+#: bounded: past it a send to this member waits for a receive and fails at its timeout
+#: saying so. Sends up to the eager limit never wait while it is not spent.
+DEFAULT_MAX_UNEXPECTED = 256 << 20
 #: How often the drainer advances launched collectives that nobody waits for, while there are
 #: any (seconds): a waiter drives its own at once; this is for a rank busy elsewhere (a
 #: blocking receive that needs the peer's collective to finish first), about 20 us each time.
@@ -66,6 +71,7 @@ class ShmBackend(Backend):
         self.ctx = ctx
         self.rank, self.size = ctx.rank, ctx.size
         slot = ctx.byte_option("slot_bytes", DEFAULT_SLOT_BYTES, minimum=4096)
+        held = Held(ctx.byte_option("max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED, minimum=EAGER_LIMIT))
         self.layout = Layout(ctx.size, RING_BYTES, slot // 64 * 64)
         self._members = form(ctx, self.layout)
         self._life = threading.Lock()
@@ -86,7 +92,7 @@ class ShmBackend(Backend):
             theirs = Ring(segments[peer], self.layout.ring(peer, self.rank), RING_META, RING_BYTES)
             peer_bell = Word(segments[peer].address + DOORBELL, 32)
             self.outboxes[peer] = Outbox(mine, peer, self.live, peer_bell, name, hold=self._hold, leave=self._leave)
-            self.inboxes[peer] = Inbox(theirs, peer, self.live, name)
+            self.inboxes[peer] = Inbox(theirs, peer, self.live, name, held)
         self.shared = collectives.Shared(
             self.rank, self.size, segments, self.layout, self.live, enter=self._enter, leave=self._leave
         )

@@ -8,7 +8,7 @@ member's. A member's segment holds, one cache line per word so writers never sha
   it, senders only wake it); its collective ``step`` counter and ``coll_sleeps`` flag;
 * one **ring** per peer, carrying the messages *this* member sends to that peer: the
   sender writes ``head`` (bytes published), ``sender_sleeps`` and ``want_drain``; the
-  receiver writes ``tail`` (bytes consumed) and ``recv_sleeps``; then the ring's bytes;
+  receiver writes ``tail`` (bytes consumed), ``recv_sleeps`` and ``refused``; then the ring's bytes;
 * two **collective slots** (sequence parity), where this member puts its contributions.
 
 Every word has one writing process, so no lock lives in shared memory and a member that
@@ -62,6 +62,8 @@ WANT_DRAIN: Final = 2 * LINE
 BROKEN: Final = 3 * LINE
 TAIL: Final = 4 * LINE
 RECV_SLEEPS: Final = 5 * LINE
+#: the receiver's drainer left a message in the ring: its member's budget of held messages is spent
+REFUSED: Final = 6 * LINE
 RING_META: Final = 8 * LINE
 
 

@@ -26,7 +26,7 @@ from .rings import CODES, EAGER_LIMIT, Ring
 from .segment import futex_wake
 from .waiting import SPINS, Flag, Liveness, wait_until
 
-__all__ = ["Inbox"]
+__all__ = ["Held", "Inbox"]
 
 _HEADER_BYTES = HEADER.size
 _ALIGN = ALIGN
@@ -34,11 +34,36 @@ _ALIGN_MASK = ~(ALIGN - 1)
 _unpack_header = HEADER.unpack_from
 
 
+class Held:
+    """The bytes of messages this member's inboxes hold (read out of a ring, not received
+    yet), against ``limit`` (the ``max_unexpected_bytes`` option): the drainer moves a
+    message only within it; a receive that reads past a message of another tag keeps it
+    whatever the count (it is this member's own call)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int, *, within: bool) -> bool:
+        """Count ``n`` more bytes held; with ``within``, only if that stays within the limit."""
+        with self._lock:
+            if within and self.bytes + n > self.limit:
+                return False
+            self.bytes += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.bytes -= n
+
+
 class Inbox:
     """This member's receiving end of ``peer``'s ring to it."""
 
-    def __init__(self, ring: Ring, peer: int, live: Liveness, group: str) -> None:
+    def __init__(self, ring: Ring, peer: int, live: Liveness, group: str, held: Held) -> None:
         self.ring = ring
+        self.held = held
         self.peer = peer
         self.live = live
         self.group = group
@@ -98,6 +123,7 @@ class Inbox:
                 kept = self._kept.get((kind, tag))
                 if kept:
                     code, buffer = kept.popleft()
+                    self.held.give(len(buffer))
                     return self._deliver(code, buffer, into)
                 while True:
                     seen = head.value  # read before deciding there is nothing: what the wait compares with
@@ -125,6 +151,7 @@ class Inbox:
                         return buffer
                     buffer = bytearray(nbytes)
                     self._stream_out(nbytes, memoryview(buffer), deadline, self._doing(op, tag), op)
+                    self.held.take(nbytes, within=False)
                     self._kept.setdefault((k, t), deque()).append((code, buffer))
                     futex_wake(ring.head.address)  # another thread of this member may wait for it
             for _ in range(SPINS):  # the sender is usually a few microseconds away: poll the bare cell
@@ -160,6 +187,10 @@ class Inbox:
                 k, code, t, nbytes = HEADER.unpack_from(ring.data, tail % ring.capacity)
                 if nbytes > EAGER_LIMIT or head - tail < message_span(nbytes):
                     return
+                if not self.held.take(nbytes, within=True):  # spent: the sender waits for a receive
+                    ring.refused.value = 1
+                    return
+                ring.refused.value = 0
                 buffer = bytearray(nbytes)
                 self._copy_out(tail + HEADER.size, memoryview(buffer))
                 self._advance(tail + message_span(nbytes))

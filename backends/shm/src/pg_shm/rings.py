@@ -16,7 +16,7 @@ import torch
 from pg_core.backend import DTYPES, tensor_bytes
 from pg_core.dtypes import dtype_code
 
-from .layout import BROKEN, HEAD, RECV_SLEEPS, SENDER_SLEEPS, TAIL, WANT_DRAIN, message_span
+from .layout import BROKEN, HEAD, RECV_SLEEPS, REFUSED, SENDER_SLEEPS, TAIL, WANT_DRAIN, message_span
 from .segment import Segment
 
 __all__ = ["CODES", "EAGER_LIMIT", "RING_BYTES", "Payload", "Ring", "parts_bytes", "parts_of", "tensor_parts"]
@@ -46,6 +46,7 @@ class Ring:
         self.recv_sleeps = segment.word(offset + RECV_SLEEPS, 32)
         self.want_drain = segment.word(offset + WANT_DRAIN, 32)
         self.broken = segment.word(offset + BROKEN, 32)
+        self.refused = segment.word(offset + REFUSED, 32)
         self.capacity = capacity
         self.data = segment.view[offset + meta : offset + meta + capacity]
         self.base = segment.address + offset + meta

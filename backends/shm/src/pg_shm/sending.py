@@ -21,7 +21,7 @@ from collections.abc import Callable
 from ctypes import memmove
 
 import torch
-from pg_core.errors import PeerFailureError
+from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.work import Work
 
 from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
@@ -208,17 +208,29 @@ class Outbox:
             futex_wake(self.doorbell.address)
 
         def wait_room(n: int) -> None:
-            wait_until(
-                lambda: room() >= n,
-                ring.tail,
-                self._flag,
-                self.live,
-                [self.peer],
-                deadline=job.deadline,
-                doing=doing,
-                op="send",
-                also=ask_drain if eager else None,
-            )
+            try:
+                wait_until(
+                    lambda: room() >= n,
+                    ring.tail,
+                    self._flag,
+                    self.live,
+                    [self.peer],
+                    deadline=job.deadline,
+                    doing=doing,
+                    op="send",
+                    also=ask_drain if eager else None,
+                )
+            except CollectiveTimeout as exc:
+                if not ring.refused.value:
+                    raise
+                raise CollectiveTimeout(
+                    f"Timed out in send (group {self.group!r}): {doing}: rank {self.peer} holds its "
+                    "max_unexpected_bytes of messages it has not received yet, so this one waited for a receive "
+                    "that did not come; receive them there, or raise the shm option max_unexpected_bytes (the "
+                    "same on every rank)",
+                    op="send",
+                    peers=[self.peer],
+                ) from exc
 
         wait_room(need)
         ring.want_drain.value = 0
