@@ -8,7 +8,9 @@ sleep on a futex in slices (:mod:`pg_shm.waiting`), checking the peers' processe
 peer is a ``PeerFailureError`` within a slice and oversubscribed ranks do not burn a core.
 
 Threads: a *drainer* per member (asleep on a futex; it moves small messages out of a full
-ring when their sender asks, so sends up to the eager limit never wait for their receiver),
+ring when their sender asks, so sends up to the eager limit never wait for their receiver,
+within the ``max_unexpected_bytes`` budget; and it advances launched collectives that
+nobody drives),
 and a sender thread per peer, started the first time a message does not fit in the ring
 at once. ``shutdown()`` and ``abort()`` wake and stop them.
 

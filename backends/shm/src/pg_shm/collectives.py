@@ -13,6 +13,9 @@ extra barrier, and every phase reads only its own parity's slots.
   order ``0 .. size-1`` itself, so every member's bits are identical. Larger: per piece of a
   slot, two phases: each member folds its share of the piece (rank order) and publishes it,
   then every member copies every share. Each element is reduced once, by one member.
+* Each collective is written once as *steps* (a generator yielding each phase it waits for):
+  :meth:`Shared.run` drives them blocking, :meth:`Shared.launch` launches them (API 1.2) and
+  returns a work that its waiter, a later collective or the drainer drives, in launch order.
 * ``AVG`` divides the sum by the size; ``PREMUL_SUM`` scales each contribution at its source,
   as :mod:`pg_core.algorithms` does; the folds are torch's own ops
   (:data:`pg_core.algorithms.BINARY_OPS`).
