@@ -10,6 +10,7 @@ too once it is installed and available.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import io
 import itertools
 import json
@@ -26,6 +27,7 @@ import pytest
 import torch
 from pg_core import bench
 from pg_core.backend import Backend, BackendContext, Capabilities
+from pg_core.bench import catalog, cli, config, inputs, plot, report, sizing
 from pg_core.ops import OPS, ReduceOp
 from pg_core.procs import wait_exited
 from pg_core.store import wait_for
@@ -86,10 +88,12 @@ class ManglingBackend(StoreBackend):
     the message format around them. Lengths stay, so messages still parse."""
 
     MANGLED = {
-        bench.input_values(0, 6, torch.float32).numpy().tobytes(): torch.tensor([1, 2, 3, 1, 2, 5], dtype=torch.float32)
+        inputs.input_values(0, 6, torch.float32).numpy().tobytes(): torch.tensor(
+            [1, 2, 3, 1, 2, 5], dtype=torch.float32
+        )
         .numpy()
         .tobytes(),
-        bytes(bench.request_object(16)["payload"]): b"\xff" * 16,
+        bytes(inputs.request_object(16)["payload"]): b"\xff" * 16,
     }
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
@@ -130,7 +134,7 @@ class CrashOnRank1Backend(StoreBackend):
 
 def simulate(op: str, n: int, count: int, dtype: torch.dtype) -> list[torch.Tensor | None]:
     """Each rank's output, computed from the inputs with plain tensor ops (independently of bench)."""
-    big = [bench.input_values(r, count, dtype).double() for r in range(n)]
+    big = [inputs.input_values(r, count, dtype).double() for r in range(n)]
     block = count // n
     if op == "all_reduce":
         return [sum(big)] * n  # type: ignore[list-item]
@@ -139,7 +143,7 @@ def simulate(op: str, n: int, count: int, dtype: torch.dtype) -> list[torch.Tens
     if op == "reduce":
         return [sum(big)] + [None] * (n - 1)  # type: ignore[list-item]
     if op == "all_gather_into_tensor":
-        small = [bench.input_values(r, block, dtype).double() for r in range(n)]
+        small = [inputs.input_values(r, block, dtype).double() for r in range(n)]
         return [torch.cat(small)] * n
     if op == "reduce_scatter_tensor":
         return [sum(big)[r * block : (r + 1) * block] for r in range(n)]  # type: ignore[index]
@@ -148,32 +152,32 @@ def simulate(op: str, n: int, count: int, dtype: torch.dtype) -> list[torch.Tens
     if op == "send_recv":
         return [big[0], big[0]] + [None] * (n - 2)
     if op == "send_tensor":  # the same, in the shape only the sender knows
-        return [big[0].reshape(bench.tensor_shape(count))] * 2 + [None] * (n - 2)
+        return [big[0].reshape(inputs.tensor_shape(count))] * 2 + [None] * (n - 2)
     raise AssertionError(op)
 
 
-@pytest.mark.parametrize("op", bench.TENSOR_OPS)
+@pytest.mark.parametrize("op", catalog.TENSOR_OPS)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_expected_output_agrees_with_a_simulation_of_the_op(op: str, n: int) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        count = bench.element_count(op, 60, n, dtype.itemsize)
+        count = sizing.element_count(op, 60, n, dtype.itemsize)
         for rank, out in enumerate(simulate(op, n, count, dtype)):
-            expected = bench.expected_output(op, rank, n, count)
+            expected = inputs.expected_output(op, rank, n, count)
             assert (expected is None) == (out is None)
             if out is not None:
                 assert expected is not None
                 assert torch.equal(expected, out.reshape(-1)), (op, n, rank, dtype)
-                assert bench.check_output(op, rank, n, count, out.to(dtype), dtype=dtype) is None
+                assert inputs.check_output(op, rank, n, count, out.to(dtype), dtype=dtype) is None
 
 
 def test_expected_output_by_hand_for_two_ranks() -> None:
-    assert bench.input_values(0, 4, torch.float32).tolist() == [1, 2, 3, 1]
-    assert bench.input_values(1, 4, torch.int32).tolist() == [2, 4, 6, 2]
-    assert bench.expected_output("all_reduce", 1, 2, 4).tolist() == [3, 6, 9, 3]  # type: ignore[union-attr]
-    assert bench.expected_output("all_gather_into_tensor", 0, 2, 4).tolist() == [1, 2, 2, 4]  # type: ignore[union-attr]
-    assert bench.expected_output("reduce_scatter_tensor", 1, 2, 4).tolist() == [9, 3]  # type: ignore[union-attr]
-    assert bench.expected_output("all_to_all_single", 1, 2, 4).tolist() == [3, 1, 6, 2]  # type: ignore[union-attr]
-    assert bench.expected_output("reduce", 1, 2, 4) is None
+    assert inputs.input_values(0, 4, torch.float32).tolist() == [1, 2, 3, 1]
+    assert inputs.input_values(1, 4, torch.int32).tolist() == [2, 4, 6, 2]
+    assert inputs.expected_output("all_reduce", 1, 2, 4).tolist() == [3, 6, 9, 3]  # type: ignore[union-attr]
+    assert inputs.expected_output("all_gather_into_tensor", 0, 2, 4).tolist() == [1, 2, 2, 4]  # type: ignore[union-attr]
+    assert inputs.expected_output("reduce_scatter_tensor", 1, 2, 4).tolist() == [9, 3]  # type: ignore[union-attr]
+    assert inputs.expected_output("all_to_all_single", 1, 2, 4).tolist() == [3, 1, 6, 2]  # type: ignore[union-attr]
+    assert inputs.expected_output("reduce", 1, 2, 4) is None
 
 
 @pytest.mark.parametrize(
@@ -185,7 +189,7 @@ def test_expected_output_by_hand_for_two_ranks() -> None:
             lambda t: t.view(-1)[5].add_(1),
             "1 of 8 elements wrong; first at index 5: got 10, expected 9",
         ),
-        ("broadcast", 1, lambda t: t.copy_(bench.input_values(1, 8, t.dtype)), "8 of 8 elements wrong"),
+        ("broadcast", 1, lambda t: t.copy_(inputs.input_values(1, 8, t.dtype)), "8 of 8 elements wrong"),
         ("all_gather_into_tensor", 0, lambda t: t.copy_(t.roll(4)), "wrong; first at index 0: got 2, expected 1"),
         ("reduce_scatter_tensor", 1, lambda t: t.fill_(-1), "4 of 4 elements wrong"),  # the poison left in place
         ("all_to_all_single", 1, lambda t: t.view(-1)[7].fill_(float("nan")), "at index 7: got nan"),
@@ -197,65 +201,65 @@ def test_check_output_reports_a_wrong_result(op: str, rank: int, corrupt: Any, m
     out = simulate(op, 2, 8, torch.float32)[rank]
     assert out is not None
     out = out.float()
-    assert bench.check_output(op, rank, 2, 8, out) is None
+    assert inputs.check_output(op, rank, 2, 8, out) is None
     corrupt(out)
-    problem = bench.check_output(op, rank, 2, 8, out)
+    problem = inputs.check_output(op, rank, 2, 8, out)
     assert problem is not None and problem.startswith(f"{op}: rank {rank}") and message in problem, problem
 
 
 def test_checking_in_chunks_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    full = bench.expected_output("all_to_all_single", 1, 3, 12)
+    full = inputs.expected_output("all_to_all_single", 1, 3, 12)
     assert full is not None
-    assert torch.equal(bench.expected_output("all_to_all_single", 1, 3, 12, start=5, stop=9), full[5:9])  # type: ignore[arg-type]
+    assert torch.equal(inputs.expected_output("all_to_all_single", 1, 3, 12, start=5, stop=9), full[5:9])  # type: ignore[arg-type]
     out = full.float()
     out[7] = 0
     out[10] = 0
-    whole = bench.check_output("all_to_all_single", 1, 3, 12, out)
+    whole = inputs.check_output("all_to_all_single", 1, 3, 12, out)
     assert whole is not None and "2 of 12 elements wrong; first at index 7: got 0, expected" in whole
-    monkeypatch.setattr(bench, "_CHECK_CHUNK", 4)
-    assert bench.check_output("all_to_all_single", 1, 3, 12, out) == whole
+    monkeypatch.setattr(inputs, "CHECK_CHUNK", 4)
+    assert inputs.check_output("all_to_all_single", 1, 3, 12, out) == whole
 
 
 def test_check_output_reports_a_wrong_shape_and_a_missing_output() -> None:
-    assert "shape (3,), expected (4,)" in str(bench.check_output("all_reduce", 0, 2, 4, torch.ones(3)))
-    assert "no output" in str(bench.check_output("reduce", 0, 2, 4, None))
-    assert bench.check_output("reduce", 1, 2, 4, None) is None  # nothing is defined on a non-root
+    assert "shape (3,), expected (4,)" in str(inputs.check_output("all_reduce", 0, 2, 4, torch.ones(3)))
+    assert "no output" in str(inputs.check_output("reduce", 0, 2, 4, None))
+    assert inputs.check_output("reduce", 1, 2, 4, None) is None  # nothing is defined on a non-root
 
 
 def test_send_tensor_is_checked_for_its_shape_and_dtype() -> None:
-    assert bench.tensor_shape(1024) == (16, 64)  # 4 KiB of float32
-    assert bench.tensor_shape(96) == (3, 32)
-    assert bench.tensor_shape(1) == (1, 1)
-    right = bench.input_values(0, 96, torch.float32).reshape(3, 32)
-    assert bench.check_output("send_tensor", 1, 2, 96, right, dtype=torch.float32) is None
-    flat = bench.check_output("send_tensor", 1, 2, 96, right.reshape(-1), dtype=torch.float32)
+    assert inputs.tensor_shape(1024) == (16, 64)  # 4 KiB of float32
+    assert inputs.tensor_shape(96) == (3, 32)
+    assert inputs.tensor_shape(1) == (1, 1)
+    right = inputs.input_values(0, 96, torch.float32).reshape(3, 32)
+    assert inputs.check_output("send_tensor", 1, 2, 96, right, dtype=torch.float32) is None
+    flat = inputs.check_output("send_tensor", 1, 2, 96, right.reshape(-1), dtype=torch.float32)
     assert flat == "send_tensor: rank 1 output has shape (96,), expected (3, 32)"
-    assert "shape (32, 3)" in str(bench.check_output("send_tensor", 1, 2, 96, right.reshape(32, 3)))
-    as_double = bench.check_output("send_tensor", 0, 2, 96, right.double(), dtype=torch.float32)
+    assert "shape (32, 3)" in str(inputs.check_output("send_tensor", 1, 2, 96, right.reshape(32, 3)))
+    as_double = inputs.check_output("send_tensor", 0, 2, 96, right.double(), dtype=torch.float32)
     assert as_double == "send_tensor: rank 0 output has dtype torch.float64, expected torch.float32"
-    assert "no output" in str(bench.check_output("send_tensor", 0, 2, 96, None))
-    assert bench.check_output("send_tensor", 2, 3, 96, None) is None  # rank 2 takes no part
+    assert "no output" in str(inputs.check_output("send_tensor", 0, 2, 96, None))
+    assert inputs.check_output("send_tensor", 2, 3, 96, None) is None  # rank 2 takes no part
 
 
 def test_request_object_is_a_serving_request_with_a_payload_of_the_size_asked() -> None:
     for payload in (1, 4, 250, 251, 4096, 100_003):
-        obj = bench.request_object(payload)
+        obj = inputs.request_object(payload)
         assert isinstance(obj["payload"], bytes) and len(obj["payload"]) == payload
-        assert obj == bench.request_object(payload)  # the same on every rank
+        assert obj == inputs.request_object(payload)  # the same on every rank
         assert {"request_id", "prompt_token_ids", "sampling"} <= obj.keys()
-    assert len(set(bench.request_object(4096)["payload"])) == 251  # not one repeated byte
-    assert 100 < bench.object_size(4) < 400
-    assert 4092 <= bench.object_size(4096) - bench.object_size(4) < 4092 + 8  # the payload, pickled in-band
-    assert bench.element_count("send_object", 4096, 2, 4) == 4096  # object ops count payload bytes
+    assert len(set(inputs.request_object(4096)["payload"])) == 251  # not one repeated byte
+    assert 100 < inputs.object_size(4) < 400
+    assert 4092 <= inputs.object_size(4096) - inputs.object_size(4) < 4092 + 8  # the payload, pickled in-band
+    assert sizing.element_count("send_object", 4096, 2, 4) == 4096  # object ops count payload bytes
 
 
 def test_check_object_reports_a_wrong_object() -> None:
     def check(op: str, rank: int, obj: object) -> str | None:
-        return bench.check_object(op, rank, 3, 300, obj)
+        return inputs.check_object(op, rank, 3, 300, obj)
 
-    right = bench.request_object(300)
-    for op in bench.OBJECT_OPS:
-        assert check(op, 1, bench.request_object(300)) is None
+    right = inputs.request_object(300)
+    for op in catalog.OBJECT_OPS:
+        assert check(op, 1, inputs.request_object(300)) is None
     corrupt = dict(right, payload=right["payload"][:7] + b"\xff" + right["payload"][8:])
     assert check("send_object", 0, corrupt) == (
         "send_object: rank 0: the object['payload'] differs first at index 7: got 255, expected 49"
@@ -270,19 +274,19 @@ def test_check_object_reports_a_wrong_object() -> None:
     fewer = {k: v for k, v in right.items() if k != "priority"}
     assert "lacks keys ['priority'] and has extra keys []" in str(check("broadcast_object", 0, fewer))
     assert "the object is a NoneType, expected a dict" in str(check("broadcast_object", 1, None))
-    assert "no object received" in str(check("send_object", 1, bench._NOTHING))
+    assert "no object received" in str(check("send_object", 1, inputs.NOTHING))
     assert check("send_object", 2, None) is None  # rank 2 takes no part in the echo
     with pytest.raises(ValueError, match="not an object op"):
-        bench.check_object("send_recv", 0, 2, 4, right)
+        inputs.check_object("send_recv", 0, 2, 4, right)
     with pytest.raises(ValueError, match="no tensor output"):
-        bench.expected_output("broadcast_object", 0, 2, 4)
+        inputs.expected_output("broadcast_object", 0, 2, 4)
 
 
 # -- sizes, counts, bandwidth, planning -----------------------------------------------------------------
 
 
 def test_parse_size() -> None:
-    assert [bench.parse_size(s) for s in ("4", "1K", "64k", "1M", "2G", "1KiB", "3MB")] == [
+    assert [sizing.parse_size(s) for s in ("4", "1K", "64k", "1M", "2G", "1KiB", "3MB")] == [
         4,
         1024,
         65536,
@@ -293,85 +297,92 @@ def test_parse_size() -> None:
     ]
     for bad in ("", "1T", "-4", "1.5K", "K"):
         with pytest.raises(ValueError, match="cannot read"):
-            bench.parse_size(bad)
+            sizing.parse_size(bad)
 
 
 def test_sweep_sizes() -> None:
-    assert bench.sweep_sizes(4, 64, 2) == [4, 8, 16, 32, 64]
-    assert bench.sweep_sizes(1024, 1 << 20, 32) == [1024, 32768, 1 << 20]
-    assert bench.sweep_sizes(5, 5, 2) == [5]
-    assert bench.sweep_sizes(1, 10, 1.5) == [1, 2, 3, 5, 8]  # rounded, repeats dropped
+    assert sizing.sweep_sizes(4, 64, 2) == [4, 8, 16, 32, 64]
+    assert sizing.sweep_sizes(1024, 1 << 20, 32) == [1024, 32768, 1 << 20]
+    assert sizing.sweep_sizes(5, 5, 2) == [5]
+    assert sizing.sweep_sizes(1, 10, 1.5) == [1, 2, 3, 5, 8]  # rounded, repeats dropped
     with pytest.raises(ValueError, match="stepfactor must be a finite number greater than 1, got 1"):
-        bench.sweep_sizes(4, 64, 1)
+        sizing.sweep_sizes(4, 64, 1)
     with pytest.raises(ValueError, match="1 <= -b/--minbytes <= -e/--maxbytes, got 64 and 4"):
-        bench.sweep_sizes(64, 4, 2)
+        sizing.sweep_sizes(64, 4, 2)
     with pytest.raises(ValueError, match="makes 1001 sizes, more than 1000"):
-        bench.sweep_sizes(1, 2**1000, 2)
-    assert len(bench.sweep_sizes(1, 2**999, 2)) == bench.MAX_SIZES
+        sizing.sweep_sizes(1, 2**1000, 2)
+    assert len(sizing.sweep_sizes(1, 2**999, 2)) == sizing.MAX_SIZES
 
 
 def test_sizes_as_nccl_tests_spells_them() -> None:
-    nccl = bench._config(_args("--backends", "", "-b", "8", "-e", "64M", "-f", "2")).sizes
+    nccl = config.config_from_args(_args("--backends", "", "-b", "8", "-e", "64M", "-f", "2")).sizes
     assert nccl == [8 << k for k in range(24)] and nccl[-1] == 64 << 20
     for spelled in (
         ["--minbytes", "8", "--maxbytes", "64M", "--stepfactor", "2"],
         ["--min-bytes", "8", "--max-bytes", "65536K", "--factor", "2.0"],
         ["-b", "8B", "-e", "64MiB"],  # -f defaults to 2
     ):
-        assert bench._config(_args("--backends", "", *spelled)).sizes == nccl, spelled
-    assert bench._config(_args("--backends", "", "-e", "64")).sizes == [4, 8, 16, 32, 64]  # -b defaults to 4
-    assert bench._config(_args("--backends", "", "-b", "1K", "-e", "1M", "-f", "32")).sizes == [1024, 32768, 1 << 20]
-    assert bench._config(_args("--backends", "", "--sizes", "4, 1K,4")).sizes == [4, 1024]  # --sizes as before
-    assert bench._config(_args("--backends", "")).sizes == [4, 1024, 65536, 1 << 20, 64 << 20]
+        assert config.config_from_args(_args("--backends", "", *spelled)).sizes == nccl, spelled
+    assert config.config_from_args(_args("--backends", "", "-e", "64")).sizes == [4, 8, 16, 32, 64]  # -b defaults to 4
+    assert config.config_from_args(_args("--backends", "", "-b", "1K", "-e", "1M", "-f", "32")).sizes == [
+        1024,
+        32768,
+        1 << 20,
+    ]
+    assert config.config_from_args(_args("--backends", "", "--sizes", "4, 1K,4")).sizes == [
+        4,
+        1024,
+    ]  # --sizes as before
+    assert config.config_from_args(_args("--backends", "")).sizes == [4, 1024, 65536, 1 << 20, 64 << 20]
 
 
 def test_help_shows_every_spelling_of_the_sweep() -> None:
     parser = __import__("argparse").ArgumentParser()
-    bench._add_arguments(parser)
+    cli.add_arguments(parser)
     text = " ".join(parser.format_help().split())
     for spelling in ("-b SIZE, --minbytes SIZE, --min-bytes SIZE", "-e SIZE, --maxbytes SIZE", "-f F, --stepfactor F"):
         assert spelling in text
 
 
 def test_element_count_rounds_to_whole_blocks_per_rank() -> None:
-    assert bench.element_count("all_reduce", 4, 3, 4) == 1
-    assert bench.element_count("all_reduce", 2, 3, 4) == 1  # never zero
-    assert bench.element_count("all_gather_into_tensor", 4, 3, 4) == 3  # one element per rank at least
-    assert bench.element_count("all_to_all_single", 1024, 3, 4) == 255
-    assert bench.element_count("send_recv", 1024, 2, 2) == 512
+    assert sizing.element_count("all_reduce", 4, 3, 4) == 1
+    assert sizing.element_count("all_reduce", 2, 3, 4) == 1  # never zero
+    assert sizing.element_count("all_gather_into_tensor", 4, 3, 4) == 3  # one element per rank at least
+    assert sizing.element_count("all_to_all_single", 1024, 3, 4) == 255
+    assert sizing.element_count("send_recv", 1024, 2, 2) == 512
 
 
 def test_busbw_factors_are_nccl_tests() -> None:
-    assert bench.busbw_factor("all_reduce", 4) == 1.5
+    assert sizing.busbw_factor("all_reduce", 4) == 1.5
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
-        assert bench.busbw_factor(op, 4) == 0.75
+        assert sizing.busbw_factor(op, 4) == 0.75
     for op in ("broadcast", "reduce", "send_recv", "send_tensor", "send_object", "broadcast_object"):
-        assert bench.busbw_factor(op, 4) == 1.0
+        assert sizing.busbw_factor(op, 4) == 1.0
 
 
 def test_plan_iterations_respects_the_budget_and_the_bounds() -> None:
     # 10 us per iteration, 2 s budget: all the warmup and the most iterations
-    assert bench.plan_iterations(10_000, warmup=5, warmup_done=2, max_iters=200, budget_s=2.0) == (3, 200)
+    assert sizing.plan_iterations(10_000, warmup=5, warmup_done=2, max_iters=200, budget_s=2.0) == (3, 200)
     # 0.1 s per iteration, 1 s budget: two more warmups (a fifth of the budget), then the 8 that fit
-    assert bench.plan_iterations(100_000_000, 5, 2, 200, 1.0) == (2, 8)
+    assert sizing.plan_iterations(100_000_000, 5, 2, 200, 1.0) == (2, 8)
     # 3 s per iteration: no more warmup, and still the minimum of 5 timed iterations
-    assert bench.plan_iterations(3_000_000_000, 5, 2, 200, 1.0) == (0, bench.MIN_ITERS)
+    assert sizing.plan_iterations(3_000_000_000, 5, 2, 200, 1.0) == (0, sizing.MIN_ITERS)
     # fewer than the minimum if the user asks for fewer
-    assert bench.plan_iterations(3_000_000_000, 5, 2, 3, 1.0) == (0, 3)
+    assert sizing.plan_iterations(3_000_000_000, 5, 2, 3, 1.0) == (0, 3)
 
 
 def test_each_round_starts_one_row_further_along() -> None:
     rows = ["raw", "raw.again", "gloo"]
-    orders = [bench.rotated(rows, turn) for turn in range(6)]
+    orders = [sizing.rotated(rows, turn) for turn in range(6)]
     assert orders[:3] == [["raw", "raw.again", "gloo"], ["raw.again", "gloo", "raw"], ["gloo", "raw", "raw.again"]]
     assert orders[3:] == orders[:3]
     for name in rows:  # each row first, and after each other row, once in three rounds
         assert [order.index(name) for order in orders[:3]] in ([0, 2, 1], [1, 0, 2], [2, 1, 0])
-    assert bench.rotated([], 4) == [] and bench.rotated(["x"], 7) == ["x"]
+    assert sizing.rotated([], 4) == [] and sizing.rotated(["x"], 7) == ["x"]
 
 
-def _row(backend: str, median: float, *, baseline: bool = False, op: str = "all_reduce") -> bench.Row:
-    return bench.Row(
+def _row(backend: str, median: float, *, baseline: bool = False, op: str = "all_reduce") -> report.Row:
+    return report.Row(
         op=op,
         backend=backend,
         baseline=baseline,
@@ -392,60 +403,60 @@ def _row(backend: str, median: float, *, baseline: bool = False, op: str = "all_
 
 
 def test_reports() -> None:
-    rows = [_row(bench.BASELINE, 100.0, baseline=True), _row("tcp", 85.0)]
-    bench._add_ratios(rows)
-    assert rows[0].ratio is None and rows[1].ratio == pytest.approx(0.85) and rows[1].ratio_to == bench.BASELINE
-    table = bench.format_table(rows)
+    rows = [_row(catalog.BASELINE, 100.0, baseline=True), _row("tcp", 85.0)]
+    report.add_ratios(rows)
+    assert rows[0].ratio is None and rows[1].ratio == pytest.approx(0.85) and rows[1].ratio_to == catalog.BASELINE
+    table = report.format_table(rows)
     assert "# all_reduce (world size 2, float32, sum)" in table
     assert "0.85x torch-gloo" in table and "85.0" in table
-    assert json.loads(bench.format_json(rows))[1]["ratio"] == pytest.approx(0.85)
-    lines = bench.format_csv(rows).splitlines()
+    assert json.loads(report.format_json(rows))[1]["ratio"] == pytest.approx(0.85)
+    lines = report.format_csv(rows).splitlines()
     assert lines[0].startswith("op,backend,baseline,size,") and len(lines) == 3
     assert "vs " not in table  # all_reduce has no reference op
 
 
 def test_with_rounds_each_rounds_medians_are_compared_round_by_round() -> None:
-    base, gloo, tcp = _row(bench.BASELINE, 100.0, baseline=True), _row("gloo", 104.0), _row("tcp", 90.0)
+    base, gloo, tcp = _row(catalog.BASELINE, 100.0, baseline=True), _row("gloo", 104.0), _row("tcp", 90.0)
     base.round_median_us = [100.0, 200.0, 100.0, 100.0, 100.0]  # the machine slowed down in round 2
     gloo.round_median_us = [104.0, 204.0, 102.0, 101.0, 106.0]  # paired: that round weighs as little as the others
     tcp.round_median_us = [90.0, 180.0, 90.0]  # rounds that do not pair up give no round ratios
     for row in (base, gloo, tcp):
         row.rounds = 5
     rows = [base, gloo, tcp]
-    bench._add_ratios(rows)
+    report.add_ratios(rows)
     assert gloo.round_ratios == pytest.approx([1.04, 1.02, 1.02, 1.01, 1.06])
     assert base.round_ratios is None and tcp.round_ratios is None and tcp.ratio == pytest.approx(0.9)
-    assert bench.quartiles(gloo.round_ratios) == pytest.approx((1.02, 1.04))
-    assert bench.quartiles([1.5]) == (1.5, 1.5)
-    table = bench.format_table(rows)
+    assert report.quartiles(gloo.round_ratios) == pytest.approx((1.02, 1.04))
+    assert report.quartiles([1.5]) == (1.5, 1.5)
+    table = report.format_table(rows)
     assert "1.04x torch-gloo [1.02-1.04]" in table and "0.90x torch-gloo [" not in table
     assert "interleaved in 5 rounds" in table and "# [a-b] (--rounds)" in table
-    assert "# [a-b]" not in bench.format_table([base, tcp])  # no round ratios: no legend for them
-    assert json.loads(bench.format_json(rows))[1]["round_ratios"] == pytest.approx(gloo.round_ratios)
+    assert "# [a-b]" not in report.format_table([base, tcp])  # no round ratios: no legend for them
+    assert json.loads(report.format_json(rows))[1]["round_ratios"] == pytest.approx(gloo.round_ratios)
 
 
 def test_send_tensor_is_compared_with_send_recv_on_the_same_backend() -> None:
     rows = [
-        _row(bench.BASELINE, 300.0, baseline=True, op="send_tensor"),
+        _row(catalog.BASELINE, 300.0, baseline=True, op="send_tensor"),
         _row("tcp", 60.0, op="send_tensor"),
-        _row(bench.BASELINE, 50.0, baseline=True, op="send_recv"),
+        _row(catalog.BASELINE, 50.0, baseline=True, op="send_recv"),
         _row("tcp", 48.0, op="send_recv"),
         _row("other", 10.0, op="send_tensor"),  # no send_recv row of its own: no comparison
     ]
-    bench._add_ratios(rows)
+    report.add_ratios(rows)
     st_base, st_tcp, sr_base, sr_tcp, other = rows
     assert st_base.ref_ratio == pytest.approx(6.0) and st_base.ref_op == "send_recv"
     assert st_tcp.ref_ratio == pytest.approx(1.25) and st_tcp.ratio == pytest.approx(0.2)
     assert sr_base.ref_ratio is None and sr_tcp.ref_ratio is None and other.ref_ratio is None
-    table = bench.format_table(rows)
+    table = report.format_table(rows)
     send_tensor = table.split("\n\n")[0].splitlines()
     assert send_tensor[0].startswith("# send_tensor (world size 2, float32, shape unknown to the receiver")
     assert send_tensor[1].split()[-2:] == ["send_recv", "check"]  # the "vs send_recv" column
     assert send_tensor[3].split()[-5:] == ["0.20x", "torch-gloo", "1.25x", "+12.0us", "ok"]
     assert send_tensor[4].split()[-2:] == ["-", "ok"]
     assert "send_tensor vs send_recv is the cost of a shape the receiver does not" in table
-    assert json.loads(bench.format_json(rows))[1]["ref_ratio"] == pytest.approx(1.25)
-    assert json.loads(bench.format_json(rows))[1]["ref_diff_us"] == pytest.approx(12.0)
+    assert json.loads(report.format_json(rows))[1]["ref_ratio"] == pytest.approx(1.25)
+    assert json.loads(report.format_json(rows))[1]["ref_diff_us"] == pytest.approx(12.0)
 
 
 def test_an_asynchronous_form_is_compared_with_its_blocking_op() -> None:
@@ -455,78 +466,80 @@ def test_an_asynchronous_form_is_compared_with_its_blocking_op() -> None:
         _row("tcp", 40.0, op="send_recv"),
         _row("tcp", 38.0, op="isend_irecv"),
     ]
-    bench._add_ratios(rows)
+    report.add_ratios(rows)
     assert rows[1].ref_op == "all_reduce" and rows[1].ref_diff_us == pytest.approx(3.5)
     assert rows[3].ref_op == "send_recv" and rows[3].ref_diff_us == pytest.approx(-2.0)
     assert rows[0].ref_ratio is None and rows[2].ref_ratio is None
-    tables = bench.format_table(rows).split("\n\n")
+    tables = report.format_table(rows).split("\n\n")
     assert tables[1].startswith("# all_reduce_async (world size 2, float32, sum, async_op=True then wait()")
     assert tables[1].splitlines()[2].split()[-3:] == ["1.07x", "+3.5us", "ok"]
     assert "isend().wait() then irecv().wait()" in tables[3]
     # the asynchronous form leaves what its op leaves, and moves as much
-    assert torch.equal(bench.expected_output("all_reduce_async", 1, 2, 4), bench.expected_output("all_reduce", 1, 2, 4))
-    assert bench.busbw_factor("all_reduce_async", 4) == bench.busbw_factor("all_reduce", 4)
+    assert torch.equal(
+        inputs.expected_output("all_reduce_async", 1, 2, 4), inputs.expected_output("all_reduce", 1, 2, 4)
+    )
+    assert sizing.busbw_factor("all_reduce_async", 4) == sizing.busbw_factor("all_reduce", 4)
 
 
 def test_async_adds_each_asynchronous_form_after_its_op() -> None:
-    cfg = bench._config(_args("--backends", "", "--ops", "all_reduce,reduce,send_recv", "--async"))
+    cfg = config.config_from_args(_args("--backends", "", "--ops", "all_reduce,reduce,send_recv", "--async"))
     assert cfg.ops == ["all_reduce", "all_reduce_async", "reduce", "send_recv", "isend_irecv"]
-    assert bench._config(_args("--backends", "", "--ops", "broadcast_async")).ops == ["broadcast_async"]
-    assert "all_reduce_async" not in bench._config(_args("--backends", "")).ops  # 'all' leaves them out
-    with pytest.raises(bench.BenchError, match="unknown reduce_async"):
-        bench._config(_args("--backends", "", "--ops", "reduce_async"))
+    assert config.config_from_args(_args("--backends", "", "--ops", "broadcast_async")).ops == ["broadcast_async"]
+    assert "all_reduce_async" not in config.config_from_args(_args("--backends", "")).ops  # 'all' leaves them out
+    with pytest.raises(catalog.BenchError, match="unknown reduce_async"):
+        config.config_from_args(_args("--backends", "", "--ops", "reduce_async"))
 
 
 def test_each_backend_is_compared_with_its_own_librarys_baseline() -> None:
-    baselines = [bench.BASELINE, bench.MPI4PY]
-    assert bench.compared_with("gloo", baselines) == bench.BASELINE
-    assert bench.compared_with("mpi", baselines) == bench.MPI4PY
-    assert bench.compared_with("tcp", baselines) == bench.BASELINE  # no library of its own: the first
-    assert bench.compared_with("tcp", baselines[::-1]) == bench.MPI4PY
-    assert bench.compared_with("mpi", [bench.BASELINE]) == bench.BASELINE  # its own was not measured
-    assert bench.compared_with("mpi", []) is None
+    baselines = [catalog.BASELINE, catalog.MPI4PY]
+    assert report.compared_with("gloo", baselines) == catalog.BASELINE
+    assert report.compared_with("mpi", baselines) == catalog.MPI4PY
+    assert report.compared_with("tcp", baselines) == catalog.BASELINE  # no library of its own: the first
+    assert report.compared_with("tcp", baselines[::-1]) == catalog.MPI4PY
+    assert report.compared_with("mpi", [catalog.BASELINE]) == catalog.BASELINE  # its own was not measured
+    assert report.compared_with("mpi", []) is None
     rows = [
-        _row(bench.BASELINE, 100.0, baseline=True),
-        _row(bench.MPI4PY, 10.0, baseline=True),
+        _row(catalog.BASELINE, 100.0, baseline=True),
+        _row(catalog.MPI4PY, 10.0, baseline=True),
         _row("tcp", 50.0),
         _row("gloo", 120.0),
         _row("mpi", 15.0),
         _row("gloo.to_torch", 110.0),
-        _row(bench.MPI4PY + bench.CONTROL, 11.0),  # --control: a baseline again, compared with itself
-        _row(bench.BASELINE + bench.CONTROL, 97.0),
+        _row(catalog.MPI4PY + catalog.CONTROL, 11.0),  # --control: a baseline again, compared with itself
+        _row(catalog.BASELINE + catalog.CONTROL, 97.0),
     ]
-    bench._add_ratios(rows)
+    report.add_ratios(rows)
     got = {r.backend: (r.ratio_to, r.ratio) for r in rows}
     assert got == {
-        bench.BASELINE: (None, None),
-        bench.MPI4PY: (None, None),
-        "tcp": (bench.BASELINE, pytest.approx(0.5)),
-        "gloo": (bench.BASELINE, pytest.approx(1.2)),
-        "mpi": (bench.MPI4PY, pytest.approx(1.5)),
-        "gloo.to_torch": (bench.BASELINE, pytest.approx(1.1)),
-        "mpi4py.again": (bench.MPI4PY, pytest.approx(1.1)),
-        "torch-gloo.again": (bench.BASELINE, pytest.approx(0.97)),
+        catalog.BASELINE: (None, None),
+        catalog.MPI4PY: (None, None),
+        "tcp": (catalog.BASELINE, pytest.approx(0.5)),
+        "gloo": (catalog.BASELINE, pytest.approx(1.2)),
+        "mpi": (catalog.MPI4PY, pytest.approx(1.5)),
+        "gloo.to_torch": (catalog.BASELINE, pytest.approx(1.1)),
+        "mpi4py.again": (catalog.MPI4PY, pytest.approx(1.1)),
+        "torch-gloo.again": (catalog.BASELINE, pytest.approx(0.97)),
     }
-    table = bench.format_table(rows)
+    table = report.format_table(rows)
     assert "1.50x mpi4py" in table and "1.20x torch-gloo" in table
 
 
 def test_baselines_auto_adds_mpi4py_only_where_mpiexec_starts_the_ranks() -> None:
-    assert bench._baselines("auto", set()) == [bench.BASELINE]
-    if bench.importlib.util.find_spec("mpi4py") is None:  # pg-mpi brings it; without it, auto leaves it out
-        assert bench._baselines("auto", {"mpiexec"}) == [bench.BASELINE]
-        with pytest.raises(bench.BenchError, match="--baseline mpi4py needs mpi4py"):
-            bench._baselines("mpi4py", set())
+    assert config.choose_baselines("auto", set()) == [catalog.BASELINE]
+    if importlib.util.find_spec("mpi4py") is None:  # pg-mpi brings it; without it, auto leaves it out
+        assert config.choose_baselines("auto", {"mpiexec"}) == [catalog.BASELINE]
+        with pytest.raises(catalog.BenchError, match="--baseline mpi4py needs mpi4py"):
+            config.choose_baselines("mpi4py", set())
         return
-    assert bench._baselines("auto", {"mpiexec"}) == [bench.BASELINE, bench.MPI4PY]
-    assert bench._baselines(" mpi4py , torch-gloo,mpi4py", set()) == [bench.MPI4PY, bench.BASELINE]
-    cfg = bench._config(_args("--backends", "", "--baseline", "torch-gloo,mpi4py"))
-    assert cfg.baselines == [bench.BASELINE, bench.MPI4PY] and cfg.launcher == "mpiexec"
+    assert config.choose_baselines("auto", {"mpiexec"}) == [catalog.BASELINE, catalog.MPI4PY]
+    assert config.choose_baselines(" mpi4py , torch-gloo,mpi4py", set()) == [catalog.MPI4PY, catalog.BASELINE]
+    cfg = config.config_from_args(_args("--backends", "", "--baseline", "torch-gloo,mpi4py"))
+    assert cfg.baselines == [catalog.BASELINE, catalog.MPI4PY] and cfg.launcher == "mpiexec"
     assert cfg.runners() == 2
 
 
-def _sized(row: bench.Row, size: int) -> bench.Row:
-    return bench.dataclasses.replace(row, size=size, requested_size=size, count=size // 4)
+def _sized(row: report.Row, size: int) -> report.Row:
+    return dataclasses.replace(row, size=size, requested_size=size, count=size // 4)
 
 
 def test_plot_has_a_row_of_panels_per_op_with_units_and_its_legend_off_the_data(tmp_path: Path) -> None:
@@ -535,26 +548,29 @@ def test_plot_has_a_row_of_panels_per_op_with_units_and_its_legend_off_the_data(
     rows = [
         _sized(
             _row(
-                backend, 100.0 * (k + 1) * (100 if op == "send_recv" else 1), baseline=backend in bench.BASELINES, op=op
+                backend,
+                100.0 * (k + 1) * (100 if op == "send_recv" else 1),
+                baseline=backend in catalog.BASELINES,
+                op=op,
             ),
             size,
         )
         for op in ("all_reduce", "send_recv")
         for size in (4, 64 << 10, 1 << 20)
-        for k, backend in enumerate([bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"])
+        for k, backend in enumerate([catalog.BASELINE, catalog.MPI4PY, "tcp", "gloo", "mpi"])
     ]
     rows.append(dataclasses.replace(rows[0], size=16, median_us=None, status="skipped"))  # no time: not drawn
-    colours = bench.plot_colours(rows)
-    assert colours[bench.BASELINE] == colours["gloo"] and colours[bench.MPI4PY] == colours["mpi"]
+    colours = plot.plot_colours(rows)
+    assert colours[catalog.BASELINE] == colours["gloo"] and colours[catalog.MPI4PY] == colours["mpi"]
     assert len({colours["tcp"], colours["gloo"], colours["mpi"]}) == 3
-    fig = bench.plot_figure(rows)
+    fig = plot.plot_figure(rows)
     assert len(fig.axes) == 4  # per op: time, bus bandwidth
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     renderer = canvas.get_renderer()
     (legend,) = fig.legends  # one for the figure, none in a panel
     assert all(ax.get_legend() is None for ax in fig.axes)
-    assert {t.get_text() for t in legend.get_texts()} == {bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"}
+    assert {t.get_text() for t in legend.get_texts()} == {catalog.BASELINE, catalog.MPI4PY, "tcp", "gloo", "mpi"}
     legend_box = legend.get_window_extent(renderer)
     for op, (latency, bandwidth) in zip(("all_reduce", "send_recv"), [fig.axes[:2], fig.axes[2:]], strict=True):
         assert latency.get_title().startswith(f"{op}: median time") and bandwidth.get_title().startswith(f"{op}: bus")
@@ -564,10 +580,10 @@ def test_plot_has_a_row_of_panels_per_op_with_units_and_its_legend_off_the_data(
             assert ax.get_xlabel() == "message size per rank (bytes)"
             assert [t.get_text() for t in ax.get_xticklabels()] == ["4 B", "64 KiB", "1 MiB"]
             lines = {line.get_label(): line for line in ax.get_lines()}
-            assert set(lines) == {bench.BASELINE, bench.MPI4PY, "tcp", "gloo", "mpi"}  # this op's only
+            assert set(lines) == {catalog.BASELINE, catalog.MPI4PY, "tcp", "gloo", "mpi"}  # this op's only
             for label, line in lines.items():
                 assert line.get_color() == colours[label]
-                assert line.get_linestyle() == ("--" if label in bench.BASELINES else "-"), label
+                assert line.get_linestyle() == ("--" if label in catalog.BASELINES else "-"), label
                 assert list(line.get_xdata()) == [4, 64 << 10, 1 << 20]
             assert len({line.get_marker() for line in lines.values()}) == 5
         assert bandwidth.get_ylabel() == "bus bandwidth (GB/s)"
@@ -577,13 +593,13 @@ def test_plot_has_a_row_of_panels_per_op_with_units_and_its_legend_off_the_data(
     assert list(fig.axes[2].get_lines()[2].get_ydata()) == [30.0] * 3
     assert "world size 2" in fig._suptitle.get_text() and "float32" in fig._suptitle.get_text()
     many = [_sized(_row("tcp", 10.0 * (k + 1)), 4 << k) for k in range(20)]  # 4 B .. 2 MiB: 20 sizes
-    labels = [t.get_text() for t in bench.plot_figure(many).axes[0].get_xticklabels()]
+    labels = [t.get_text() for t in plot.plot_figure(many).axes[0].get_xticklabels()]
     assert 2 <= len(labels) <= 9 and labels[0] == "4 B" and all(label.endswith(("B", "iB")) for label in labels)
     path = tmp_path / "plot.png"
-    bench.write_plot(rows, str(path))
+    plot.write_plot(rows, str(path))
     assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 10_000
-    with pytest.raises(bench.BenchError, match="no row has a time to plot"):
-        bench.plot_figure([rows[-1]])
+    with pytest.raises(catalog.BenchError, match="no row has a time to plot"):
+        plot.plot_figure([rows[-1]])
 
 
 def test_the_report_says_what_every_backend_it_shows_is() -> None:
@@ -592,11 +608,11 @@ def test_the_report_says_what_every_backend_it_shows_is() -> None:
     entries = default_registry().entries()
     installed = [e for e in entries if e.distribution is not None]
     assert installed, "no backend plugin is installed: make install puts the in-repo ones in the venv"
-    labels = [bench.BASELINE, bench.MPI4PY, *(e.name for e in installed), "gloo.to_torch", "test_bench:OK_SPEC"]
-    about = bench.describe_backends([*labels, bench.BASELINE + ".again"], entries)
+    labels = [catalog.BASELINE, catalog.MPI4PY, *(e.name for e in installed), "gloo.to_torch", "test_bench:OK_SPEC"]
+    about = report.describe_backends([*labels, catalog.BASELINE + ".again"], entries)
     said = dict(line.split(": ", 1) for line in about)
-    assert list(said) == [bench.BASELINE, bench.MPI4PY, *(e.name for e in installed), "test_bench:OK_SPEC"]
-    assert "torch's own ProcessGroupGloo" in said[bench.BASELINE] and "mpi4py" in said[bench.MPI4PY]
+    assert list(said) == [catalog.BASELINE, catalog.MPI4PY, *(e.name for e in installed), "test_bench:OK_SPEC"]
+    assert "torch's own ProcessGroupGloo" in said[catalog.BASELINE] and "mpi4py" in said[catalog.MPI4PY]
     for entry in installed:  # its distribution, and the summary its metadata gives
         assert entry.distribution is not None
         summary = bench_metadata(entry.distribution)
@@ -604,13 +620,13 @@ def test_the_report_says_what_every_backend_it_shows_is() -> None:
     assert said["test_bench:OK_SPEC"].startswith("not an installed plugin")
     first = installed[0]
     pinned = f"{first.name}@{first.distribution}"  # a pinned name is its plugin's; a dotted reference is listed
-    again = dict(line.split(": ", 1) for line in bench.describe_backends([pinned, "pkg.mod:SPEC"], entries))
+    again = dict(line.split(": ", 1) for line in report.describe_backends([pinned, "pkg.mod:SPEC"], entries))
     assert again[pinned] == said[first.name] and again["pkg.mod:SPEC"].startswith("not an installed plugin")
     by_distribution = {e.distribution: e.name for e in installed}
     if "pg-storecomm" in by_distribution:  # the repository's example plugin (examples/third_party_plugin)
         assert "example" in said[by_distribution["pg-storecomm"]].lower()
-    rows = [_row(bench.BASELINE, 100.0, baseline=True), _row("tcp", 50.0)]
-    table = bench.format_table(rows, ["torch-gloo: what it is", "tcp: what that is"])
+    rows = [_row(catalog.BASELINE, 100.0, baseline=True), _row("tcp", 50.0)]
+    table = report.format_table(rows, ["torch-gloo: what it is", "tcp: what that is"])
     assert "# backends:\n#   torch-gloo: what it is\n#   tcp: what that is\n# size:" in table
 
 
@@ -630,7 +646,7 @@ def test_make_demo_ends_with_a_short_bench_whose_arguments_hold() -> None:
     found = re.search(r"^DEMO_BENCH\s*:=\s*(.+)$", makefile, flags=re.MULTILINE)
     assert found is not None
     assert "pg-core bench $(DEMO_BENCH)" in makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
-    cfg = bench._config(_args(*shlex.split(found.group(1))))
+    cfg = config.config_from_args(_args(*shlex.split(found.group(1))))
     assert cfg.ops == ["all_reduce"] and cfg.world_size == 2
     assert len(cfg.sizes) <= 4 and cfg.time_budget <= 0.5  # a few rows, well under a minute
 
@@ -687,7 +703,7 @@ def test_progress_bar_shows_cases_what_runs_and_the_time() -> None:
 
 def _args(*argv: str) -> Any:
     parser = __import__("argparse").ArgumentParser()
-    bench._add_arguments(parser)
+    cli.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -731,9 +747,9 @@ def test_bad_arguments_fail_before_any_rank_starts(
 def test_plot_without_matplotlib_says_what_to_install(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_find_spec = bench.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(  # as if matplotlib were not installed
-        bench.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
     )
     assert bench.main(_args("--backends", "", "--plot", "x.png")) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
@@ -859,32 +875,32 @@ def _rows(run: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
 def _well_formed(
     rows: list[dict[str, Any]], ops: tuple[str, ...], backends: list[str], sizes: list[int] = SIZES
 ) -> None:
-    fields = {f.name for f in bench.dataclasses.fields(bench.Row)}
+    fields = {f.name for f in dataclasses.fields(report.Row)}
     wanted = {(op, size, b) for op, size, b in itertools.product(ops, sizes, backends)}
     assert {(r["op"], r["requested_size"], r["backend"]) for r in rows} == wanted
     assert len(rows) == len(wanted)
-    baseline = bench.BASELINE in backends
+    baseline = catalog.BASELINE in backends
     for r in rows:
         assert set(r) == fields
         assert r["status"] == "ok", r
         assert r["world_size"] == 2
         assert r["iters"] == 5 and r["warmup"] >= 1
         assert 0 < r["min_us"] <= r["median_us"] <= r["max_us"], r
-        if r["op"] in bench.OBJECT_OPS:  # count: the payload's bytes; size: the object pickled
+        if r["op"] in catalog.OBJECT_OPS:  # count: the payload's bytes; size: the object pickled
             assert r["dtype"] == "object" and r["count"] == r["requested_size"]
-            assert r["size"] == bench.object_size(r["count"])
+            assert r["size"] == inputs.object_size(r["count"])
         else:
             assert r["dtype"] == "float32"
             assert r["size"] == r["count"] * 4 and r["size"] >= 4
         assert r["algbw_gbps"] == pytest.approx(r["size"] / r["median_us"] / 1e3)
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.busbw_factor(r["op"], 2))
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * sizing.busbw_factor(r["op"], 2))
         if r["baseline"] or not baseline:
-            assert r["backend"] in (bench.BASELINE if baseline else backends) and r["ratio"] is None
+            assert r["backend"] in (catalog.BASELINE if baseline else backends) and r["ratio"] is None
         else:
             base = next(b for b in rows if b["baseline"] and (b["op"], b["size"]) == (r["op"], r["size"]))
             assert r["ratio"] == pytest.approx(r["median_us"] / base["median_us"])
-            assert r["ratio_to"] == bench.BASELINE
-        ref_op = bench.REFERENCE_OPS.get(r["op"])
+            assert r["ratio_to"] == catalog.BASELINE
+        ref_op = catalog.REFERENCE_OPS.get(r["op"])
         ref = [b for b in rows if (b["op"], b["size"], b["backend"]) == (ref_op, r["size"], r["backend"])]
         if ref:  # send_tensor beside send_recv of the same size on the same backend
             assert r["ref_op"] == ref_op and r["ref_ratio"] == pytest.approx(r["median_us"] / ref[0]["median_us"])
@@ -911,18 +927,18 @@ def test_baseline_alone_and_again_as_its_control(runs: dict[str, subprocess.Comp
         )
         r.update(ref_ratio=float(r["ref_ratio"]) if r["ref_ratio"] else None, ref_op=r["ref_op"] or None)
         rows.append(r)
-    again = bench.BASELINE + bench.CONTROL
-    _well_formed(rows, bench.OPS, [bench.BASELINE, again])
-    assert {r["ratio_to"] for r in rows if r["backend"] == again} == {bench.BASELINE}
+    again = catalog.BASELINE + catalog.CONTROL
+    _well_formed(rows, catalog.OPS, [catalog.BASELINE, again])
+    assert {r["ratio_to"] for r in rows if r["backend"] == again} == {catalog.BASELINE}
     assert "\r" not in run.stderr and "\x1b" not in run.stderr  # stderr is a pipe here: no progress bar
-    total = 2 * len(bench.OPS) * len(SIZES)
-    assert f"bench: [{total}/{total}] {bench.OPS[-1]} {bench.object_size(SIZES[-1])} B {again}" in run.stderr
+    total = 2 * len(catalog.OPS) * len(SIZES)
+    assert f"bench: [{total}/{total}] {catalog.OPS[-1]} {inputs.object_size(SIZES[-1])} B {again}" in run.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.requires_backend("tcp")  # the root conftest: pg-tcp missing or broken fails, never skips
 def test_tcp_beside_the_baseline(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
-    _well_formed(_rows(runs["tcp"]), bench.OPS, [bench.BASELINE, "tcp"])
+    _well_formed(_rows(runs["tcp"]), catalog.OPS, [catalog.BASELINE, "tcp"])
 
 
 @pytest.mark.slow
@@ -972,7 +988,7 @@ def test_a_wrong_result_is_reported_and_fails_the_run(runs: dict[str, subprocess
     _well_formed(
         [r for r in good if r["backend"] != "WrongSumBackend"],
         ("all_reduce", "broadcast", "send_recv"),
-        [bench.BASELINE, "StoreBackend"],
+        [catalog.BASELINE, "StoreBackend"],
     )
     assert sorted((r["op"], r["status"]) for r in good if r["backend"] == "WrongSumBackend") == [
         ("broadcast", "ok"),
@@ -1032,7 +1048,7 @@ def test_tcp_and_gloo_side_by_side_in_one_run_with_a_progress_bar_and_a_plot(tmp
     run, terminal = _on_a_terminal(argv, tmp_path)
     assert run.returncode == 0, terminal
     sizes = [8, 64, 512, 4096]
-    _well_formed(json.loads(run.stdout), ("all_reduce", "send_recv"), [bench.BASELINE, "tcp", "gloo"], sizes)
+    _well_formed(json.loads(run.stdout), ("all_reduce", "send_recv"), [catalog.BASELINE, "tcp", "gloo"], sizes)
     total = 2 * len(sizes) * 3
     assert "\r\x1b[K[>" in terminal  # the bar, drawn from the start
     assert f"]  {total}/{total}  " in terminal  # and to the end
@@ -1086,7 +1102,9 @@ def test_rounds_interleave_the_backends_timed_iterations(
     # (one untimed iteration and a third of the timed ones) for each backend in turn, each
     # round starting one further along: A B, then B A, then A B
     turns = [name for name, _ in itertools.groupby(calls)]
-    order = ["LoggedA", "LoggedB"] + [name for turn in range(3) for name in bench.rotated(["LoggedA", "LoggedB"], turn)]
+    order = ["LoggedA", "LoggedB"] + [
+        name for turn in range(3) for name in sizing.rotated(["LoggedA", "LoggedB"], turn)
+    ]
     assert order == ["LoggedA", "LoggedB", "LoggedA", "LoggedB", "LoggedB", "LoggedA", "LoggedA", "LoggedB"]
     assert turns == [name for name, _ in itertools.groupby(order)], turns
     for name, n in iters.items():
@@ -1103,7 +1121,7 @@ def test_plot_is_written(
 
 
 def test_a_reference_op_is_measured_right_after_its_op() -> None:
-    from pg_core.bench import sweep_order
+    from pg_core.bench.sizing import sweep_order
 
     assert sweep_order(["send_tensor", "all_reduce", "send_recv"], [4, 8]) == [
         ("send_tensor", 4),
@@ -1127,7 +1145,7 @@ def test_a_reference_op_is_measured_right_after_its_op() -> None:
 
 
 def test_overhead_reports_every_op_in_three_modes(capsys: pytest.CaptureFixture[str]) -> None:
-    from pg_core import overhead
+    from pg_core.bench import overhead
 
     assert bench.main(_args("--overhead", "--overhead-iters", "20", "--repeats", "2", "-q")) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -1185,7 +1203,7 @@ def test_overhead_bad_arguments(argv: list[str], message: str, capsys: pytest.Ca
 
 def test_overhead_is_in_the_help() -> None:
     parser = __import__("argparse").ArgumentParser()
-    bench._add_arguments(parser)
+    cli.add_arguments(parser)
     text = parser.format_help()
     assert "--overhead" in text and "--overhead-iters" in text and "--repeats" in text
     assert "blocking - direct" in text

@@ -12,9 +12,9 @@ import pytest
 import torch
 from pg_core import ProcessGroup
 from pg_core.backend import BackendContext
+from pg_core.bench.nullbackend import NullBackend
 from pg_core.errors import PeerFailureError
 from pg_core.ops import ReduceOp
-from pg_core.overhead import NullBackend
 from pg_core.store import TCPStore
 from pg_core.work import Work
 

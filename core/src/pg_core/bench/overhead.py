@@ -57,16 +57,14 @@ from typing import Any, Final
 
 import torch
 
-from .backend import Backend, BackendContext, Capabilities
-from .ops import ReduceOp
-from .work import Work
+from ..backend import Backend, BackendContext
+from ..ops import ReduceOp
+from .nullbackend import LaunchingNullBackend, NullBackend
 
 __all__ = [
     "MODES",
     "OPS",
     "TARGET_US",
-    "LaunchingNullBackend",
-    "NullBackend",
     "OverheadRow",
     "format_table",
     "measure",
@@ -95,110 +93,6 @@ MODES: Final[tuple[str, ...]] = ("direct", "blocking", "async", "launched")
 TARGET_US: Final[float] = 3.0
 
 _TIMEOUT_S: Final[float] = 60.0
-
-
-class NullBackend(Backend):
-    """A backend whose every op returns at once, doing nothing; it declares every op and
-    dtype. What is left when it is called through a group is the core's own cost."""
-
-    capabilities = Capabilities()
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> None:
-        return None
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
-        return None
-
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> Work | None:
-        return None
-
-    def prepared_all_reduce(
-        self, dtype: torch.dtype, op: ReduceOp, *, timeout: float
-    ) -> Callable[[torch.Tensor], None]:
-        return _nothing  # as a torch C++ backend does (C10dBackend), so the group's hot path is measured
-
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float) -> Work | None:
-        return None
-
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float) -> Work | None:
-        return None
-
-    def all_gather(self, output_list: list[torch.Tensor], tensor: torch.Tensor, *, timeout: float) -> None:
-        return None
-
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, timeout: float) -> Work | None:
-        return None
-
-    def reduce_scatter(
-        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp, *, timeout: float
-    ) -> None:
-        return None
-
-    def reduce_scatter_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float
-    ) -> Work | None:
-        return None
-
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor], *, timeout: float) -> None:
-        return None
-
-    def all_to_all_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: list[int],
-        input_split_sizes: list[int],
-        *,
-        timeout: float,
-    ) -> None:
-        return None
-
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, *, timeout: float) -> None:
-        return None
-
-    def scatter(
-        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, *, timeout: float
-    ) -> None:
-        return None
-
-    def barrier(self, *, timeout: float) -> Work | None:
-        return None
-
-
-def _nothing(tensor: torch.Tensor) -> None:
-    return None
-
-
-class LaunchingNullBackend(NullBackend):
-    """:class:`NullBackend` that launches (API 1.2): every collective called with
-    ``async_op=True`` returns a :class:`~pg_core.work.Work` that is already complete, so what
-    the group adds around a launch is what is left."""
-
-    launches = True
-
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False) -> Work | None:
-        return Work.completed("all_reduce") if async_op else None
-
-    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float, async_op: bool = False) -> Work | None:
-        return Work.completed("broadcast") if async_op else None
-
-    def reduce(
-        self, tensor: torch.Tensor, dst: int, op: ReduceOp, *, timeout: float, async_op: bool = False
-    ) -> Work | None:
-        return Work.completed("reduce") if async_op else None
-
-    def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, *, timeout: float, async_op: bool = False
-    ) -> Work | None:
-        return Work.completed("all_gather_into_tensor") if async_op else None
-
-    def reduce_scatter_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp, *, timeout: float, async_op: bool = False
-    ) -> Work | None:
-        return Work.completed("reduce_scatter_tensor") if async_op else None
-
-    def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
-        return Work.completed("barrier") if async_op else None
 
 
 @dataclasses.dataclass
@@ -318,8 +212,8 @@ def measure(
     progress: Callable[[str], None] | None = None,
 ) -> list[OverheadRow]:
     """Time every op of ``ops`` in every one of :data:`MODES`; see the module docstring."""
-    from .group import ProcessGroup
-    from .store import HashStore, TCPStore
+    from ..group import ProcessGroup
+    from ..store import HashStore, TCPStore
 
     if iters < 1 or repeats < 1:
         raise ValueError(f"iters and repeats must be >= 1, got {iters} and {repeats}")
