@@ -1207,3 +1207,57 @@ def test_overhead_is_in_the_help() -> None:
     text = parser.format_help()
     assert "--overhead" in text and "--overhead-iters" in text and "--repeats" in text
     assert "blocking - direct" in text
+
+
+# -- the package: one job per module, layered -------------------------------------------------------------
+
+#: pg_core.bench's modules, lowest first: each may import only those before it (so no cycle).
+LAYERS = [
+    "catalog",
+    "sizing",
+    "inputs",
+    "report",
+    "plot",
+    "config",
+    "baselines",
+    "runners",
+    "cases",
+    "rank",
+    "parent",
+    "nullbackend",
+    "overhead",
+    "cli",
+    "__init__",
+    "__main__",
+]
+
+
+def _bench_imports(path: Path) -> set[str]:
+    """The modules of pg_core.bench that the module at ``path`` imports, at its top or in a function."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # from .X import ... / from . import X
+            found.update([node.module] if node.module else [alias.name for alias in node.names])
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pg_core.bench"):
+            parts = node.module.split(".")  # from pg_core.bench.X import ... / from pg_core.bench import ...
+            found.add(parts[2] if len(parts) > 2 else "__init__")
+    return found
+
+
+def test_each_module_of_the_package_imports_only_those_below_it() -> None:
+    folder = Path(bench.__file__).parent
+    assert sorted(p.stem for p in folder.glob("*.py")) == sorted(LAYERS), "a module is missing from LAYERS"
+    for i, name in enumerate(LAYERS):
+        above = set(LAYERS[i:])
+        assert not _bench_imports(folder / f"{name}.py") & above, f"{name} imports a module at or above it"
+    for name in LAYERS:
+        lines = len((folder / f"{name}.py").read_text().splitlines())
+        assert lines <= 400, f"pg_core/bench/{name}.py has {lines} lines: split it along a seam of its own"
+
+
+def test_the_package_exports_what_is_documented() -> None:
+    # pg-core's own command line calls add_parser; CHANGELOG names pg_core.bench.rotated
+    assert sorted(bench.__all__) == ["add_parser", "main", "rotated"]
+    assert bench.main is cli.main and bench.add_parser is cli.add_parser and bench.rotated is sizing.rotated
