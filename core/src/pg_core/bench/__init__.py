@@ -11,7 +11,7 @@ processes of its own (one thread of intra-op parallelism each). Every rank forms
 one :class:`~pg_core.ProcessGroup` per pg-core backend named in ``--backends``
 (a name that ``pg-core backends`` lists, or ``module:attr`` / ``path/file.py:attr``
 of a ``BackendSpec`` or ``Backend`` subclass under development, read as ``pg-core
-conformance`` reads it: :func:`pg_core.registry.resolve_backend_ref`; by default
+conformance`` reads it: :func:`pg_core.backend_refs.resolve_backend_ref`; by default
 every backend available for cpu, a backend whose ranks a launcher must start
 included when it is available in a process started that way), plus, unless
 ``--no-baseline``, the baselines: torch's ``ProcessGroupGloo`` used directly

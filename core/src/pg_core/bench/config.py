@@ -136,13 +136,14 @@ def choose_baselines(text: str, launchers: set[str]) -> list[str]:
 
 def resolve_backends(text: str | None) -> tuple[list[str], list[str], set[str]]:
     """``--backends`` as references and the labels of their rows, resolved here (with
-    :func:`pg_core.registry.resolve_backend_ref`, as the ranks do), so a wrong one fails
+    :func:`pg_core.backend_refs.resolve_backend_ref`, as the ranks do), so a wrong one fails
     before any rank starts. A name's label is the name; a ``module:attr`` or
     ``file.py:attr`` one's, the name of the spec it resolves to. A backend whose spec declares
     a launcher is resolved where its ranks will run (``here=False``); the third value is the
     launchers the named backends declare."""
+    from ..backend_refs import resolve_backend_ref
     from ..errors import PGError
-    from ..registry import default_registry, resolve_backend_ref
+    from ..registry import default_registry
 
     registry = default_registry()
     if text is None:

@@ -61,8 +61,8 @@ class PgCoreRunner:
     is_baseline = False
 
     def __init__(self, store: Any, rank: int, size: int, *, spec: str, label: str, timeout: float) -> None:
+        from ..backend_refs import resolve_backend_ref
         from ..group import ProcessGroup
-        from ..registry import resolve_backend_ref
 
         self.label = label
         value = resolve_backend_ref(spec, "cpu")
