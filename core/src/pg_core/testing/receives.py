@@ -133,8 +133,13 @@ def byte_plan() -> list[list[int]]:
 
 
 def pattern(nbytes: int, salt: int) -> torch.Tensor:
-    """``nbytes`` deterministic bytes (a uint8 tensor), different per ``salt``."""
-    return ((torch.arange(nbytes, dtype=torch.int64) * 131 + salt * 17 + nbytes) % 251).to(torch.uint8)
+    """``nbytes`` deterministic bytes (a uint8 tensor), different per ``salt``.
+
+    Byte ``i`` is ``(131 * i + 17 * salt + nbytes) % 251``, which repeats every 251 bytes: one
+    period is computed and tiled (the suite fills messages of several MiB for every dtype).
+    """
+    period = ((torch.arange(251, dtype=torch.int64) * 131 + salt * 17 + nbytes) % 251).to(torch.uint8)
+    return period.repeat(-(-nbytes // 251))[:nbytes]
 
 
 def _filled(dtype: torch.dtype, numel: int, salt: int) -> torch.Tensor:
