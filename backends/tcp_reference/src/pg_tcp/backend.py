@@ -45,6 +45,7 @@ What this file shows a plugin author
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
@@ -349,21 +350,24 @@ class TCPBackend(Backend):
     ) -> Work:
         """Collective ``op``, launched once ``last`` (the previous launched collective) ended."""
         started: list[Work] = []
+        finished = threading.Event()
 
         def drive(_: Work, seconds: float) -> None:
             inner = started[0] if started else last
             if seconds <= 0:
                 inner.is_completed()
             elif not inner.done:
-                inner._wait_done(seconds)
+                inner.wait_until_done(seconds)
             else:  # ended, and the callback that goes on is running in another thread
-                outer._sleep(min(seconds, 0.001))
+                finished.wait(min(seconds, 0.001))
 
         outer = Work(op, driver=drive)
+        outer.add_done_callback(lambda _: finished.set())
 
         def ended(inner: Work) -> None:
-            if inner._exc is not None:
-                outer.set_exception(inner._exc)
+            error = inner.exception(0)
+            if error is not None:
+                outer.set_exception(error)
             else:
                 outer.set_result(None)
 

@@ -125,8 +125,11 @@ never preempts the thread that posted it (see :meth:`Transport._progress_loop`).
 
 **Failures.** EOF or a read error from a peer marks it failed at once: every
 request that depends on it raises :class:`~pg_core.errors.PeerFailureError`
-naming it; after a crash (EOF without BYE) every collective does, because a
-collective needs every rank. A clean ``shutdown`` sends BYE first (and answers the
+naming it, and so does every later request that needs it. A collective fails only
+if it needs the peer: one that needs nothing more from it (the peer did its part and
+left: a rank that exits right after a barrier while the others are still in theirs)
+completes, crash or clean shutdown alike, since what the peer sent is here; after a
+crash, a collective the peer never reached fails as it begins. A clean ``shutdown`` sends BYE first (and answers the
 connections it never used, so their makers do not take its exit for a crash), so
 peers say "rank N shut down" instead of reporting a crash, and only what needed
 rank N fails; it closes only once the peers' kernels acknowledged every byte sent
@@ -135,10 +138,13 @@ delivered yet, the BYE included). A failed *write* decides nothing by itself: th
 (an ABORT, a BYE) are still in the receive buffer, and the reader, which reads them
 and then the EOF, gives the verdict. A collective that fails locally (mismatch,
 peer failure) sends ABORT to the connected ranks so they raise too instead of
-hanging, and breaks this group's collective stream: later collectives raise at
-once (re-form the group); a BYE sent after that carries the reason too, so ranks
-still waiting learn why rather than just "shut down". Point to point keeps
-working. Ranks blocked in different collectives that exchange no data (two
+hanging, and breaks this group's collective stream from that collective on: later
+collectives raise at once (re-form the group), while an earlier one that a slower rank
+is still in goes on (the failing rank finished it: the ABORT for collective #s stops
+nothing before #s). A BYE sent after that carries the reason and the collective too,
+so ranks still waiting learn why rather than just "shut down"; a rank whose collectives
+stopped answers an ARRIVED for one it will not finish with an ABORT (the waiter may
+have had no connection from it when it stopped). Point to point keeps working. Ranks blocked in different collectives that exchange no data (two
 "roots" of a ``reduce``) learn it from the ARRIVED frames that a collective
 blocked for a while (min(1 s, timeout/4)) sends, which carry its opcode and
 argument. A request that passes its deadline raises
@@ -624,6 +630,7 @@ class Transport:
         self._async: set[Request] = set()  # requests a user holds a Work for
         self._finished_works: list[Request] = []  # completed under the lock, to settle outside it
         self._broken: tuple[type[PGError], str, tuple[int, ...]] | None = None  # why collectives stopped
+        self._stopped_from = 0  # once they did: the first collective (seq) that cannot run; earlier ones go on
         self._heard = [-1] * ctx.size  # highest collective seq each peer is known to have reached
         self._announced = -1
         self._current: tuple[int, int, int] = (0, 0, 0)  # seq, opcode, arg of this rank's latest collective
@@ -711,7 +718,7 @@ class Transport:
                 queue = self._unexpected.get(key)
                 if not queue:
                     if peer.closed is not None:
-                        self._complete(req, self._peer_error(req, peer))
+                        self._lost(req, peer)
                         return req
                     self._post(req)
                     return req
@@ -825,7 +832,7 @@ class Transport:
             self._complete(req, ValueError(f"{self.label}: {req.name} with peer {req.peer}: no such peer"))
             return None
         if req.seq is not None:
-            if self._broken is not None:
+            if self._stopped(req.seq):
                 self._complete(req, self._broken_error(req.name, req.seq))
                 return None
             self._pending_coll.add(req)
@@ -1444,7 +1451,7 @@ class Transport:
 
     def _send_locked(self, peer: _Peer, req: Send) -> None:
         if peer.closed is not None:
-            self._complete(req, self._peer_error(req, peer))
+            self._lost(req, peer)
             return
         conn = peer.send
         if conn is None:  # the connection is being made, by this rank or the peer
@@ -1730,8 +1737,8 @@ class Transport:
         with self._lock:
             if kind == COLL:
                 self._heard[peer.rank] = max(self._heard[peer.rank], seq)
-                if self._broken is not None:
-                    return True  # collectives are over: discard
+                if self._stopped(seq):
+                    return True  # collectives are over from this one on: discard
             req = self._take_posted(peer.rank, kind, tag)
             if req is not None:
                 if req.buf is None and nbytes > self._max_message:  # a byte message: only the cap bounds it
@@ -1833,6 +1840,11 @@ class Transport:
                 peer.buffered -= nbytes
             if kind == ARRIVED:
                 self._heard[peer.rank] = max(self._heard[peer.rank], seq)
+                if self._stopped(seq):
+                    # It waits in a collective this rank will never finish: say why. (It may have
+                    # had no connection from here when the collectives stopped, so no ABORT.)
+                    self._send_abort(peer, seq)
+                    return
                 self._arrivals[peer.rank] = (seq, opcode, tag)
                 self._compare_arrival(peer.rank)
                 return
@@ -1842,7 +1854,10 @@ class Transport:
             if kind == ABORTED:  # it failed whatever it was in; it finishes no collective
                 said = bytes(target).decode(errors="replace") if target is not None else ""
                 conn.ended = conn.quiet = True
-                self._lose_peer(peer, f"rank {peer.rank} aborted" + (f" ({said})" if said else ""), crashed=True)
+                reason = f"rank {peer.rank} aborted" + (f" ({said})" if said else "")
+                self._lose_peer(peer, reason, crashed=True)
+                # it finishes no collective from #seq on (0: it did not say): every rank's stop there
+                self._break_collectives(PeerFailureError, reason, (peer.rank,), seq or None, notify=False)
                 return
             if target is None:
                 return  # discarded
@@ -1854,7 +1869,7 @@ class Transport:
                 self._lose_peer(peer, f"rank {peer.rank} shut down", crashed=False)
             if kind in (ABORT, BYE):
                 return
-            if kind == COLL and self._broken is not None:
+            if kind == COLL and self._stopped(seq):
                 return  # collectives stopped while it was in flight
             req = self._take_posted(peer.rank, kind, tag)  # posted while the payload was in flight
             if req is None:  # nobody asked yet: keep it for the receive to come
@@ -2030,39 +2045,73 @@ class Transport:
             for key in [key for key in self._posted if key[0] == ANY]:
                 for req in self._posted.pop(key):
                     self._complete(req, self._nobody_left_error(req))
-        if crashed:  # a crashed rank cannot finish any collective: everyone must stop
-            self._break_collectives(PeerFailureError, reason, (peer.rank,), None, notify=False)
-        else:  # tell the others if a collective of ours failed because of it
-            for req in doomed:
-                if req.seq is not None:
-                    self._break_collectives(PeerFailureError, reason, (peer.rank,), req.seq, notify=True)
-                    break
+        # A collective of ours that needed it fails, stops the collectives and tells the others.
+        # One that needs nothing more from it goes on, crash or not: what the peer sent before it
+        # went is here (a peer that finished a barrier and exited owes nothing). A message of this
+        # collective posted to it later fails as it is posted (_lost), and if it crashed, the next
+        # collective fails at its start (begin_collective): it cannot finish one any more.
+        for req in doomed:
+            if req.seq is not None:
+                self._break_collectives(PeerFailureError, reason, (peer.rank,), req.seq, notify=True)
+                break
+
+    def _lost(self, req: Request, peer: _Peer) -> None:
+        """``req`` needs ``peer``, which is gone: fail it; a collective's message stops the
+        collectives and tells the other ranks, as when the peer went while it was pending.
+        Under the lock."""
+        self._complete(req, self._peer_error(req, peer))
+        if req.seq is not None and peer.closed is not None:
+            self._break_collectives(PeerFailureError, peer.closed, (peer.rank,), req.seq, notify=True)
 
     def _break_collectives(
         self, cls: type[PGError], reason: str, peers: tuple[int, ...], seq: int | None, *, notify: bool
     ) -> None:
-        """Stop this group's collectives: fail every pending one, refuse later ones, and
-        (``notify``) send ABORT so the other ranks stop too. Under the lock."""
-        if self._broken is not None:
+        """Stop this group's collectives from collective #``seq`` on (``None``: all of them):
+        fail the pending ones, refuse later ones, and (``notify``) send ABORT so the other ranks
+        stop too. A collective before #``seq`` goes on: the rank that failed #``seq`` finished it,
+        so what it owes that one is sent (a rank that is still in it is not held up by one that
+        has gone past it). Under the lock."""
+        start = 0 if seq is None else seq
+        if self._broken is not None and start >= self._stopped_from:
             return
         self._broken = (cls, reason, peers)
+        self._stopped_from = start
         for req in list(self._pending_coll):
-            self._withdraw(req)
-            self._complete(req, self._broken_error(req.name, req.seq))
-        self._posted = {k: q for k, q in self._posted.items() if k[1] != COLL}
-        for (rank, kind, _), queue in self._unexpected.items():
-            if kind == COLL:
-                self._unbuffer(rank, sum(frame[5] for frame, _, _ in queue))
-        self._unexpected = {k: q for k, q in self._unexpected.items() if k[1] != COLL}
+            if req.seq is not None and req.seq >= start:
+                self._withdraw(req)
+                self._complete(req, self._broken_error(req.name, req.seq))
+        for key in [k for k in self._posted if k[1] == COLL]:
+            kept = deque(r for r in self._posted[key] if r.seq is not None and r.seq < start)
+            if kept:
+                self._posted[key] = kept
+            else:
+                del self._posted[key]
+        for key in [k for k in self._unexpected if k[1] == COLL]:
+            queue = self._unexpected[key]
+            self._unbuffer(key[0], sum(frame[5] for frame, _, _ in queue if frame[4] >= start))
+            held = deque(item for item in queue if item[0][4] < start)
+            if held:
+                self._unexpected[key] = held
+            else:
+                del self._unexpected[key]
         if self._parked:  # a parked collective frame is to be read past now
             self._unpark()
         if notify:
-            code = reason_code(cls)
-            payload = memoryview(f"collective #{seq}: {reason}".encode())
             for peer in self._live_peers():
-                self._send_locked(
-                    peer, Send("abort", ABORT, peer.rank, payload, opcode=code, wire_seq=seq or 0, timeout=30.0)
-                )
+                self._send_abort(peer, seq)
+
+    def _send_abort(self, peer: _Peer, seq: int | None) -> None:
+        """Tell ``peer`` why this rank's collectives stopped (an ABORT for collective #``seq``).
+        Under the lock, once they stopped."""
+        assert self._broken is not None
+        cls, reason, _ = self._broken
+        payload = memoryview(f"collective #{seq}: {reason}".encode())
+        abort = Send("abort", ABORT, peer.rank, payload, opcode=reason_code(cls), wire_seq=seq or 0, timeout=30.0)
+        self._send_locked(peer, abort)
+
+    def _stopped(self, seq: int) -> bool:
+        """Whether collective #``seq`` cannot run: the collectives stopped at or before it. Under the lock."""
+        return self._broken is not None and seq >= self._stopped_from
 
     def _broken_error(self, op: str, seq: int | None) -> PGError:
         assert self._broken is not None
@@ -2083,17 +2132,23 @@ class Transport:
                 self._compare_arrival(announced)
             if self._closed is not None:
                 raise GroupClosedError(f"{self.label}: {op} after the group was {self._closed}")
-            if self._broken is not None:
+            if self._stopped(seq):
                 raise self._broken_error(op, seq)
             for peer in self._peers:
-                # A crashed peer fails every collective. One that shut down cleanly finished all of
-                # its collectives, this one included: it needed nothing more from this rank, and what
-                # it sent is already here; a receive that still needs it fails when it is posted.
-                if peer is not None and peer.closed is not None and peer.crashed:
-                    raise PeerFailureError(
+                # A peer that crashed before it reached this collective can never take part: it
+                # fails now, and the collectives stop here, telling the other ranks (one of them
+                # may wait for this rank and know nothing of the crash). One that reached it (its
+                # frames of it came) may have done its part before it went: the collective runs,
+                # and a receive that still needs the peer fails when it is posted. One that shut
+                # down cleanly finished all of its collectives, this one included: it needed nothing
+                # more from this rank, and what it sent is already here.
+                if peer is not None and peer.closed is not None and peer.crashed and self._heard[peer.rank] < seq:
+                    error = PeerFailureError(
                         f"{self.label}: {op} (collective #{seq}) needs every rank, but {peer.closed}",
                         peers=(peer.rank,),
                     )
+                    self._break_collectives(PeerFailureError, peer.closed, (peer.rank,), seq, notify=True)
+                    raise error
 
     def _compare_arrival(self, peer: int) -> None:
         """A peer blocked in collective #seq: if this rank is at #seq, do they agree? Under the lock."""
@@ -2198,7 +2253,8 @@ class Transport:
                 reason = memoryview(self._broken[1].encode())
             for peer in self._live_peers():
                 assert peer.send is not None
-                self._write(peer.send, Send("bye", BYE, peer.rank, reason, opcode=code, timeout=timeout))
+                bye = Send("bye", BYE, peer.rank, reason, opcode=code, wire_seq=self._stopped_from, timeout=timeout)
+                self._write(peer.send, bye)
                 for conn in peer.conns:  # a connection both made at once whose RETIRE is still to come
                     if conn is not peer.send and not conn.quiet and not conn.dead and conn.state == OPEN:
                         self._write(conn, Send("retire", RETIRE, peer.rank, _EMPTY, timeout=timeout))
@@ -2254,7 +2310,9 @@ class Transport:
         A connection whose handshake has not ended, or whose frame half on the wire the kernel
         will not take the rest of now, gets none: that peer sees the connection close. Under
         the lock."""
-        goodbye = HEADER.pack(MAGIC, ABORTED, 0, 0, 0, 0, 0)
+        # the first collective this rank will not finish: the one it is in, or the next
+        unfinished = self._current[0] + (0 if self._pending_coll else 1)
+        goodbye = HEADER.pack(MAGIC, ABORTED, 0, 0, 0, unfinished, 0)
         for peer in self._live_peers():
             conn = peer.send
             assert conn is not None

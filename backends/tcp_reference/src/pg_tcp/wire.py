@@ -33,7 +33,8 @@ that shares a connection:
   why), :data:`BYE` (I shut down cleanly, nothing follows; a nonzero ``opcode`` and the
   payload say why my collectives had stopped), :data:`RETIRE` (nothing more from me on this
   connection: my frames continue on my other one, see :mod:`pg_tcp.handshake`) and
-  :data:`ABORTED` (I aborted, nothing follows; the payload may say why).
+  :data:`ABORTED` (I aborted, nothing follows; ``seq`` is the first collective I will not
+  finish, 0 if unknown, and the payload may say why).
 
 ``dtype`` is 0 for none, :func:`pg_core.dtypes.dtype_code` of the tensor's dtype
 (:data:`DTYPE_CODE`), or :data:`RAW` for bytes. The payload of a tensor is its memory as it
@@ -96,7 +97,7 @@ ARRIVED: Final = 4  # control: "I am blocked in collective #seq", with its opcod
 ABORT: Final = 5  # control: "collective #seq failed here"; opcode = reason code, payload = reason
 BYE: Final = 6  # control: clean shutdown, nothing follows; opcode/payload: why its collectives stopped, if they did
 RETIRE: Final = 7  # control: nothing more from me on this connection (my frames continue on my other one)
-ABORTED: Final = 8  # control: I aborted, nothing follows; payload: why, if it says
+ABORTED: Final = 8  # control: I aborted, nothing follows; seq: the first collective I will not finish; payload: why
 
 #: A header's fields after ``magic``, as the reader keeps them: kind, opcode, dtype, tag, seq, nbytes.
 Frame = tuple[int, int, int, int, int, int]

@@ -1,0 +1,125 @@
+"""Ranks that leave pg-tcp while the others go on, across real processes.
+
+A rank that is done may leave: it shuts down (BYE) or its process ends without a word (a
+crash, to its peers). What the survivors had in flight that no longer needed it must still
+succeed: the departed rank sent what it owed before it left, and it is here. What does need
+it (a later collective, a receive from it) raises :class:`~pg_core.errors.PeerFailureError`
+naming it, never a hang; and the survivors' own point to point and shutdown go on cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from pg_core.backend import BackendContext
+from pg_core.errors import PeerFailureError
+from pg_core.ops import ReduceOp
+from pg_core.store import PrefixStore
+from pg_core.testing.pool import RankContext, RankPool
+from pg_tcp.backend import TCPBackend
+
+Pools = Callable[[int], RankPool]
+
+
+def make_backend(ctx: RankContext, name: str) -> TCPBackend:
+    return TCPBackend(
+        BackendContext(
+            store=PrefixStore(f"{name}/cpu/tcp", ctx.store),
+            rank=ctx.rank,
+            size=ctx.size,
+            device=torch.device("cpu"),
+            timeout=60.0,
+            group_name=name,
+            group_uid=f"{name}-{ctx.job}",
+            backend_name="tcp",
+        )
+    )
+
+
+def _names(error: PeerFailureError, departed: set[int]) -> bool:
+    """Whether ``error`` names a departed rank: as its peer, or in the reason a survivor
+    reported (an ABORT from a survivor names the survivor, and says why)."""
+    return bool(set(error.peers) & departed) or any(f"rank {r} " in str(error) for r in departed)
+
+
+def _leave(b: TCPBackend, how: str) -> None:
+    if how == "shutdown":
+        b.shutdown()
+    os._exit(0)  # "crash": no shutdown, the process ends and the kernel closes its sockets
+
+
+def leaves_in_a_reduce(ctx: RankContext, how: str) -> dict[str, Any] | None:
+    """3 ranks, a reduce to rank 0 (rank 0's children: 1 and 2). Rank 2 sends its part and
+    leaves. Rank 0's transport sees it gone (its receive from rank 2 fails) while its reduce
+    still waits for rank 1, which only then enters. The reduce needs nothing more from rank
+    2: it completes, with rank 2's part. The next collective needs rank 2: it fails."""
+    name = f"leave-reduce-{how}"
+    b = make_backend(ctx, name)
+    try:
+        t = torch.full((4,), float(ctx.rank + 1))
+        if ctx.rank == 2:
+            b.reduce(t, 0, ReduceOp.SUM, timeout=60.0)  # a leaf: it sends, and is done
+            _leave(b, how)
+        if ctx.rank == 1:
+            ctx.store.wait([f"{name}/gone"])  # rank 0 knows rank 2 left: only now do its part
+            b.reduce(t, 0, ReduceOp.SUM, timeout=60.0)
+            result: dict[str, Any] = {}
+        else:
+            work = b.reduce(t, 0, ReduceOp.SUM, timeout=60.0, async_op=True)
+            assert work is not None
+            with pytest.raises(PeerFailureError) as gone:  # driving the transport, rank 2's exit is read
+                b.recv(torch.empty(1), 2, 7, timeout=60.0)
+            ctx.store.set(f"{name}/gone", "1")
+            work.wait()
+            result = {"sum": t.tolist(), "gone": str(gone.value)}
+        # what needs rank 2 fails, naming it; the survivors' point to point goes on
+        with pytest.raises(PeerFailureError) as later:
+            b.barrier(timeout=60.0)
+        assert _names(later.value, {2}), later.value
+        if ctx.rank == 0:
+            b.send(torch.full((2,), 5.0), 1, 3, timeout=60.0)
+        else:
+            got = torch.empty(2)
+            b.recv(got, 0, 3, timeout=60.0)
+            assert got.tolist() == [5.0, 5.0]
+        return result
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("how", ["crash", "shutdown"])
+def test_a_collective_that_no_longer_needs_a_departed_rank_completes(rank_pools: Pools, how: str) -> None:
+    results = rank_pools(3).run(leaves_in_a_reduce, how, may_exit=[2], timeout=120)
+    root = results[0]
+    assert root is not None
+    assert root["sum"] == [6.0] * 4, root  # 1 + 2 + 3: rank 2's part is in
+    assert "rank 2" in root["gone"], root
+
+
+def leaves_after_a_barrier(ctx: RankContext, how: str) -> bool | None:
+    """4 ranks, one barrier; ranks 2 and 3 leave as soon as theirs returns (one crashes, one
+    shuts down, or both the same way), while the survivors may still be in theirs. Every
+    survivor's barrier returns; their next one fails naming a departed rank."""
+    name = f"leave-barrier-{how}"
+    b = make_backend(ctx, name)
+    try:
+        b.barrier(timeout=60.0)
+        if ctx.rank >= 2:
+            _leave(b, how if how != "mixed" else ("crash" if ctx.rank == 2 else "shutdown"))
+        with pytest.raises(PeerFailureError) as later:
+            b.barrier(timeout=60.0)
+        assert _names(later.value, {2, 3}), later.value
+        return True
+    finally:
+        b.shutdown()
+
+
+@pytest.mark.parametrize("how", ["crash", "shutdown", "mixed"])
+def test_ranks_that_leave_right_after_a_barrier_fail_no_survivors_barrier(rank_pools: Pools, how: str) -> None:
+    for _ in range(3):  # the departure races the survivors' last reads: several rounds
+        results = rank_pools(4).run(leaves_after_a_barrier, how, may_exit=[2, 3], timeout=120)
+        assert results[:2] == [True, True], results
