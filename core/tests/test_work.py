@@ -98,3 +98,31 @@ def test_stop_worker_of_an_idle_thread_joins_it() -> None:
     stop_worker(items, thread, lambda w: RuntimeError("stopped"), join_s=30)
     assert not thread.is_alive() and items.empty()
     stop_worker(items, None, lambda w: RuntimeError("stopped"), join_s=30)  # no thread: nothing to stop
+
+
+def test_error_is_read_without_waiting_or_driving() -> None:
+    calls: list[float] = []
+    work = Work("op", driver=lambda w, timeout: calls.append(timeout))
+    assert work.error is None  # pending: no error yet, and nothing waited or drove
+    assert calls == []
+    failure = RuntimeError("the peer went away")
+    work.set_exception(failure)
+    assert work.error is failure
+    ok = Work("op")
+    ok.set_result(3)
+    assert ok.error is None
+
+
+def test_wait_undriven_returns_at_completion_or_timeout_and_never_drives() -> None:
+    calls: list[float] = []
+    work = Work("op", driver=lambda w, timeout: calls.append(timeout))
+    started = time.monotonic()
+    work.wait_undriven(0.05)
+    assert time.monotonic() - started >= 0.05 and not work.done
+    finisher = threading.Thread(target=work.set_result, args=(1,))
+    started = time.monotonic()
+    finisher.start()
+    work.wait_undriven(30.0)
+    finisher.join()
+    assert time.monotonic() - started < 20.0  # it returned at completion, not at the timeout
+    assert work.done and calls == []

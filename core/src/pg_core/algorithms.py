@@ -424,9 +424,9 @@ def launch(ch: Channel, steps: Steps, op: str = "collective") -> Work:
             if timeout <= 0:
                 work.is_completed()
             else:
-                work._wait_done(timeout)
+                work.wait_until_done(timeout)
         elif timeout > 0:  # between works (another thread is advancing the steps): wait briefly
-            outer._sleep(min(timeout, 0.001))
+            outer.wait_undriven(min(timeout, 0.001))
 
     def advance(done: Work | None) -> Work | None:
         """Go on after ``done``: the next work still pending (now watched), or ``None`` at the end."""

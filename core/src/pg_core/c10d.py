@@ -169,7 +169,7 @@ class C10dBackend(Backend):
             if budget <= 0:
                 launched[0].is_completed()  # torch's one work: poll it
             else:
-                launched[0]._wait_done(budget)
+                launched[0].wait_until_done(budget)
 
         batch = Work("coalesced", driver=drive)
         with self._posting:

@@ -179,8 +179,10 @@ class Executor:
         recorder = self._recorder if record >= 0 else None
         if recorder is not None:
             recorder.launched(record)
-        if work._done:  # (launched and finished already: no callback to register)
-            exc = work._exc
+        # launched and finished already: no callback to register. The Work's own state, not the
+        # overridable `done` (a transport's request may be done before its work holds the error)
+        if work._done:
+            exc = work.error
             if exc is not None:
                 self.latch(op, seq, exc)
             if recorder is not None:
@@ -189,7 +191,7 @@ class Executor:
         latch = self.latch
 
         def ended(done: Work) -> None:
-            exc = done._exc
+            exc = done.error
             if exc is not None:
                 latch(op, seq, exc)
             if recorder is not None:

@@ -175,18 +175,20 @@ class Work:
                     self._cond.wait(None if remaining is None else remaining)
         return True
 
-    def _sleep(self, timeout: float) -> None:
+    @property
+    def error(self) -> BaseException | None:
+        """The operation's error once it has failed; ``None`` while it is pending or once it
+        succeeded. Never waits and never drives (the cheap read a completion callback wants)."""
+        return self._exc
+
+    def wait_undriven(self, timeout: float) -> None:
         """Block until the work completes or ``timeout`` seconds pass, without driving it (for a
-        driver that has nothing to drive just now)."""
+        driver that has nothing to drive just now); returns either way."""
         with self._lock:
             if not self._done:
                 if self._cond is None:
                     self._cond = threading.Condition(self._lock)
                 self._cond.wait(timeout)
-
-    #: The name plugins and core modules read before the public one existed (pg-tcp's backend,
-    #: algorithms.py, c10d.py): kept until they call :meth:`wait_until_done`.
-    _wait_done = wait_until_done
 
     def __repr__(self) -> str:
         if not self._done:
