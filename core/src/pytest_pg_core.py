@@ -8,7 +8,7 @@ for the suite (``--pg-backend``). The suite itself runs with::
     pytest --pg-backend NAME --pyargs pg_core.testing
 
 or, the same with a summary table, ``pg-core conformance NAME``. ``NAME`` is any
-backend reference :func:`pg_core.registry.resolve_backend_ref` reads: a registered
+backend reference :func:`pg_core.backend_refs.resolve_backend_ref` reads: a registered
 name, ``package.module:ATTR`` or ``path/to/file.py:ATTR`` naming a ``BackendSpec``.
 
 ``--pg-xfail FILE`` lists a plugin's known gaps, one conformance test name (or

@@ -26,8 +26,8 @@ def _value(rank: int, big: bool) -> dict[str, Any]:
 
 def _object_collectives(ctx: Any, backend_ref: str, big_ranks: list[int]) -> dict[str, Any]:
     """Every object collective and value message pattern of the core, on the rendezvous backend."""
+    from pg_core.backend_refs import resolve_backend_ref
     from pg_core.group import ProcessGroup
-    from pg_core.registry import resolve_backend_ref
 
     spec = resolve_backend_ref(backend_ref, "cpu", factories=False)
     group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends={"cpu": spec}, name="eager-limit-objects", timeout=15)

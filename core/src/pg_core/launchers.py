@@ -39,7 +39,7 @@ _VERDICT: Final = "pg-core-launched-probe:"
 _PROBE: Final = f"""
 import sys
 try:
-    from pg_core.registry import resolve_backend_ref
+    from pg_core.backend_refs import resolve_backend_ref
     resolve_backend_ref(sys.argv[1], factories=False)
 except Exception as exc:
     print({_VERDICT!r} + type(exc).__name__ + ": " + " ".join(str(exc).split()), flush=True)
@@ -120,7 +120,7 @@ def launch_command(launcher: str, n: int, argv: Sequence[str], *, keep_going: bo
 
 
 def why_unavailable_launched(ref: str, launcher: str, *, timeout: float = 120.0) -> str | None:
-    """Whether the backend ``ref`` (as :func:`~pg_core.registry.resolve_backend_ref` reads it)
+    """Whether the backend ``ref`` (as :func:`~pg_core.backend_refs.resolve_backend_ref` reads it)
     can run in a process started by ``launcher``: ``None``, or why not. One process is started
     that way and asked (``is_available()`` there), because a backend that needs a launcher is
     unavailable in the process that starts its ranks, by design."""
