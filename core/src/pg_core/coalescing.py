@@ -17,7 +17,7 @@ group's queued collectives).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .instance import Instance
     from .validation import Staging
 
-__all__ = ["Batch", "OpenBlocks", "Recorder", "refuse_inside"]
+__all__ = ["Batch", "OpenBlocks", "Recorder"]
 
 #: what a batch is called in errors, sequence numbers and works
 _OP = "coalesced"
@@ -399,13 +399,6 @@ class Recorder:
 
     def p2p(self, kind: str, tensor: torch.Tensor, peer: int, tag: int, _timeout: float, *, async_op: bool) -> Any:
         return self._batch.p2p(self._inst, kind, tensor, peer, tag, timeout=self._timeout, async_op=async_op)
-
-
-def refuse_inside(open_batches: Mapping[int, object], op: str, name: str) -> None:
-    """:meth:`OpenBlocks.refuse_inside` for a holder of the group's blocks as a mapping
-    (objects.py's)."""
-    if open_batches and threading.get_ident() in open_batches:
-        raise _refusal(op, name)
 
 
 def _refusal(op: str, name: str) -> RuntimeError:

@@ -12,34 +12,41 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import messages
-from .coalescing import refuse_inside
 from .errors import CollectiveMismatchError, CollectiveTimeout
 from .tags import check_tag
 from .timeouts import Deadline, retell
 from .validation import check_peer, check_rank
 
 if TYPE_CHECKING:
+    from .coalescing import OpenBlocks
     from .dispatch import Dispatcher
     from .executor import Executor
     from .instance import Instance
     from .validation import Supported
     from .work import Work
 
-__all__ = ["Objects"]
+__all__ = ["OBJECT_COLLECTIVES", "VALUE_COLLECTIVES", "Objects"]
 
-#: The message collectives, as their messages name them (appended to, never renumbered).
-_OPS: dict[str, int] = {
-    name: i + 1
-    for i, name in enumerate(
-        ("broadcast_object", "all_gather_object", "gather_object", "scatter_object", "broadcast_tensor_dict")
-    )
-}
+#: The value collectives: the collectives of objects, then of tensor dicts, in the order their
+#: messages number them (appended to, never renumbered). The one list; the conformance suite
+#: draws from it.
+VALUE_COLLECTIVES: tuple[str, ...] = (
+    "broadcast_object",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object",
+    "broadcast_tensor_dict",
+)
+#: The value collectives of pickled objects (the others carry tensor dicts).
+OBJECT_COLLECTIVES: tuple[str, ...] = tuple(op for op in VALUE_COLLECTIVES if op.endswith("_object"))
+#: Each value collective's number in its messages.
+_OPS: dict[str, int] = {name: i + 1 for i, name in enumerate(VALUE_COLLECTIVES)}
 _OP_NAMES = {code: name for name, code in _OPS.items()}
 
 
@@ -61,7 +68,7 @@ class Objects:
         dispatcher: Dispatcher,
         supported: Supported,
         executor: Executor,
-        coalescing: Mapping[int, object],
+        coalescing: OpenBlocks,
         name: str,
         loader: messages.Loader = messages.PICKLE,
     ) -> None:
@@ -93,7 +100,7 @@ class Objects:
         """Messages need the message backend's ``send``/``recv`` (of ``uint8`` where they
         are emulated on tensors). Creates that backend if this is its first use."""
         if self._coalescing:
-            refuse_inside(self._coalescing, op, self._name)
+            self._coalescing.refuse_inside(op)
         ep = self.endpoint(op)
         for direction in directions:
             if direction not in self._checked:
