@@ -18,7 +18,8 @@ interleaved in every round, in these forms:
 
 The table gives each form's median over the rounds' medians (microseconds one way) and the
 difference to ``torch``, and the same for rank 0's process CPU time per one way (all its threads,
-Gloo's included): on a loaded machine the CPU time shows a form's own cost where the wall time
+Gloo's included), and its minor page faults per one way (``faults``: memory touched for the first
+time, such as a freshly mapped buffer): on a loaded machine the CPU time shows a form's own cost where the wall time
 mostly shows the scheduler.
 """
 
@@ -29,6 +30,7 @@ import argparse
 import datetime
 import os
 import queue
+import resource
 import statistics
 import struct
 import sys
@@ -170,14 +172,17 @@ def _rank(rank: int, port: int, rounds: int, iters: int, *, size: int, out: dict
         for _ in range(rounds):
             for name, fn in cases.items():
                 group.barrier()
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start, cpu = time.perf_counter(), time.process_time()
                 for _ in range(iters):
                     fn()
                 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+                faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
                 drain()
                 if rank == 0:
                     out[name] = [*out.get(name, []), elapsed / iters / 2 * 1e6]
                     out[f"{name}|cpu"] = [*out.get(f"{name}|cpu", []), cpu / iters / 2 * 1e6]
+                    out[f"{name}|flt"] = [*out.get(f"{name}|flt", []), faults / iters / 2]
 
 
 def main() -> None:
@@ -201,10 +206,11 @@ def main() -> None:
         sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     base, base_cpu = statistics.median(out["torch"]), statistics.median(out["torch|cpu"])
     print(f"size {args.size} B, {args.rounds} rounds x {args.iters}; cpu: rank 0's process CPU time per one way")
-    print(f"{'form':12} {'us one way':>11} {'vs torch':>9} {'cpu us':>8} {'vs torch':>9}")
-    for name in [k for k in out if not k.endswith("|cpu")]:
+    print(f"{'form':12} {'us one way':>11} {'vs torch':>9} {'cpu us':>8} {'vs torch':>9} {'faults':>7}")
+    for name in [k for k in out if "|" not in k]:
         value, cpu = statistics.median(out[name]), statistics.median(out[f"{name}|cpu"])
-        print(f"{name:12} {value:11.1f} {value - base:+9.1f} {cpu:8.1f} {cpu - base_cpu:+9.1f}")
+        faults = statistics.median(out[f"{name}|flt"])
+        print(f"{name:12} {value:11.1f} {value - base:+9.1f} {cpu:8.1f} {cpu - base_cpu:+9.1f} {faults:7.2f}")
 
 
 if __name__ == "__main__":

@@ -241,3 +241,105 @@ def test_shutdown_with_an_isend_in_flight_drains_it(rank_pools: Pools) -> None:
     sender, receiver = rank_pools(2).run(shutdown_with_an_isend_in_flight, timeout=120)
     assert sender == {"completed": True, "error": "None"}
     assert receiver == {"got": [4.0, 4.0]}
+
+
+def _received(group: ProcessGroup, tag: int = 0) -> float:
+    got = torch.empty(1)
+    group.recv(got, 0, tag=tag)
+    return float(got[0])
+
+
+def _waiter_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("pg-gloo-") and "-wait-" in t.name)
+
+
+_STREAMS = 24
+
+
+def many_streams_then(ctx: RankContext, how: str) -> dict[str, Any]:
+    """Rank 0 sends two 4-byte messages on each of ``_STREAMS`` tags, then on tag 0 a message of
+    8 bytes and one of 4; rank 1 receives them in that order, the 8-byte one into a 4-byte
+    tensor (refused, untouched: a receive posted ahead of its caller took it, and must not pass
+    it on), then blocks in a receive on tag 0 in a thread of its own, with nothing sent, while
+    its main thread ends the group (``abort``: the receive raises GroupClosedError promptly;
+    ``shutdown``: after rank 0's last message was received). The waiter threads stay bounded
+    whatever the number of streams, and after a shutdown none is left while rank 0's group is
+    still open (the pool checks threads and sockets too). (After an abort, the thread that
+    waited in Gloo for the blocked receive stays there until Gloo's own timeout, or until rank 0
+    closes its connections: ``ProcessGroupGloo.abort()`` does not wake it; see the README.)"""
+    group = _group(ctx)
+    if ctx.rank == 0:
+        for _ in range(2):
+            for tag in range(_STREAMS):
+                group.send(torch.full((1,), float(tag)), 1, tag=tag)
+        group.send(torch.full((2,), 8.0), 1)
+        group.send(torch.full((1,), 9.0), 1)
+        wait_for(ctx.store, ["ended"], 60)
+        if how == "abort":
+            group.abort()
+        else:
+            group.shutdown()
+        return {}
+    got = [[_received(group, tag) for tag in range(_STREAMS)] for _ in range(2)]
+    most = _waiter_threads()
+    small = torch.full((1,), -1.0)
+    try:
+        group.recv(small, 0)
+        refused = False
+    except CollectiveMismatchError:
+        refused = True
+    after = _received(group)
+    most = max(most, _waiter_threads())
+    blocked: dict[str, Any] = {}
+
+    def receive() -> None:
+        started = time.monotonic()
+        try:
+            group.recv(torch.empty(1), 0)
+        except BaseException as exc:
+            blocked["raised"] = type(exc).__name__
+        blocked["after"] = time.monotonic() - started
+
+    thread = threading.Thread(target=receive)
+    if how == "abort":
+        thread.start()
+        time.sleep(0.3)  # (not synchronisation: let the receive be blocked when the group aborts)
+        started = time.monotonic()
+        group.abort()
+    else:
+        started = time.monotonic()
+        group.shutdown()
+    ended = time.monotonic() - started
+    if how == "abort":
+        thread.join(10)
+    released = _until(lambda: _waiter_threads() == 0, 5.0)  # rank 0's group still open
+    ctx.store.set("ended", "1")
+    return {
+        "got": got == [[float(t) for t in range(_STREAMS)]] * 2,
+        "bounded": most <= 16,
+        "refused": refused,
+        "untouched": float(small[0]) == -1.0,
+        "after": after,
+        "blocked": {"raised": blocked.get("raised"), "fast": blocked.get("after", 99.0) < 5.0}
+        if how == "abort"
+        else None,
+        "ended_fast": ended < 5.0,
+        "no_waiters": released if how == "shutdown" else None,
+    }
+
+
+@pytest.mark.parametrize("how", ["abort", "shutdown"])
+def test_receives_on_many_streams_stay_bounded_refuse_a_mismatch_and_leave_nothing_when_the_group_ends(
+    rank_pools: Pools, how: str
+) -> None:
+    _, receiver = rank_pools(2).run(many_streams_then, how, timeout=120, check_leaks=how == "shutdown")
+    assert receiver == {
+        "got": True,
+        "bounded": True,
+        "refused": True,
+        "untouched": True,
+        "after": 9.0,
+        "blocked": {"raised": "GroupClosedError", "fast": True} if how == "abort" else None,
+        "ended_fast": True,
+        "no_waiters": True if how == "shutdown" else None,
+    }
