@@ -5,6 +5,7 @@ numbers, the flight recorder and the failure latch, without a progress thread.""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -258,3 +259,78 @@ def test_calls_that_are_not_plain_take_the_general_path_beside_the_lane(group: P
     group.shutdown()
     with pytest.raises(Exception, match="shut down"):
         group.all_reduce(torch.ones(1), async_op=True)  # a closed group refuses through the lane too
+
+
+def test_a_launch_through_the_lane_that_raises_latches_and_is_recorded(group: ProcessGroup) -> None:
+    backend = _lane_backend(group)
+
+    def refuse(op: str, async_op: bool) -> Work | None:
+        raise PeerFailureError("rank 1 is gone", peers=[1])
+
+    backend._call = refuse  # type: ignore[method-assign]
+    before = group._executor.seq
+    with pytest.raises(PeerFailureError, match="rank 1 is gone"):
+        group.all_reduce(torch.ones(1), async_op=True)
+    entry = _collectives(group)[-1]
+    assert (entry["seq"], entry["op"], entry["state"], entry["error"]) == (
+        before + 1,
+        "all_reduce",
+        "failed",
+        "PeerFailureError",
+    )
+    with pytest.raises(PeerFailureError, match="stopped after all_reduce"):
+        group.broadcast(torch.ones(1), 0)
+    assert group._executor.lost == {1}
+
+
+def test_a_launch_through_the_lane_behind_a_queued_collective_waits_its_turn(group: ProcessGroup) -> None:
+    backend = _lane_backend(group)
+    executor = group._executor
+    gate = threading.Event()
+
+    def held_barrier(*, timeout: float, async_op: bool = False) -> Work | None:
+        backend.calls.append(("barrier", async_op, threading.get_ident()))
+        gate.wait(10)  # the all_reduce is queued behind this one before it ends (see `opener`)
+        return None
+
+    def opener() -> None:  # opens the gate once the all_reduce waits behind the barrier (bounded)
+        deadline = time.monotonic() + 10
+        while executor._pending < 2 and time.monotonic() < deadline:
+            gate.wait(0.001)
+        gate.set()
+
+    backend.barrier = held_barrier  # type: ignore[method-assign]
+    blocked = group.barrier(async_op=True)  # the backend does not launch barrier: on the progress thread
+    assert blocked is not None
+    helper = threading.Thread(target=opener)
+    helper.start()
+    work = group.all_reduce(torch.ones(1), async_op=True)  # the lane sees it queued: behind it, via launch()
+    helper.join(10)
+    assert work is not None and blocked.wait(10)
+    assert [c[0] for c in backend.calls] == ["barrier", "all_reduce"]
+    assert backend.calls[1][2] != threading.get_ident()  # launched on the progress thread, in its turn
+    for held in backend.held:
+        held.set_result(None)
+    assert work.wait(10)
+    assert [(e["op"], e["state"]) for e in _collectives(group)][-2:] == [
+        ("barrier", "completed"),
+        ("all_reduce", "completed"),
+    ]
+
+
+def test_the_lane_without_a_recorder_keeps_order_and_latches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PG_CORE_TRACE_BUFFER", "0")
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    g = ProcessGroup(store, 0, 1, backends=HeldBackend, name="unrecorded", timeout=timedelta(seconds=10))
+    try:
+        backend = _lane_backend(g)
+        before = g._executor.seq
+        work = g.all_reduce(torch.ones(1), async_op=True)
+        assert work is not None and g._executor.seq == before + 1 and g.debug_state()["entries"] == []
+        backend.held[0].set_exception(PeerFailureError("rank 1 died", peers=[1]))
+        with pytest.raises(PeerFailureError, match="rank 1 died"):
+            work.wait()
+        with pytest.raises(PeerFailureError, match="stopped after all_reduce"):
+            g.all_reduce(torch.ones(1), async_op=True)
+    finally:
+        g.shutdown()

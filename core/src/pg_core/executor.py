@@ -259,6 +259,48 @@ class Executor:
 
         return recorded
 
+    def launch_lane(self, op: str, start: Callable[[Any], Work], device: str = "") -> Callable[[Any], Work]:
+        """``start`` as a launched collective ``op`` that runs as :meth:`launch` would run it, made
+        for a group's hottest asynchronous call (``all_reduce(t, async_op=True)`` on a backend that
+        launches): one frame, its state read from the closure, no closure made per call, the
+        recorder noting the one tensor directly (:meth:`FlightRecorder.tensor_collective`).
+        ``start(arg)`` starts the collective on ``arg``, its one tensor, written in place (an
+        in-place collective without a root), and returns its work, which is watched as
+        :meth:`launch` watches it; ``device`` is the tensor's device type (for the recorder).
+        Whenever anything is other than open, idle and in order (an operation queued, the group
+        closing or closed, a collective failed, a call from the progress thread), it hands the
+        call to :meth:`launch`, which queues, refuses or raises as usual."""
+        lock = self._exec_lock
+        acquire, release, launch, latch, watch = lock.acquire, lock.release, self.launch, self.latch, self._watch
+        ident = threading.get_ident
+        recorder = self._recorder
+        begin = None if recorder is None else recorder.tensor_collective
+        finished = None if recorder is None else recorder.finished
+
+        def run(arg: Any) -> Work:
+            worker = self._worker_ident
+            if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
+                return launch(op, lambda _seq: start(arg), (arg,), device)
+            acquire()
+            try:
+                if not self._pending:  # still nothing queued, now that no other collective can start
+                    seq = self.seq = self._next_seq
+                    self._next_seq = seq + 1
+                    record = -1 if begin is None else begin(seq, op, arg, device)
+                    try:
+                        work = start(arg)
+                    except BaseException as exc:
+                        if finished is not None:
+                            finished(record, exc)
+                        latch(op, seq, exc)
+                        raise
+                    return watch(op, seq, record, work)
+            finally:
+                release()
+            return launch(op, lambda _seq: start(arg), (arg,), device)  # queued meanwhile: behind it
+
+        return run
+
     def _queued(
         self, op: str, fn: Callable[[int], Any], *, async_op: bool, args: tuple[Any, ...] = (), device: str = ""
     ) -> Any:

@@ -621,17 +621,12 @@ class ProcessGroup:
         order, notes it in the recorder and latches its failure (:meth:`Executor.launch`)."""
         backend: Any = self._dispatch.instance(device, "all_reduce").backend  # (its all_reduce takes async_op)
         method: Callable[..., Work] = backend.all_reduce
-        launch, budget, kind = self._executor.launch, self._timeout, device.type
+        budget = self._timeout
 
-        def run(tensor: torch.Tensor) -> Work:
-            return launch(
-                "all_reduce",
-                lambda _seq: method(tensor, rop, timeout=budget, async_op=True),
-                (tensor, rop),
-                kind,
-            )
+        def start(tensor: torch.Tensor) -> Work:
+            return method(tensor, rop, timeout=budget, async_op=True)
 
-        return run
+        return self._executor.launch_lane("all_reduce", start, device.type)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: float | timedelta | None = None
