@@ -389,7 +389,8 @@ def test_bucket_layout_puts_every_buffer_of_every_op_between_sentinels() -> None
     """In the ``bucket`` layout every input and output of every op is a dense view at a non-zero offset of a
     larger flat storage, with sentinels after it too, and a rank's storages have the shapes of every other
     rank's (the checks compare them position by position)."""
-    from pg_core.testing.cases import Call, prepare
+    from pg_core.testing.buffers import prepare
+    from pg_core.testing.cases import Call
 
     n = 3
     splits = [[(i + j) % 3 for j in range(n)] for i in range(n)]

@@ -36,8 +36,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..dtypes import dtype_name
 from ..ops import COLLECTIVE_OPS, RedOpType
-from .cases import EXTREME, VALUE_OPS, Call, Example, Lane, dtype_name
+from .cases import EXTREME, VALUE_OPS, Call, Example, Lane, dtype_of
 from .strategies import Target, any_source_plan, threshold_pieces
 
 __all__ = [
@@ -390,8 +391,6 @@ def size_class(shape: Sequence[int], dtype: str) -> str:
         return "empty"
     if numel == 1:
         return "1 element"
-    from .cases import dtype_of
-
     nbytes = numel * torch.empty((), dtype=dtype_of(dtype)).element_size()
     return next(name for name, limit in SIZE_CLASSES if nbytes <= limit)
 

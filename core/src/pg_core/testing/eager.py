@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .cases import dtype_name, dtype_of
+from ..dtypes import dtype_name
+from .cases import dtype_of
 from .receives import pattern
 
 if TYPE_CHECKING:

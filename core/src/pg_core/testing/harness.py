@@ -72,12 +72,15 @@ from typing import Any
 import torch
 
 from ..backend import Backend, BackendSpec, Capabilities
+from ..dtypes import dtype_name
 from ..ops import COLLECTIVE_OPS, RedOpType
 from ..registry import absolute_backend_ref, resolve_backend_ref
-from .cases import VALUE_OPS, Call, Example, Expected, dtype_name, dtype_of, expected, fill, input_bases, prepare
+from .buffers import collective_input, input_bases, message_value, prepare
+from .cases import VALUE_OPS, Call, Example, dtype_of
 from .pool import RankPool, RanksFailed
 from .rank import run_dead_peer, run_example, run_warm_up
-from .values import collective_input, collective_result, difference, message_value, observe
+from .reference import Expected, collective_result, expected, fill
+from .values import difference, observe
 
 __all__ = ["PROFILES", "TESTS", "Conformance", "ConformanceFailure", "Profile"]
 
@@ -1047,7 +1050,6 @@ def _supports_table(
     from ..backend import DTYPES
     from ..group import ProcessGroup
     from ..ops import COLLECTIVE_OPS, OPTIONAL_OPS, RedOpType, ReduceOp
-    from .cases import dtype_name
 
     reducing = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
     spec = resolve_backend_ref(backend_ref, device, factories=False)

@@ -30,15 +30,9 @@ from ..ops import RedOpType, ReduceOp
 from ..registry import resolve_backend_ref
 from ..store import wait_for
 from ..work import Work
-from .cases import Bufs, Call, Example, depends_on, dtype_of, prepare
-from .values import (
-    MESSAGE_COLLECTIVES,
-    collective_input,
-    message_value,
-    observe,
-    plain_buffer,
-    spec_dtypes,
-)
+from .buffers import Bufs, collective_input, message_value, plain_buffer, prepare
+from .cases import MESSAGE_COLLECTIVES, Call, Example, depends_on, dtype_of
+from .values import observe, spec_dtypes
 
 __all__ = ["run_dead_peer", "run_example"]
 

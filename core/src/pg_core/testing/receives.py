@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..dtypes import dtype_name
 from ..messages import EAGER_BYTES
-from .cases import dtype_name, dtype_of
+from .cases import dtype_of
 
 if TYPE_CHECKING:
     from .harness import Conformance

@@ -25,11 +25,11 @@ import hypothesis.strategies as st
 import torch
 
 from ..backend import DTYPES, Capabilities
+from ..dtypes import dtype_name
 from ..ops import COLLECTIVE_OPS, OPTIONAL_OPS, RedOpType
 from ..tags import TagMap
-from .cases import EXTREME, Call, Example, Lane, dtype_name
+from .cases import EXTREME, MESSAGE_COLLECTIVES, Call, Example, Lane
 from .rank import BAD_INPUTS
-from .values import MESSAGE_COLLECTIVES
 
 __all__ = ["Target", "any_source_plan", "examples_for"]
 

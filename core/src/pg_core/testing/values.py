@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 
-from .cases import _generator, _key, _laid_out, dtype_name, dtype_of, random_tensor
+from ..dtypes import NAMES, dtype_name
+from .tensors import generator_for, laid_out, moved, random_tensor
 
-__all__ = ["Observed", "build", "describe_spec", "difference", "observe", "spec_dtypes"]
+__all__ = ["Observed", "build", "describe_spec", "difference", "observe", "spec_dtypes", "tensor_of"]
 
 #: What :func:`observe` returns: nested tuples of str, int, bool, bytes.
 Observed = tuple[Any, ...]
@@ -87,20 +88,18 @@ def tensor_of(spec: list[Any], key: tuple[object, ...], device: torch.device) ->
     """The tensor of a ``["tensor", dtype, shape, layout, special]`` spec (a view, for a
     non-contiguous layout, of a wider buffer)."""
     _, dname, shape, layout, special = spec
-    dtype = dtype_of(dname)
+    dtype = NAMES[dname]
     values = random_tensor(key, shape, dtype, None)
     if special and values.numel() and (dtype.is_floating_point or dtype.is_complex):
         flat = values.view(-1)
-        g = _generator(*key, "special")
+        g = generator_for(*key, "special")
         picks = torch.randint(0, flat.numel(), (min(4, flat.numel()),), generator=g)
         for value, at in zip(_SPECIALS, picks.tolist(), strict=False):
             flat[at] = torch.tensor(complex(value, -value) if dtype.is_complex else value, dtype=dtype)
-    view, base = _laid_out(values, layout, key)
+    view, base = laid_out(values, layout, key)
     if device.type == "cpu":
         return view
-    moved = base.to(device)
-    offset = view.storage_offset() - base.storage_offset()
-    return moved.as_strided(view.shape, view.stride(), moved.storage_offset() + offset)
+    return moved(view, base, device)[0]
 
 
 def observe(value: Any, *, device: str | None = None) -> Observed:
@@ -183,7 +182,7 @@ def _tensor_difference(got: Observed, want: Observed, at: str) -> str:
     _, wdt, wshape, wdev, wraw = want
     if (gdt, gshape, gdev) != (wdt, wshape, wdev) or len(graw) != len(wraw):
         return f"{at}: got {summary(got)}, expected {summary(want)}"
-    dtype = dtype_of(wdt)
+    dtype = NAMES[wdt]
     size = torch.empty((), dtype=dtype).element_size()
     g = torch.frombuffer(bytearray(graw), dtype=torch.uint8).view(-1, size)
     w = torch.frombuffer(bytearray(wraw), dtype=torch.uint8).view(-1, size)
@@ -251,61 +250,3 @@ def describe_spec(spec: list[Any], depth: int = 0) -> str:
         return f"bytes({len(spec[1]) // 2})"
     text = repr(spec[1])
     return text if len(text) <= 20 else text[:17] + "..."
-
-
-# -- what the message operations of a call take and must give -------------------------------
-
-#: The collectives of values: each rank passes a value and gets one back.
-MESSAGE_COLLECTIVES: tuple[str, ...] = (
-    "broadcast_object",
-    "all_gather_object",
-    "gather_object",
-    "scatter_object",
-    "broadcast_tensor_dict",
-)
-
-
-def collective_input(call: Any, where: tuple[int, int, int], rank: int, device: torch.device | str = "cpu") -> Any:
-    """What ``rank`` passes to the value collective ``call``: its object, the list of
-    objects on the root of ``scatter_object``, ``None`` where the op takes none."""
-    seed, lane, step = where
-    p, op = call.params, call.op
-    if op in ("broadcast_object", "broadcast_tensor_dict"):
-        return build(p["obj"], _key(seed, lane, step, rank, "obj"), device) if rank == p["root"] else None
-    if op in ("all_gather_object", "gather_object"):
-        return build(p["objs"][rank], _key(seed, lane, step, rank, "obj"), device)
-    if op == "scatter_object":
-        if rank != p["root"]:
-            return None
-        return [build(s, _key(seed, lane, step, rank, ("obj", i)), device) for i, s in enumerate(p["objs"])]
-    raise ValueError(f"{op} is not a value collective")
-
-
-def collective_result(call: Any, where: tuple[int, int, int], rank: int, n: int) -> Any:
-    """What ``rank`` (of ``n``) must get back from the value collective ``call``."""
-    p, op = call.params, call.op
-    if op in ("broadcast_object", "broadcast_tensor_dict"):
-        return collective_input(call, where, p["root"])
-    if op == "all_gather_object" or (op == "gather_object" and rank == p["root"]):
-        return [collective_input(call, where, j) for j in range(n)]
-    if op == "gather_object":
-        return None
-    if op == "scatter_object":
-        return collective_input(call, where, p["root"])[rank]
-    raise ValueError(f"{op} is not a value collective")
-
-
-def message_value(call: Any, where: tuple[int, int, int], m: int, device: torch.device | str = "cpu") -> Any:
-    """The value message ``m`` of a ``messages`` call carries (built by its sender)."""
-    seed, lane, step = where
-    src, _dst, _tag, _kind, _recv_as, spec = call.params["messages"][m]
-    return build(spec, _key(seed, lane, step, src, ("m", m)), device)
-
-
-def plain_buffer(call: Any, where: tuple[int, int, int], m: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The receive buffer of the ``plain`` message ``m`` (tensor ``recv`` of a known shape),
-    filled with junk that the message must overwrite."""
-    seed, lane, step = where
-    _src, dst, _tag, _kind, _recv_as, spec = call.params["messages"][m]
-    junk = random_tensor(_key(seed, lane, step, dst, ("junk-m", m)), spec[2], dtype_of(spec[1]), None)
-    return junk.to(device)
