@@ -8,7 +8,7 @@ calls on one group per example:
 * **every declared combination** (op, device type, dtype, reduce op; ``send``/``recv`` as
   one ``p2p`` combination per dtype) twice: blocking at the smallest world size >= 2 with
   the comfortable values, and asynchronous at the largest with each dtype's whole range
-  (:func:`~pg_core.testing.cases.extreme_tensor`), each time with a piece size from
+  (:func:`~pg_core.testing.tensors.extreme_tensor`), each time with a piece size from
   :func:`sizes` (empty, one element, odd counts, just below and above powers of two);
 * **every root** of ``broadcast``, ``reduce``, ``gather`` and ``scatter`` at every world size;
 * **every odd one out**: at every world size >= 2, for every rank k, an ``all_to_all`` and

@@ -3,7 +3,7 @@
 A :class:`Conformance` holds one :class:`~pg_core.testing.pool.RankPool` per world
 size (started on first use, respawned after a hang or a death), sends each
 example to the ranks, computes the expected result of every call itself
-(:func:`~pg_core.testing.cases.expected`), and raises :class:`ConformanceFailure`
+(:func:`~pg_core.testing.reference.expected`), and raises :class:`ConformanceFailure`
 naming the *check* that failed. Hypothesis runs here, in the controller
 (:meth:`Conformance.check`); the ranks only execute.
 
@@ -13,7 +13,7 @@ Checks, by the name a failure carries:
     a declared call raised, or a lane's group could not be formed.
 ``reference``
     an output differs from the controller's reference (exact, or beyond the
-    tolerance of :func:`~pg_core.testing.cases.tolerance_note`), or a byte
+    tolerance of :func:`~pg_core.testing.reference.tolerance_note`), or a byte
     outside the output view (a strided buffer's gaps) changed; for values
     (objects, tensors of unknown shape, tensor dicts), a received value is not
     structurally equal to the one sent (see :mod:`~pg_core.testing.values`); for

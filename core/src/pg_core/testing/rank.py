@@ -3,7 +3,7 @@
 :func:`run_example` runs in every rank of a :class:`~pg_core.testing.pool.RankPool`:
 it forms one :class:`~pg_core.ProcessGroup` per top-level lane the rank belongs to
 (lanes run concurrently, each on its own thread), makes its inputs with
-:func:`~pg_core.testing.cases.prepare` (values with :mod:`~pg_core.testing.values`),
+:func:`~pg_core.testing.buffers.prepare` (values with :mod:`~pg_core.testing.values`),
 runs the calls, waits for async ones in the example's order, shuts the groups
 down, and returns what it observed: every output and input buffer, every value
 it received and every value it sent (as it was afterwards), each call's error (if
