@@ -39,8 +39,8 @@ from pg_core.work import Work
 
 from . import collectives
 from .formation import form
-from .layout import ABORTED, DOORBELL, KIND_BYTES, RING_META, SHUT_DOWN, STATE, Layout
-from .receiving import Held, Inbox
+from .layout import ABORTED, DOORBELL, KIND_BYTES, KIND_TENSOR, RING_META, SHUT_DOWN, STATE, Layout
+from .receiving import Held, Inbox, Posted
 from .rings import EAGER_LIMIT, RING_BYTES, Ring, parts_of
 from .segment import Word, futex_wait, futex_wake
 from .sending import Outbox
@@ -133,6 +133,39 @@ class ShmBackend(Backend):
             self.inboxes[src].receive_tensor(tensor, tag, timeout, "recv")
         finally:
             self._leave()
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        """Post a receive in ``src``'s inbox (:meth:`pg_shm.receiving.Inbox.post`), in this
+        thread: behind the receives posted on that peer before it, taking what is there now.
+        Its work completes when waited for or polled, when a later receive from ``src`` runs,
+        or, with nobody doing that, by the drainer (which also fails it at its deadline or when
+        ``src`` is gone); ``abort()``/``shutdown()`` fail it at once."""
+        inbox = self.inboxes[src]
+        posted: Posted | None = None
+
+        def drive(work: Work, budget: float) -> None:
+            if posted is None or posted.done:
+                return
+            try:
+                self._enter()
+            except GroupClosedError as exc:
+                work.set_exception(exc)
+                return
+            try:
+                if budget <= 0:
+                    inbox.poll()
+                else:
+                    inbox.drive(posted, time.monotonic() + budget)
+            finally:
+                self._leave()
+
+        work = Work("irecv", driver=drive)
+        self._enter()
+        try:
+            posted = inbox.post(KIND_TENSOR, tag, tensor, deadline=time.monotonic() + timeout, op="irecv", work=work)
+        finally:
+            self._leave()
+        return work
 
     def send_bytes(self, data: Any, dst: int, tag: int, *, timeout: float) -> None:
         work = self._post(KIND_BYTES, None, parts_of(data), dst, tag=tag, timeout=timeout, op="send_bytes")
@@ -253,9 +286,12 @@ class ShmBackend(Backend):
             self._state.value = state
             self._users += 1  # this close's own reference: its wake-ups touch the segments
         try:
-            self.shared.fail_pending(GroupClosedError(f"group {self.ctx.group_name!r}: pg-shm backend {why}"))
+            closed = GroupClosedError(f"group {self.ctx.group_name!r}: pg-shm backend {why}")
+            self.shared.fail_pending(closed)
             for word in self._wake_words():
                 futex_wake(word)
+            for inbox in self.inboxes.values():
+                inbox.close(closed, JOIN_S)
             # The threads leave within a slice of the wake-ups; joining them only keeps them from
             # outliving the close. One that does not (bounded: the close waits for no peer) keeps
             # the mappings through its reference until it leaves, and unmaps them then.
@@ -310,13 +346,15 @@ class ShmBackend(Backend):
     def _drain(self) -> None:
         bell = self._doorbell
         try:
-            shared = self.shared
+            shared, inboxes = self.shared, list(self.inboxes.values())
             while self.live.closed is None:
-                futex_wait(bell.address, 0, UNATTENDED if shared.pending() else SLICE)
+                posted = any(inbox.waiting for inbox in inboxes)
+                futex_wait(bell.address, 0, UNATTENDED if posted or shared.pending() else SLICE)
                 if self.live.closed is not None:
                     return
-                for inbox in self.inboxes.values():
+                for inbox in inboxes:
                     inbox.drain()
+                    inbox.unattended()
                 shared.background()
         finally:
             self._leave()

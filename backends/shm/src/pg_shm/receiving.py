@@ -19,14 +19,15 @@ from ctypes import memmove
 import torch
 from pg_core.backend import tensor_bytes
 from pg_core.dtypes import dtype_code, dtype_from_code
-from pg_core.errors import CollectiveMismatchError, PeerFailureError
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError
+from pg_core.work import Work
 
 from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
 from .rings import CODES, EAGER_LIMIT, Ring
 from .segment import futex_wake
 from .waiting import SPINS, Flag, Liveness, wait_until
 
-__all__ = ["Held", "Inbox"]
+__all__ = ["Held", "Inbox", "Posted"]
 
 _HEADER_BYTES = HEADER.size
 _ALIGN = ALIGN
@@ -58,6 +59,36 @@ class Held:
             self.bytes -= n
 
 
+class Posted:
+    """A receive posted ahead of its message (``irecv``, or a blocking receive behind one):
+    filled by whoever advances its inbox (:meth:`Inbox.advance`). ``into`` is its tensor, or
+    ``None`` for a byte message (``result`` then holds it)."""
+
+    __slots__ = ("deadline", "done", "error", "into", "kind", "op", "result", "tag", "work")
+
+    def __init__(
+        self, kind: int, tag: int, into: torch.Tensor | None, *, deadline: float, op: str, work: Work | None
+    ) -> None:
+        self.kind, self.tag, self.into, self.deadline, self.op, self.work = kind, tag, into, deadline, op, work
+        self.done = False  # decided, under the inbox's lock; the work is completed after it is released
+        self.error: BaseException | None = None
+        self.result: bytearray | None = None
+
+
+class _Stream:
+    """The message at the ring's tail being read in pieces as its sender writes it: into
+    ``dst`` (or nowhere), then ``then(buffer)`` once whole."""
+
+    __slots__ = ("dst", "end", "final", "owner", "pos", "start", "then")
+
+    def __init__(
+        self, start: int, nbytes: int, dst: memoryview | None, then: Callable[[], None] | None, owner: Posted | None
+    ) -> None:
+        self.start, self.pos = start, start + _HEADER_BYTES
+        self.end, self.final = self.pos + nbytes, start + message_span(nbytes)
+        self.dst, self.then, self.owner = dst, then, owner
+
+
 class Inbox:
     """This member's receiving end of ``peer``'s ring to it."""
 
@@ -71,6 +102,12 @@ class Inbox:
         self._kept: dict[tuple[int, int], deque[tuple[int, bytearray]]] = {}
         self._flag = Flag(ring.recv_sleeps)
         self.broken: str | None = None
+        # posted receives per (kind, tag), in posting order, and how many in all (read unlocked
+        # by the fast paths and the drainer: a stale read only sends them the general way)
+        self._posted: dict[tuple[int, int], deque[Posted]] = {}
+        self.posted = 0
+        self._stream: _Stream | None = None
+        self._finished: list[Posted] = []  # decided under the lock, completed after it (_complete)
         # what receive_tensor's common case reads, looked up once
         self._head, self._tail, self._sender_sleeps = ring.head.cell, ring.tail.cell, ring.sender_sleeps.cell
         self._tail_address, self._cap, self._data, self._base = ring.tail.address, ring.capacity, ring.data, ring.base
@@ -87,7 +124,13 @@ class Inbox:
             with self.lock:
                 seen = head.value
                 start = tail.value
-                if self.broken is None and not self._kept and seen - start >= span:
+                if (
+                    self.broken is None
+                    and not self._kept
+                    and not self.posted
+                    and self._stream is None
+                    and seen - start >= span
+                ):
                     off = start % cap
                     k, code, t, n = _unpack_header(data, off)
                     if (
@@ -103,7 +146,7 @@ class Inbox:
                         if self._sender_sleeps.value:
                             futex_wake(self._tail_address)
                         return
-            if not spin:
+            if not spin or self.posted:
                 break
             for _ in range(SPINS):  # the sender is usually a few microseconds away: poll the bare cell
                 if head.value != seen:
@@ -116,14 +159,16 @@ class Inbox:
         ring = self.ring
         head, tail = ring.head.cell, ring.tail.cell
         while True:
+            if self.posted or self._stream is not None:  # behind posted receives: one of them now
+                return self._behind(self.post(kind, tag, into, deadline=deadline, op=op, work=None))
             with self.lock:
                 if self.broken is not None:
                     self.live.check([], op)  # broken by this member's close: say that
                     raise PeerFailureError(self.broken, peers=[self.peer])
-                kept = self._kept.get((kind, tag))
-                if kept:
-                    code, buffer = kept.popleft()
-                    self.held.give(len(buffer))
+                if self.posted or self._stream is not None:
+                    continue
+                if (kind, tag) in self._kept:
+                    code, buffer = self._pop_kept((kind, tag))
                     return self._deliver(code, buffer, into)
                 while True:
                     seen = head.value  # read before deciding there is nothing: what the wait compares with
@@ -180,7 +225,7 @@ class Inbox:
         if not ring.want_drain.value or not self.lock.acquire(blocking=False):
             return
         try:
-            while True:
+            while self._stream is None:  # (one stands inside a message: the posted receives' part)
                 tail, head = ring.tail.value, ring.head.value
                 if head - tail < HEADER.size:
                     return
@@ -199,7 +244,302 @@ class Inbox:
         finally:
             self.lock.release()
 
+    # -- posted receives ---------------------------------------------------------------
+    @property
+    def waiting(self) -> bool:
+        """Whether posted receives (or a message read in pieces for them) are pending."""
+        return bool(self.posted) or self._stream is not None
+
+    def post(
+        self, kind: int, tag: int, into: torch.Tensor | None, *, deadline: float, op: str, work: Work | None
+    ) -> Posted:
+        """Post a receive of (``kind``, ``tag``) behind every receive posted before it, take what
+        is there now without waiting, and return it (done already, or pending: :meth:`drive`)."""
+        posted = Posted(kind, tag, into, deadline=deadline, op=op, work=work)
+        with self.lock:
+            if self.broken is not None:
+                posted.done, posted.error = True, PeerFailureError(self.broken, peers=[self.peer])
+                self._finished.append(posted)
+            else:
+                key = (kind, tag)
+                if key not in self._posted and key in self._kept:
+                    self._take_kept(posted, key)
+                else:
+                    self._posted.setdefault(key, deque()).append(posted)
+                    self.posted += 1
+                    self._advance_posted()
+            finished = self._take_finished()
+        self._complete(finished)
+        return posted
+
+    def drive(self, posted: Posted, until: float) -> None:
+        """Advance the posted receives until ``posted`` is done, waiting for the sender (spin,
+        then futex) until ``until`` (``time.monotonic()``): past its own deadline it fails with
+        ``CollectiveTimeout``, a dead or closed peer or a close of this member fails it (and the
+        inbox's other posted receives) as a blocking receive fails; ``until`` before its deadline
+        only ends this drive."""
+        ring, key = self.ring, (posted.kind, posted.tag)
+        head, broken = ring.head, ring.broken
+        doing = self._doing(posted.op, posted.tag)
+        while True:
+            with self.lock:
+                if not posted.done:
+                    self._advance_posted()
+                seen = head.value
+                finished = self._take_finished()
+            self._complete(finished)
+            if posted.done:
+                return
+
+            def moved(seen: int = seen) -> bool:
+                return posted.done or head.value != seen or bool(broken.value) or bool(self._kept.get(key))
+
+            try:
+                wait_until(
+                    moved, head, self._flag, self.live, [self.peer],
+                    deadline=min(until, posted.deadline), doing=doing, op=posted.op,
+                )  # fmt: skip
+            except CollectiveTimeout as exc:
+                if time.monotonic() < posted.deadline:
+                    return
+                self._fail(posted, exc, every=False)
+                return
+            except (PeerFailureError, GroupClosedError) as exc:
+                self._fail(posted, exc, every=True)
+                return
+
+    def poll(self) -> None:
+        """Advance the posted receives as far as they go now, never blocking (``is_completed``)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._advance_posted()
+            finished = self._take_finished()
+        finally:
+            self.lock.release()
+        self._complete(finished)
+
+    def unattended(self) -> None:
+        """The drainer's part in posted receives: advance them, fail those past their deadline,
+        and all of them once the peer is gone or this member closed. Never blocks."""
+        if not self.waiting or not self.lock.acquire(blocking=False):
+            return
+        try:
+            self._advance_posted()
+            now = time.monotonic()
+            late = [p for queue in self._posted.values() for p in queue if p.deadline <= now]
+            owner = self._stream.owner if self._stream is not None else None
+            if owner is not None and owner.deadline <= now:
+                late.append(owner)
+            for posted in late:
+                self._fail_locked(posted, self._timeout(posted), every=False)
+            if self.waiting:
+                try:
+                    self.live.check([self.peer], self._doing("irecv", 0 if owner is None else owner.tag))
+                except (PeerFailureError, GroupClosedError) as exc:
+                    self._fail_all(exc)
+            finished = self._take_finished()
+        finally:
+            self.lock.release()
+        self._complete(finished)
+
+    def close(self, error: BaseException, timeout: float) -> None:
+        """Fail every posted receive with ``error`` (this member's close)."""
+        if not self.lock.acquire(timeout=timeout):  # a blocking receive holds it: it fails on its own
+            return
+        try:
+            self._fail_all(error)
+            finished = self._take_finished()
+        finally:
+            self.lock.release()
+        self._complete(finished)
+
+    def _behind(self, posted: Posted) -> bytearray | None:
+        """A blocking receive posted behind others: driven here to its end."""
+        if not posted.done:
+            self.drive(posted, posted.deadline)
+        assert posted.done, "pg-shm: a blocking receive's drive ended before its deadline"
+        if posted.error is not None:
+            raise posted.error
+        return posted.result
+
+    def _fail(self, posted: Posted, error: BaseException, *, every: bool) -> None:
+        with self.lock:
+            self._advance_posted()  # what came before the failure still counts
+            if not posted.done:
+                if every:
+                    self._fail_all(error)
+                else:
+                    self._fail_locked(posted, error, every=False)
+            finished = self._take_finished()
+        self._complete(finished)
+
+    def _timeout(self, posted: Posted) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"Timed out in {posted.op} (group {self.group!r}): {self._doing(posted.op, posted.tag)}; not heard "
+            f"from ranks [{self.peer}]",
+            op=posted.op,
+            peers=[self.peer],
+        )
+
+    def _complete(self, finished: list[Posted]) -> None:
+        """Complete the works of receives decided under the lock (outside it: their callbacks
+        may post more), and wake a thread of this member that sleeps waiting for one."""
+        for posted in finished:
+            work = posted.work
+            if work is not None:
+                if posted.error is not None:
+                    work.set_exception(posted.error)
+                else:
+                    work.set_result(None)
+        if finished and self.ring.recv_sleeps.value:
+            futex_wake(self.ring.head.address)
+
     # -- inside the lock -------------------------------------------------------------
+    def _take_finished(self) -> list[Posted]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _done(self, posted: Posted, error: BaseException | None = None) -> None:
+        posted.done, posted.error = True, error
+        self._finished.append(posted)
+
+    def _pop_kept(self, key: tuple[int, int]) -> tuple[int, bytearray]:
+        """The first kept message of ``key`` (there is one), no longer held; a key with none
+        left is removed (an empty ``_kept`` is what the fast path asks)."""
+        kept = self._kept[key]
+        code, buffer = kept.popleft()
+        if not kept:
+            del self._kept[key]
+        self.held.give(len(buffer))
+        return code, buffer
+
+    def _pop_posted(self, key: tuple[int, int]) -> Posted:
+        """The first receive posted for ``key`` (there is one); a key with none left is removed."""
+        queue = self._posted[key]
+        posted = queue.popleft()
+        if not queue:
+            del self._posted[key]
+        self.posted -= 1
+        return posted
+
+    def _take_kept(self, posted: Posted, key: tuple[int, int]) -> None:
+        code, buffer = self._pop_kept(key)
+        try:
+            posted.result = self._deliver(code, buffer, posted.into)
+        except CollectiveMismatchError as exc:
+            self._done(posted, exc)
+        else:
+            self._done(posted)
+
+    def _advance_posted(self) -> None:
+        """Move the ring's messages into the posted receives, in ring order, as far as the
+        sender has written them (a message of a tag nobody posted for is kept, as a receive
+        reading past it keeps it), while any are posted. Never blocks."""
+        ring = self.ring
+        while self.posted or self._stream is not None:
+            if self.broken is not None:
+                self._fail_all(PeerFailureError(self.broken, peers=[self.peer]))
+                return
+            stream = self._stream
+            if stream is not None:
+                if not self._read_on(stream):
+                    if ring.broken.value:
+                        self._fail_all(
+                            PeerFailureError(
+                                f"group {self.group!r}: rank {self.peer}'s send stopped midway (it timed out or was "
+                                "aborted); this stream is broken",
+                                peers=[self.peer],
+                            )
+                        )
+                    return
+                self._stream = None
+                if stream.then is not None:
+                    stream.then()
+                continue
+            for key in [key for key in self._posted if key in self._kept]:
+                while key in self._posted and key in self._kept:
+                    self._take_kept(self._pop_posted(key), key)
+            if not self.posted:
+                return
+            start = ring.tail.value
+            if ring.head.value - start < _HEADER_BYTES:
+                return
+            k, code, t, nbytes = _unpack_header(ring.data, start % ring.capacity)
+            if (k, t) in self._posted:
+                self._stream = self._into_posted(self._pop_posted((k, t)), start, code, nbytes)
+            else:  # read past it, as a receive does
+                buffer = bytearray(nbytes)
+                self.held.take(nbytes, within=False)
+                self._stream = _Stream(start, nbytes, memoryview(buffer), self._keeping(k, t, code, buffer), None)
+
+    def _into_posted(self, posted: Posted, start: int, code: int, nbytes: int) -> _Stream:
+        into = posted.into
+        if into is None:
+            buffer = posted.result = bytearray(nbytes)
+            return _Stream(start, nbytes, memoryview(buffer), lambda: self._done(posted), posted)
+        if nbytes != into.nbytes or code != dtype_code(into.dtype):
+            self._done(posted, self._mismatch(into, code, nbytes))
+            return _Stream(start, nbytes, None, None, None)  # read past it
+        return _Stream(start, nbytes, tensor_bytes(into) if nbytes else None, lambda: self._done(posted), posted)
+
+    def _keeping(self, kind: int, tag: int, code: int, buffer: bytearray) -> Callable[[], None]:
+        def keep() -> None:
+            self._kept.setdefault((kind, tag), deque()).append((code, buffer))
+            futex_wake(self.ring.head.address)  # another thread of this member may wait for it
+
+        return keep
+
+    def _read_on(self, stream: _Stream) -> bool:
+        """Copy what the sender wrote of ``stream``'s message; whether it is all consumed."""
+        head = self.ring.head.value
+        pos = stream.pos
+        n = min(head, stream.end) - pos
+        if n > 0:
+            if stream.dst is not None:
+                done = pos - stream.start - _HEADER_BYTES
+                self._copy_out(pos, stream.dst[done : done + n])
+            stream.pos = pos = pos + n
+            self._advance(pos)
+        if pos < stream.end or head < stream.final:
+            return False
+        if stream.final > pos:
+            self._advance(stream.final)
+        return True
+
+    def _fail_locked(self, posted: Posted, error: BaseException, *, every: bool) -> None:
+        """Fail ``posted``; one whose message is being read breaks the stream (as a blocking
+        receive failing midway does), failing every posted receive."""
+        if posted.done:
+            return
+        stream = self._stream
+        if every or (stream is not None and stream.owner is posted):
+            self._fail_all(error)
+            return
+        key = (posted.kind, posted.tag)
+        queue = self._posted.get(key)
+        if queue is not None and posted in queue:
+            queue.remove(posted)
+            if not queue:
+                del self._posted[key]
+            self.posted -= 1
+        self._done(posted, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            self.broken = (
+                f"group {self.group!r}: the stream from rank {self.peer} is broken: a message stopped midway here "
+                f"({type(error).__name__})"
+            )
+            if stream.owner is not None and not stream.owner.done:
+                self._done(stream.owner, error)
+        for queue in self._posted.values():
+            for posted in queue:
+                self._done(posted, error)
+        self._posted.clear()
+        self.posted = 0
+
     def _deliver(self, code: int, buffer: bytearray, into: torch.Tensor | None) -> bytearray | None:
         if into is None:
             return buffer

@@ -207,6 +207,9 @@ class Outbox:
             ring.want_drain.value = 1
             futex_wake(self.doorbell.address)
 
+        def ring_bell() -> None:  # the peer's drainer advances a receive posted for this one
+            futex_wake(self.doorbell.address)
+
         def wait_room(n: int) -> None:
             try:
                 wait_until(
@@ -218,7 +221,7 @@ class Outbox:
                     deadline=job.deadline,
                     doing=doing,
                     op="send",
-                    also=ask_drain if eager else None,
+                    also=ask_drain if eager else ring_bell,
                 )
             except CollectiveTimeout as exc:
                 if not ring.refused.value:
