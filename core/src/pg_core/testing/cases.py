@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from ..dtypes import NAMES
+from ..objects import VALUE_COLLECTIVES
 from ..ops import RedOpType, ReduceOp
 from .values import describe_spec
 
 __all__ = [
     "DTYPE_NAMES",
     "EXTREME",
-    "MESSAGE_COLLECTIVES",
     "VALUE_OPS",
     "Call",
     "Example",
@@ -44,18 +44,9 @@ __all__ = [
 DTYPE_NAMES: dict[str, torch.dtype] = NAMES
 
 
-#: The collectives of values: each rank passes a value and gets one back.
-MESSAGE_COLLECTIVES: tuple[str, ...] = (
-    "broadcast_object",
-    "all_gather_object",
-    "gather_object",
-    "scatter_object",
-    "broadcast_tensor_dict",
-)
-
 #: Ops whose calls move values (objects, tensors of unknown shape, tensor dicts) or
 #: form subgroups: described by value specs, judged by :mod:`pg_core.testing.values`.
-VALUE_OPS: frozenset[str] = frozenset({"messages", *MESSAGE_COLLECTIVES, "split", "new_group"})
+VALUE_OPS: frozenset[str] = frozenset({"messages", *VALUE_COLLECTIVES, "split", "new_group"})
 
 #: ``Call.params["values"]``: ``"extreme"`` draws from each dtype's whole range
 #: (:func:`~pg_core.testing.tensors.extreme_tensor`); absent, the comfortable ranges of

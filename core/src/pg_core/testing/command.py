@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         print("pg-core conformance needs pytest and hypothesis: pip install 'pg-core[testing]'", file=sys.stderr)
         return 2
-    from ..registry import resolve_backend_ref
+    from ..backend_refs import resolve_backend_ref
 
     try:  # the suite's ranks take a BackendSpec (or a name), not a bare Backend class
         resolve_backend_ref(args.backend, factories=False, here=False)  # where its ranks run

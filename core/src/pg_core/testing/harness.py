@@ -72,9 +72,9 @@ from typing import Any
 import torch
 
 from ..backend import Backend, BackendSpec, Capabilities
+from ..backend_refs import absolute_backend_ref, resolve_backend_ref
 from ..dtypes import dtype_name
 from ..ops import COLLECTIVE_OPS, RedOpType
-from ..registry import absolute_backend_ref, resolve_backend_ref
 from .buffers import collective_input, input_bases, message_value, prepare
 from .cases import VALUE_OPS, Call, Example, dtype_of
 from .pool import RankPool, RanksFailed
@@ -157,7 +157,7 @@ class ConformanceFailure(AssertionError):
 class Conformance:
     """The suite against one backend.
 
-    ``backend`` is a reference as :func:`~pg_core.registry.resolve_backend_ref` reads it
+    ``backend`` is a reference as :func:`~pg_core.backend_refs.resolve_backend_ref` reads it
     (``factories=False``): a registered name (``"name@distribution"`` pins one),
     ``"package.module:ATTR"`` or ``"path/to/file.py:ATTR"`` naming a
     :class:`~pg_core.backend.BackendSpec`; a relative file path is relative to the

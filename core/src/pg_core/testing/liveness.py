@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 
+from ..backend_refs import resolve_backend_ref
 from ..errors import GroupClosedError
 from ..group import ProcessGroup
 from ..ops import RedOpType, ReduceOp
-from ..registry import resolve_backend_ref
 from ..store import wait_for
 from .pool import SHM_DIR, leaks, resources, shm_left
 

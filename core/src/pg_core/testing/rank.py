@@ -24,14 +24,15 @@ from typing import Any
 import torch
 
 from ..backend import BackendSpec
+from ..backend_refs import resolve_backend_ref
 from ..errors import CollectiveTimeout
 from ..group import P2POp, ProcessGroup
+from ..objects import VALUE_COLLECTIVES
 from ..ops import RedOpType, ReduceOp
-from ..registry import resolve_backend_ref
 from ..store import wait_for
 from ..work import Work
 from .buffers import Bufs, collective_input, message_value, plain_buffer, prepare
-from .cases import MESSAGE_COLLECTIVES, Call, Example, depends_on, dtype_of
+from .cases import Call, Example, depends_on, dtype_of
 from .values import observe, spec_dtypes
 
 __all__ = ["run_dead_peer", "run_example"]
@@ -189,7 +190,7 @@ class _Lane:
         if call.op == "messages":
             self._messages(group, ci, call, record)
             return
-        if call.op in MESSAGE_COLLECTIVES:
+        if call.op in VALUE_COLLECTIVES:
             obj = collective_input(call, where, self.me, self.device)
             self.inputs[ci] = obj
 
@@ -214,7 +215,7 @@ class _Lane:
             others = [self._signal(ci, r) for r in range(self.n) if r != late]
             wait_for(self.signals, others, self.op_timeout)  # polled: lanes share the store client
         result = start()
-        if call.op in MESSAGE_COLLECTIVES:
+        if call.op in VALUE_COLLECTIVES:
             self.values[ci] = result
         if not call.async_op:
             return
@@ -510,7 +511,7 @@ def _value_dtypes(call: Call) -> set[str]:
 def _supports(group: ProcessGroup, call: Call, device: torch.device) -> bool | None:
     if call.op in ("split", "new_group"):
         return None
-    if call.op == "messages" or call.op in MESSAGE_COLLECTIVES:
+    if call.op == "messages" or call.op in VALUE_COLLECTIVES:
         kind = device.type
         return all(
             group.supports("send", device=kind, dtype=dtype) and group.supports("recv", device=kind, dtype=dtype)

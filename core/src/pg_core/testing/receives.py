@@ -156,15 +156,15 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 # -- the rank side ---------------------------------------------------------------
 def _group(ctx: Any, backend_ref: str, device_type: str, op_timeout: float, name: str) -> Any:
+    from ..backend_refs import resolve_backend_ref
     from ..group import ProcessGroup
-    from ..registry import resolve_backend_ref
 
     spec = resolve_backend_ref(backend_ref, device_type, factories=False)
     return ProcessGroup(ctx.store, ctx.rank, ctx.size, backends={device_type: spec}, name=name, timeout=op_timeout)
 
 
 def group_caps(backend_ref: str, device_type: str) -> Any:
-    from ..registry import resolve_backend_ref
+    from ..backend_refs import resolve_backend_ref
 
     return resolve_backend_ref(backend_ref, device_type, factories=False).capabilities_for(device_type)
 
@@ -189,7 +189,7 @@ def run_mismatches(
     signals = PrefixStore("conformance/receives", ctx.store)
     records: list[dict[str, Any]] = []
     try:
-        group._dispatch.instance(device)  # formed on every member (a backend's construction may be collective)
+        group.form_backend(device)  # on every member (a backend's construction may be collective)
         for k, m in enumerate(plan):
             record: dict[str, Any] = {"error": None, "follow_error": None}
             records.append(record)

@@ -26,9 +26,10 @@ import torch
 
 from ..backend import DTYPES, Capabilities
 from ..dtypes import dtype_name
+from ..objects import OBJECT_COLLECTIVES, VALUE_COLLECTIVES
 from ..ops import COLLECTIVE_OPS, OPTIONAL_OPS, RedOpType
 from ..tags import TagMap
-from .cases import EXTREME, MESSAGE_COLLECTIVES, Call, Example, Lane
+from .cases import EXTREME, Call, Example, Lane
 from .rank import BAD_INPUTS
 
 __all__ = ["Target", "any_source_plan", "examples_for"]
@@ -48,7 +49,6 @@ THRESHOLD_BYTES = (1024, 4 * 1024, 64 * 1024)
 _SPECIAL_FLOATS = (math.nan, math.inf, -math.inf, -0.0, 5e-324, 1.7976931348623157e308)
 _TEXTS = ("", "é", "日本語", "🙂 ok", "a\x00b", "\u200b\ufeff\U0010fffd", "x" * 300)
 _DICT_NAMES = ("k", "v", "layer.0", "block_table", "é", "")
-_OBJECT_OPS = ("broadcast_object", "all_gather_object", "gather_object", "scatter_object")
 
 
 @dataclass(frozen=True)
@@ -307,7 +307,7 @@ def _lane_calls(draw: Any, target: Target, device: str, n: int, count: int, *, p
         if kind == "p2p":
             calls.append(_p2p(draw, target, device, n))
         elif kind == "value_collective":
-            op = draw(st.sampled_from(MESSAGE_COLLECTIVES))
+            op = draw(st.sampled_from(VALUE_COLLECTIVES))
             calls.append(_value_collective(draw, target, device, op, n, allow_large=False))
         elif kind == "messages":
             calls.append(_messages(draw, target, device, n, ("object", "tensor", "tensor_dict", "plain")))
@@ -562,7 +562,7 @@ def examples_for(test: str, target: Target) -> st.SearchStrategy[Example]:
             calls = [_any_source(draw, target, device, n)]
         elif test == "objects":
             calls = _value_calls(
-                draw, target, device, n, ops=_OBJECT_OPS, kinds=("object", "object", "plain", "tensor")
+                draw, target, device, n, ops=OBJECT_COLLECTIVES, kinds=("object", "object", "plain", "tensor")
             )
         elif test == "unknown_shape":
             kinds = ("tensor", "tensor", "tensor_dict", "plain", "object")
