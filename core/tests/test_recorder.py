@@ -69,6 +69,31 @@ def test_the_ring_keeps_the_last_n_operations_oldest_first() -> None:
     assert rec.entries()[-1]["state"] == FAILED and rec.entries()[-1]["error"] == "CollectiveTimeout"
 
 
+def test_operations_of_one_tensor_show_their_own_shape_and_dtype_however_they_alternate() -> None:
+    rec = FlightRecorder(16)  # (consecutive calls of one shape and dtype share what they keep)
+    a, b = torch.ones(2), torch.ones(2, dtype=torch.float64)
+    rec.tensor_point_to_point("send", a.shape, a.dtype, a.device, 1)
+    rec.tensor_point_to_point("send", a.shape, a.dtype, a.device, 1)
+    rec.tensor_point_to_point("recv", b.shape, b.dtype, b.device, 1)  # the same shape, another dtype
+    rec.tensor_collective(1, "all_reduce", torch.ones(3, 1), "cpu")
+    rec.tensor_point_to_point("recv", None, a.dtype, a.device, 1)  # no one shape (nested): none shown
+    rec.tensor_point_to_point("send", torch.Size([2]), a.dtype, a.device, 1)  # an equal shape, another object
+    rec.tensor_collective(2, "all_reduce", torch.ones(3, 1, dtype=torch.int32), "cpu")
+    entries = rec.entries()
+    assert [e["input_sizes"] for e in entries] == [[[2]], [[2]], [[2]], [[3, 1]], [], [[2]], [[3, 1]]]
+    assert [e["input_dtypes"] for e in entries] == [
+        ["float32"],
+        ["float32"],
+        ["float64"],
+        ["float32"],
+        [],
+        ["float32"],
+        ["int32"],
+    ]
+    assert [e["output_sizes"] for e in entries] == [e["input_sizes"] for e in entries]
+    assert [(e["seq"], e["root"]) for e in entries if e["seq"] is not None] == [(1, None), (2, None)]
+
+
 def test_a_point_to_point_entry_in_a_reused_slot_shows_nothing_of_the_slots_last_occupant() -> None:
     rec = FlightRecorder(1)
     gather = rec.collective(

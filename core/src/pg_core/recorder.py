@@ -176,7 +176,7 @@ class FlightRecorder:
     one at a time; point to point operations may record from several threads (record
     numbers come from an atomic counter)."""
 
-    __slots__ = ("_ids", "_p2p_ids", "_slots", "capacity", "epoch_ns")
+    __slots__ = ("_ids", "_last", "_p2p_ids", "_slots", "capacity", "epoch_ns")
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -185,6 +185,11 @@ class FlightRecorder:
         self._slots = [_Slot() for _ in range(capacity)]
         self._ids = itertools.count()
         self._p2p_ids = itertools.count(1)
+        #: ``(shape, dtype, meta)`` of the last one-tensor operation noted: a call of the same shape and
+        #: dtype shares its ``meta`` (a loop repeats them; each new tuple kept in the ring would cost its
+        #: making and, once its slot is reused, its freeing). One tuple, read and replaced whole: safe
+        #: from several threads.
+        self._last: tuple[Any, Any, _Meta] = (None, None, ())
         #: wall-clock nanoseconds at ``time.monotonic_ns() == 0``: what turns the recorded times into dates
         self.epoch_ns = time.time_ns() - time.monotonic_ns()
 
@@ -207,9 +212,29 @@ class FlightRecorder:
         s.start = time.monotonic_ns()
         return record
 
+    def _one(self, shape: torch.Size | None, dtype: torch.dtype) -> _Meta:
+        """The meta of one tensor of ``shape`` (``None``: it has none, so none is shown) and
+        ``dtype``: the last call's where they are the same (:attr:`_last`)."""
+        last = self._last
+        if shape == last[0] and dtype is last[1]:
+            return last[2]
+        if shape is None:
+            return ()
+        meta = ((shape, dtype),)
+        self._last = (shape, dtype, meta)
+        return meta
+
     def tensor_collective(self, seq: int, op: str, tensor: torch.Tensor, device: str) -> int:
-        """:meth:`collective` of an in-place collective of one tensor (the blocking all_reduce's fast path)."""
-        return self.collective(seq, op, (((tensor.shape, tensor.dtype),), None, -1), device)
+        """:meth:`collective` of an in-place collective of one tensor without a root (the
+        all_reduce's fast paths: blocking, and launched), filling the slot as :meth:`collective`
+        does, directly (no ``described`` tuples to make and take apart on this path)."""
+        inputs = self._one(tensor.shape, tensor.dtype)
+        record = next(self._ids)
+        s = self._slots[record % self.capacity]
+        s.id, s.seq, s.p2p, s.op, s.inputs, s.outputs, s.peer, s.device = record, seq, 0, op, inputs, None, -1, device
+        s.state, s.error, s.end = STARTED, None, 0
+        s.start = _now()
+        return record
 
     def point_to_point(self, op: str, tensor: torch.Tensor, peer: int) -> int:
         """A ``send`` or ``recv`` (``op``) of ``tensor`` with ``peer`` starts."""
@@ -232,7 +257,8 @@ class FlightRecorder:
         s.p2p = next(self._p2p_ids)
         s.op = op
         s.peer = peer
-        s.inputs = () if shape is None else ((shape, dtype),)
+        last = self._last  # (:meth:`_one`'s hit, inline: this is the hottest caller)
+        s.inputs = last[2] if shape == last[0] and dtype is last[1] else self._one(shape, dtype)
         s.device = device  # (its .type when shown: reading it costs more than keeping the device)
         s.state = STARTED
         s.start = _now()
