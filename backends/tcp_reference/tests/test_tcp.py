@@ -35,6 +35,7 @@ from pg_core.ops import OPS, RedOpType, ReduceOp
 from pg_core.store import PrefixStore
 from pg_core.testing.pool import RankContext, RankPool
 from pg_tcp.backend import TCPBackend
+from pg_tcp.transport import PROGRESS_LINGER_S
 
 Pools = Callable[[int], RankPool]
 
@@ -336,6 +337,40 @@ def irecv_then_send(ctx: RankContext) -> None:
 
 def test_irecv_then_send_on_both_ranks(rank_pools: Pools) -> None:
     rank_pools(2).run(irecv_then_send)
+
+
+def unwaited_irecvs_complete(ctx: RankContext) -> list[str]:
+    """Rank 0 posts receives and never calls into the backend until each completes (its
+    done-callback, run by the progress thread, sets an Event): while the progress thread
+    lingers after an asynchronous request (it is not woken then), and after a quiet spell
+    longer than :data:`PROGRESS_LINGER_S` (it sleeps until a post wakes it)."""
+    late: list[str] = []
+    with backend(ctx) as b:
+        for case in ("first", "lingering", "after a quiet spell", "lingering again"):
+            if ctx.rank == 1:
+                ctx.store.wait([f"posted {case}"])
+                b.send(torch.full((4,), 7.0), 0, 0, timeout=ctx.timeout)
+                continue
+            if case == "after a quiet spell":  # compute, never calling in, until the thread sleeps
+                quiet = time.monotonic() + 1.5 * PROGRESS_LINGER_S
+                a = torch.randn(32, 32)
+                while time.monotonic() < quiet:
+                    a = torch.tanh(a @ a)
+            buf = torch.zeros(4)
+            landed = threading.Event()
+            work = b.irecv(buf, 1, 0, timeout=ctx.timeout)
+            work.add_done_callback(lambda _w, landed=landed: landed.set())
+            ctx.store.set(f"posted {case}", "1")
+            if not landed.wait(ctx.timeout / 2):  # (a hang guard: nothing drives but the progress thread)
+                late.append(case)
+            work.wait()
+            assert bool((buf == 7.0).all()), (case, buf)
+    return late
+
+
+def test_an_irecv_nobody_waits_for_completes_lingering_or_after_a_quiet_spell(rank_pools: Pools) -> None:
+    late, _ = rank_pools(2).run(unwaited_irecvs_complete)
+    assert late == [], f"these receives completed only once their poster waited: {late}"
 
 
 def isend_overlaps_compute(ctx: RankContext) -> bool:

@@ -120,8 +120,12 @@ the progress thread stands by while such a thread is here. So the data of an
 asynchronous request waited for at once lands, and its ``Work``'s callbacks run (the
 next steps of a launched collective), in the waiter's own thread, without a thread
 switch after the data arrives. The progress thread runs at the idle scheduling class
-where there is one (``SCHED_IDLE``): being woken for each asynchronous request then
-never preempts the thread that posted it (see :meth:`Transport._progress_loop`).
+where there is one (``SCHED_IDLE``), and is not woken for each asynchronous request: for
+:data:`PROGRESS_LINGER_S` after the last one it looks every :data:`PROGRESS_TICK_S` on its
+own, so a request its poster left without waiting starts moving within that, and one the
+poster waits for at once costs no wake-up of it (which made it take the GIL just as the
+reply landed); after a quiet spell it sleeps until a post wakes it
+(see :meth:`Transport._await_async`).
 
 **Failures.** EOF or a read error from a peer marks it failed at once: every
 request that depends on it raises :class:`~pg_core.errors.PeerFailureError`
@@ -476,6 +480,10 @@ _STALL_S: Final = 0.005
 _BUDGET_POLL_S: Final = 0.05  # a send held back by the budget looks again at least this often
 
 _PROBE_S: Final = 1.0  # a rank waiting for a connection makes one itself after min(this, timeout/4)
+PROGRESS_LINGER_S: Final = 1.0  # the progress thread keeps looking this long after the last asynchronous request
+PROGRESS_TICK_S: Final = (
+    0.001  # ... every this often, unwoken: an asynchronous request nobody drives waits at most this
+)
 _RETRY_S: Final = 0.1  # a connection this rank must make could not be made yet: try again after this
 _SHUTDOWN_HELLOS_S: Final = 1.0  # at shutdown: how long to wait for the hellos of connections never read
 _FLUSH_POLL_S: Final = 0.01  # at shutdown: how often to look whether the kernel has delivered what was sent
@@ -613,6 +621,10 @@ class Transport:
         self._cond = threading.Condition(self._lock)  # "something completed / the driver left"
         self._sleepers = 0  # threads waiting on _cond
         self._idle = threading.Condition(self._lock)  # the progress thread, when nothing is asynchronous
+        self._linger_until = (
+            0.0  # the progress thread looks every PROGRESS_TICK_S until then (the last post + PROGRESS_LINGER_S)
+        )
+        self._lingering = False  # it is in such a timed look: posts need not wake it
         self._drain_idle = threading.Condition(self._lock)  # the drain thread, when nothing is buffered
         self._driving = False
         self._driver_ident = 0
@@ -854,14 +866,15 @@ class Transport:
                 self._finished_works.append(req)
             elif background:
                 self._async.add(req)
+                self._linger_until = time.monotonic() + PROGRESS_LINGER_S
                 if self._thread is None and not self._stopping:
                     self._thread = threading.Thread(
                         target=self._progress_loop, name=f"{self.label} progress", daemon=True
                     )
                     self._thread.start()
-                else:
+                elif not self._lingering:  # it looks within PROGRESS_TICK_S anyway: waking it costs the poster
                     self._idle.notify()
-        if background or req.done:
+        if self._finished_works:  # (ours, if it completed already; the thread that finished others settles them)
             self._settle()
         return work
 
@@ -1208,8 +1221,8 @@ class Transport:
                 self._waiters -= waiter
                 if self._sleepers:
                     self._cond.notify_all()
-                if foreground and not self._foreground and self._async:
-                    self._idle.notify_all()  # the progress thread drives what is left
+                if foreground and not self._foreground and self._async and not self._lingering:
+                    self._idle.notify_all()  # the progress thread drives what is left (it looks soon if lingering)
             if self._finished_works:
                 self._settle()
 
@@ -2190,10 +2203,10 @@ class Transport:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while True:
             with self._lock:
-                while not self._async and not self._stopping:
-                    self._idle.wait()
                 if self._stopping:
                     return
+                if not self._await_async():
+                    continue
                 now = time.monotonic()
                 expired = [r for r in self._async if r.deadline <= now]
                 horizon = min(r.deadline for r in self._async)
@@ -2204,6 +2217,34 @@ class Transport:
                 if not req.done:
                     horizon = self._tick(req, now, horizon, block=False)
             self._drive(None, min(max(horizon - time.monotonic(), 0.0), 0.5), background=True)
+
+    def _await_async(self) -> bool:
+        """The progress thread's sleep, under the lock: ``True`` when it has to act (an
+        asynchronous request nobody else drives, or one past its deadline), ``False`` to look
+        again.
+
+        The thread is not woken for each asynchronous request: the poster usually waits for
+        it at once and drives it itself, and a wake-up would make this thread take the GIL
+        just then; at the idle scheduling class on a busy core it may keep it while preempted,
+        and the waiter, whose reply has landed, waits for it (measured: /work/notes/tcp-async.md).
+        Instead, until :data:`PROGRESS_LINGER_S` after the last asynchronous request, it looks every
+        :data:`PROGRESS_TICK_S` unwoken, and a request left to it (its poster went on without waiting)
+        starts moving within that; after a quiet :data:`PROGRESS_LINGER_S` it sleeps until the next
+        request wakes it."""
+        now = time.monotonic()
+        horizon = min((r.deadline for r in self._async), default=None)
+        if self._async and (not self._foreground or (horizon is not None and horizon <= now)):
+            return True
+        if now < self._linger_until:
+            self._lingering = True
+            wait = PROGRESS_TICK_S if horizon is None else min(PROGRESS_TICK_S, horizon - now)
+            self._idle.wait(max(wait, 0.0))
+            self._lingering = False
+        elif horizon is None:
+            self._idle.wait()
+        else:  # a waiter drives; it wakes this thread when it leaves (or the earliest deadline does)
+            self._idle.wait(min(max(horizon - now, 0.0), 0.5))
+        return False
 
     def _drain_loop(self) -> None:
         """Write what blocking sends left buffered (:meth:`wait_send`) while nobody else drives;
