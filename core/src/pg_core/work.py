@@ -133,7 +133,7 @@ class Work:
         timeout. Exceeding it raises :class:`~pg_core.errors.CollectiveTimeout`.
         Returns ``True``, as ``torch.distributed.Work.wait`` does.
         """
-        if not self.wait_until_done(timeout):
+        if not self._done and not self.wait_until_done(timeout):  # (done already: no clock, no call)
             raise CollectiveTimeout(
                 f"{self.op}: Work.wait(timeout={timeout}) expired before the operation finished",
                 op=self.op,
