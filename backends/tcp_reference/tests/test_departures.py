@@ -10,17 +10,25 @@ naming it, never a hang; and the survivors' own point to point and shutdown go o
 from __future__ import annotations
 
 import os
+import select
+import signal
+import socket
+import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from pg_core.backend import BackendContext
+from pg_core.dtypes import dtype_code
 from pg_core.errors import PeerFailureError
 from pg_core.ops import ReduceOp
 from pg_core.store import PrefixStore
 from pg_core.testing.pool import RankContext, RankPool
 from pg_tcp.backend import TCPBackend
+from pg_tcp.handshake import HELLO, HELLO_MAGIC
+from pg_tcp.wire import HEADER, MAGIC, PROTOCOL_VERSION, TENSOR
 
 Pools = Callable[[int], RankPool]
 
@@ -123,3 +131,66 @@ def test_ranks_that_leave_right_after_a_barrier_fail_no_survivors_barrier(rank_p
     for _ in range(3):  # the departure races the survivors' last reads: several rounds
         results = rank_pools(4).run(leaves_after_a_barrier, how, may_exit=[2, 3], timeout=120)
         assert results[:2] == [True, True], results
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def data_on_one_connection_reset_on_the_other(ctx: RankContext) -> tuple[list[float], str] | None:
+    """2 ranks; rank 1 is played here over raw sockets, as a process that dies mid-handshake
+    leaves things. Rank 0 waits in a receive from rank 1 and, hearing nothing, makes its own
+    connection to it (the probe). Rank 1 never accepts that one: it connects to rank 0 itself,
+    sends the message and dies, so its listener's pending connection (rank 0's) is reset. Rank
+    0 is stopped meanwhile (SIGSTOP), so it finds both at once: the reset of its connection
+    and, still in its listener, rank 1's connection with the message. What rank 1 sent before
+    it died is delivered; only what needs rank 1 afterwards fails, naming it."""
+    name = "leave-crossed"
+    prefix = f"{name}/cpu/tcp"
+    if ctx.rank == 1:
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            ctx.store.set(f"{prefix}/addr/1", f"127.0.0.1:{listener.getsockname()[1]}")
+            ctx.store.wait([f"{name}/pid"])
+            pid = int(ctx.store.get(f"{name}/pid"))
+            readable, _, _ = select.select([listener], [], [], 60.0)  # rank 0's probe is here
+            assert readable, "rank 0 made no connection to rank 1"
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30.0
+                while not _stopped(pid):
+                    assert time.monotonic() < deadline, "rank 0 did not stop"
+                    time.sleep(0.001)
+                ctx.store.wait([f"{prefix}/addr/0"])
+                host, _, port = ctx.store.get(f"{prefix}/addr/0").decode().rpartition(":")
+                uid = f"{name}-{ctx.job}".encode()
+                with socket.create_connection((host, int(port)), timeout=10) as own:
+                    own.sendall(
+                        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid))
+                        + uid
+                        + HEADER.pack(MAGIC, TENSOR, 0, dtype_code(torch.float32), 7, 0, 4)
+                        + struct.pack("=f", 42.0)
+                    )
+            finally:  # the listener closes with rank 0's connection still queued: it is reset
+                listener.close()
+                os.kill(pid, signal.SIGCONT)
+        return None
+    b = make_backend(ctx, name)
+    try:
+        ctx.store.set(f"{name}/pid", str(os.getpid()))
+        got = torch.zeros(1)
+        b.recv(got, 1, 7, timeout=60.0)
+        with pytest.raises(PeerFailureError) as later:
+            b.recv(torch.empty(1), 1, 8, timeout=60.0)
+        assert _names(later.value, {1}), later.value
+        return got.tolist(), str(later.value)
+    finally:
+        b.shutdown()
+
+
+def test_what_a_crashed_rank_sent_on_its_own_connection_outlives_the_reset_of_ours(rank_pools: Pools) -> None:
+    results = rank_pools(2).run(data_on_one_connection_reset_on_the_other, timeout=120)
+    assert results[0] is not None
+    got, later = results[0]
+    assert got == [42.0], results[0]
+    assert "rank 1" in later, later

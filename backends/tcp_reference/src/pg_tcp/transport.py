@@ -127,9 +127,13 @@ poster waits for at once costs no wake-up of it (which made it take the GIL just
 reply landed); after a quiet spell it sleeps until a post wakes it
 (see :meth:`Transport._await_async`).
 
-**Failures.** EOF or a read error from a peer marks it failed at once: every
+**Failures.** EOF or a read error from a peer marks it failed: every
 request that depends on it raises :class:`~pg_core.errors.PeerFailureError`
-naming it, and so does every later request that needs it. A collective fails only
+naming it, and so does every later request that needs it. The verdict waits only for
+what the peer sent before it went: a crashed process's kernel ends each of its
+connections on its own, so while the peer has another connection open here, or one
+waits in our listener (two ranks that connected to each other at once), that one is
+read to its end first, at most :data:`_SUSPECT_S` more. A collective fails only
 if it needs the peer: one that needs nothing more from it (the peer did its part and
 left: a rank that exits right after a barrier while the others are still in theirs)
 completes, crash or clean shutdown alike, since what the peer sent is here; after a
@@ -175,6 +179,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -479,6 +484,9 @@ DEFAULT_MAX_BUFFERED_SEND_BYTES: Final = 256 << 20
 _STALL_S: Final = 0.005
 _BUDGET_POLL_S: Final = 0.05  # a send held back by the budget looks again at least this often
 
+#: A failed connection's verdict on its peer waits at most this long for what the peer sent on
+#: its other connection (open, or still in the listener) to be read: see ``_judge_suspects``.
+_SUSPECT_S: Final = 1.0
 _PROBE_S: Final = 1.0  # a rank waiting for a connection makes one itself after min(this, timeout/4)
 PROGRESS_LINGER_S: Final = 1.0  # the progress thread keeps looking this long after the last asynchronous request
 PROGRESS_TICK_S: Final = (
@@ -572,6 +580,8 @@ class _Peer:
         "rank",
         "sealed",
         "send",
+        "suspect",
+        "suspect_until",
     )
 
     def __init__(self, rank: int) -> None:
@@ -587,6 +597,8 @@ class _Peer:
         self.buffered = 0  # payload bytes from it held ahead of their receives (unexpected)
         self.accepted = False  # a connection it made was taken: it makes no second one
         self.sealed = False  # it answered ours saying it has none of its own: it makes none
+        self.suspect: str | None = None  # a connection of it failed: why; the verdict waits (_judge_suspects)
+        self.suspect_until = 0.0  # the verdict comes by then, whatever its other connections still hold
 
 
 # -- the transport -----------------------------------------------------------------------
@@ -613,6 +625,7 @@ class Transport:
         self._max_message = ctx.byte_option("max_message_bytes", DEFAULT_MAX_MESSAGE_BYTES)
         self._max_unexpected = ctx.byte_option("max_unexpected_bytes", DEFAULT_MAX_UNEXPECTED_BYTES)
         self._parked: set[_Conn] = set()  # connections whose next frame waits for its receive
+        self._suspects: set[_Peer] = set()  # peers with a failed connection, their verdict pending
         self._max_buffered = ctx.byte_option("max_buffered_send_bytes", DEFAULT_MAX_BUFFERED_SEND_BYTES)
         self._buffered: set[Send] = set()  # blocking sends that returned with their rest copied here
         self._buffered_bytes = 0  # the bytes of those copies
@@ -891,6 +904,8 @@ class Transport:
         self._progress_now()  # a connection the peer made may be waiting: take it rather than make a second
         with self._lock:
             if peer.send is not None or peer.closed is not None or peer.connecting:
+                return
+            if peer.suspect is not None:  # a connection of it failed: its verdict comes, not a new one
                 return
             if self._closed is not None or req.done:
                 return
@@ -1229,6 +1244,8 @@ class Transport:
     def _poll_round(self, want: Request | None, timeout: float) -> None:
         if self._poll_dirty:
             self._sync_poller()
+        if self._suspects:  # a verdict is due by its deadline, whatever else comes
+            timeout = min(timeout, min(p.suspect_until for p in self._suspects) - time.monotonic())
         events = self._poller.poll(max(0.0, timeout) * 1000.0)
         for fd, mask in events:
             if fd == self._wake_fd:
@@ -1251,11 +1268,61 @@ class Transport:
             if mask & _POLLIN and not conn.dead and (conn.peer is None or conn.peer.closed is None):
                 if conn.held or conn.parked:  # not reading it; an error or hang-up on it, though, is news
                     if mask & (select.POLLERR | select.POLLHUP):
-                        self._conn_lost(conn, f"connection to rank {conn.peer.rank if conn.peer else '?'} failed")
+                        if conn.held:  # what it holds is read once the RETIRE before it is (or its
+                            with self._lock:  # connection fails); its writes fail: stop watching it
+                                self._send_failed(conn, OSError(errno.ECONNRESET, "hung up"))
+                        else:
+                            self._conn_lost(conn, f"connection to rank {conn.peer.rank if conn.peer else '?'} failed")
                     continue
                 self._read(conn, want)
         if self._anonymous:
             self._drop_silent_strays()
+        if self._suspects:
+            self._judge_suspects()
+
+    def _judge_suspects(self) -> None:
+        """Give the verdict on each peer one of whose connections failed, once what it sent
+        before it went has been read (driver only, at the end of a poll round). A crashed
+        process's kernel ends all its connections at once, but each on its own: the one that
+        carried its last messages may still be open here, or still waiting in our listener
+        (its hello unread), when the other's reset is read. So the verdict waits while the
+        peer has another connection open, or a connection is waiting to be accepted or to
+        say hello, at most until ``suspect_until``."""
+        now = time.monotonic()
+        pending: bool | None = None  # whether connections wait to be accepted or to say hello
+        with self._lock:
+            suspects = list(self._suspects)
+        for peer in suspects:
+            with self._lock:
+                if peer.closed is not None:
+                    self._suspects.discard(peer)
+                    continue
+                if now < peer.suspect_until:
+                    if any(not c.dead and not c.ended and not c.parked for c in peer.conns):
+                        continue  # their end, which comes too, gives the verdict
+                    if pending is None:
+                        pending = self._connections_waiting()
+                    if pending:
+                        continue  # the next round reads them: poll returns at once
+                self._suspects.discard(peer)
+                assert peer.suspect is not None
+                self._lose_peer(peer, peer.suspect, crashed=True)
+        if suspects:
+            self._settle()
+
+    def _connections_waiting(self) -> bool:
+        """Whether the listener has connections to accept or an accepted one has bytes of its
+        hello to read, now (no wait). Under the lock, driver only."""
+        socks = [c.sock for c in self._anonymous if not c.dead]
+        if self._listener is not None:
+            socks.append(self._listener)
+        if not socks:
+            return False
+        try:
+            readable, _, _ = select.select(socks, [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
 
     def _sync_poller(self) -> None:
         """Watch POLLIN where reading, POLLOUT where sends are queued; close dead connections. Driver only."""
@@ -1721,7 +1788,16 @@ class Transport:
                 conn.dead = conn.ended = True
                 self._poll_dirty = True
                 return
-            self._lose_peer(peer, reason, crashed=True)
+            # The verdict is not this connection's alone: what the peer sent on its other one,
+            # or on one still in our listener, is read first (_judge_suspects, this round).
+            conn.dead = conn.ended = True
+            self._poll_dirty = True
+            if peer.suspect is None:
+                peer.suspect = reason
+                peer.suspect_until = time.monotonic() + _SUSPECT_S
+            self._suspects.add(peer)
+            for other in peer.conns:  # a RETIRE it was held for will not come after this
+                other.held = False
 
     def _begin_frame(self, conn: _Conn) -> bool:
         """A header arrived: decide where its payload goes, within the limits on what a peer
