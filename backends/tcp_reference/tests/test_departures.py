@@ -194,3 +194,73 @@ def test_what_a_crashed_rank_sent_on_its_own_connection_outlives_the_reset_of_ou
     got, later = results[0]
     assert got == [42.0], results[0]
     assert "rank 1" in later, later
+
+
+def data_in_the_listener_of_a_rank_that_refuses_ours(ctx: RankContext) -> tuple[list[float], str] | None:
+    """2 ranks; rank 1 is played here over raw sockets, as a rank that sent its message and
+    died leaves things: its listener is gone (a bound port nobody listens on: connecting is
+    refused) and the connection it made to rank 0, its message in it, waits in rank 0's
+    listener. Rank 0 waits in a receive from rank 1 and, hearing nothing, probes; the probe is
+    held (a wrapper around pg-tcp's connect in rank 0's process) until rank 1 has connected,
+    sent and closed, then it is refused. Where the refusal is read, nobody has taken the
+    connection yet: another thread of rank 0 drives its transport (in CI, the progress thread
+    of an asynchronous reduce), which this rank plays by not running the probing thread's own
+    round of progress. The refusal is not the verdict: the message is delivered, and only what
+    needs rank 1 afterwards fails, naming it. (The verdict's clock, 1 s, is lifted here so that
+    only the rule is tested.)"""
+    from pg_tcp import transport
+
+    name = "leave-refused"
+    prefix = f"{name}/cpu/tcp"
+    if ctx.rank == 1:
+        with socket.socket() as closed_port:
+            closed_port.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused
+            ctx.store.set(f"{prefix}/addr/1", f"127.0.0.1:{closed_port.getsockname()[1]}")
+            ctx.store.wait([f"{name}/dialing", f"{prefix}/addr/0"])
+            host, _, port = ctx.store.get(f"{prefix}/addr/0").decode().rpartition(":")
+            uid = f"{name}-{ctx.job}".encode()
+            with socket.create_connection((host, int(port)), timeout=10) as own:
+                own.sendall(
+                    HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid))
+                    + uid
+                    + HEADER.pack(MAGIC, TENSOR, 0, dtype_code(torch.float32), 7, 0, 4)
+                    + struct.pack("=f", 42.0)
+                )
+            ctx.store.set(f"{name}/sent", "1")  # and closed without a BYE: a crash, to rank 0
+        return None
+
+    real_connect, real_suspect_s = transport.connect, transport._SUSPECT_S
+
+    def held_connect(address: tuple[str, int], rank: int, deadline: float, **kwargs: Any) -> socket.socket:
+        ctx.store.set(f"{name}/dialing", "1")
+        ctx.store.wait([f"{name}/sent"])
+        return real_connect(address, rank, deadline, **kwargs)
+
+    transport.connect = held_connect  # type: ignore[assignment]
+    transport._SUSPECT_S = 600.0  # type: ignore[misc]
+    try:
+        b = make_backend(ctx, name)
+        try:
+            engine = b._transport
+            engine._progress_now = lambda: None  # type: ignore[method-assign]  # another thread drives
+            got = torch.zeros(1)
+            try:
+                b.recv(got, 1, 7, timeout=60.0)
+            finally:
+                del engine._progress_now
+            with pytest.raises(PeerFailureError) as later:
+                b.recv(torch.empty(1), 1, 8, timeout=60.0)
+            assert _names(later.value, {1}), later.value
+            return got.tolist(), str(later.value)
+        finally:
+            b.shutdown()
+    finally:
+        transport.connect, transport._SUSPECT_S = real_connect, real_suspect_s  # type: ignore[assignment,misc]
+
+
+def test_a_refused_probe_waits_for_what_the_refusing_rank_left_in_the_listener(rank_pools: Pools) -> None:
+    results = rank_pools(2).run(data_in_the_listener_of_a_rank_that_refuses_ours, timeout=120)
+    assert results[0] is not None
+    got, later = results[0]
+    assert got == [42.0], results[0]
+    assert "rank 1" in later, later

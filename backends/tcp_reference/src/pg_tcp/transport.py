@@ -133,7 +133,9 @@ naming it, and so does every later request that needs it. The verdict waits only
 what the peer sent before it went: a crashed process's kernel ends each of its
 connections on its own, so while the peer has another connection open here, or one
 waits in our listener (two ranks that connected to each other at once), that one is
-read to its end first, at most :data:`_SUSPECT_S` more. A collective fails only
+read to its end first, at most :data:`_SUSPECT_S` more. A connection the peer refuses
+(its listener is gone) is judged the same way: what it sent before it went may still
+wait in our listener. A collective fails only
 if it needs the peer: one that needs nothing more from it (the peer did its part and
 left: a rank that exits right after a barrier while the others are still in theirs)
 completes, crash or clean shutdown alike, since what the peer sent is here; after a
@@ -581,6 +583,7 @@ class _Peer:
         "sealed",
         "send",
         "suspect",
+        "suspect_crashed",
         "suspect_until",
     )
 
@@ -599,6 +602,7 @@ class _Peer:
         self.sealed = False  # it answered ours saying it has none of its own: it makes none
         self.suspect: str | None = None  # a connection of it failed: why; the verdict waits (_judge_suspects)
         self.suspect_until = 0.0  # the verdict comes by then, whatever its other connections still hold
+        self.suspect_crashed = False  # the verdict is a crash (a connection failed), not a refusal alone
 
 
 # -- the transport -----------------------------------------------------------------------
@@ -925,17 +929,20 @@ class Transport:
                 self._expire(req, f"no connection to rank {peer.rank}: {exc}")
             return
         except OSError as exc:  # refused, unreachable: nothing listens there any more
-            # A peer that sent something and then shut down may have left its connection, its
-            # frames and its BYE in our listener: read those first; the verdict is theirs.
-            self._progress_now()
+            # A peer that sent something and then left may have left its connection, its
+            # frames (and its BYE) in our listener or unread on a connection we took: those are
+            # read first, by whoever drives (another thread may, now), and the verdict waits for
+            # them (_judge_suspects), as for a connection that fails.
             with self._lock:
                 peer.connecting = False
-                if peer.send is None and peer.closed is None and not self._anonymous:
-                    self._lose_peer(
+                if peer.send is None and peer.closed is None:
+                    self._suspect(
                         peer,
                         f"rank {peer.rank} does not accept connections (it shut down or its process died): {exc}",
                         crashed=False,
                     )
+                    self._wake_driver()  # its poll's timeout is now at most the verdict's deadline
+            self._progress_now()
             self._settle()
             return
         except RuntimeError as exc:  # the store failed (torch raises DistStoreError, a RuntimeError)
@@ -1306,7 +1313,7 @@ class Transport:
                         continue  # the next round reads them: poll returns at once
                 self._suspects.discard(peer)
                 assert peer.suspect is not None
-                self._lose_peer(peer, peer.suspect, crashed=True)
+                self._lose_peer(peer, peer.suspect, crashed=peer.suspect_crashed)
         if suspects:
             self._settle()
 
@@ -1792,12 +1799,19 @@ class Transport:
             # or on one still in our listener, is read first (_judge_suspects, this round).
             conn.dead = conn.ended = True
             self._poll_dirty = True
-            if peer.suspect is None:
-                peer.suspect = reason
-                peer.suspect_until = time.monotonic() + _SUSPECT_S
-            self._suspects.add(peer)
+            self._suspect(peer, reason, crashed=True)
             for other in peer.conns:  # a RETIRE it was held for will not come after this
                 other.held = False
+
+    def _suspect(self, peer: _Peer, reason: str, *, crashed: bool) -> None:
+        """A connection to or from ``peer`` failed (``crashed``) or it refused ours: its verdict
+        is given by :meth:`_judge_suspects` once what it sent is read, with the first reason.
+        Under the lock."""
+        if peer.suspect is None:
+            peer.suspect = reason
+            peer.suspect_until = time.monotonic() + _SUSPECT_S
+        peer.suspect_crashed = peer.suspect_crashed or crashed
+        self._suspects.add(peer)
 
     def _begin_frame(self, conn: _Conn) -> bool:
         """A header arrived: decide where its payload goes, within the limits on what a peer
