@@ -23,7 +23,7 @@ from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClos
 from pg_core.work import Work
 
 from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
-from .rings import CODES, EAGER_LIMIT, Ring
+from .rings import CODES, EAGER_LIMIT, STREAM_CHUNK, Ring
 from .segment import futex_wake
 from .waiting import SPINS, Flag, Liveness, wait_until
 
@@ -519,15 +519,15 @@ class Inbox:
 
     def _read_on(self, stream: _Stream) -> bool:
         """Copy what the sender wrote of ``stream``'s message; whether it is all consumed."""
-        head = self.ring.head.value
         pos = stream.pos
-        n = min(head, stream.end) - pos
-        if n > 0:
+        while (n := min(self.ring.head.value, stream.end) - pos) > 0:  # a piece at a time (STREAM_CHUNK)
+            n = min(n, STREAM_CHUNK)
             if stream.dst is not None:
                 done = pos - stream.start - _HEADER_BYTES
                 self._copy_out(pos, stream.dst[done : done + n])
             stream.pos = pos = pos + n
             self._advance(pos)
+        head = self.ring.head.value
         if pos < stream.end or head < stream.final:
             return False
         if stream.final > pos:
@@ -608,7 +608,7 @@ class Inbox:
                 if avail <= 0:
                     self._wait(self._past(pos), deadline, doing, op)
                     continue
-                k = min(avail, end - pos)
+                k = min(avail, end - pos, STREAM_CHUNK)
                 if dst is not None:
                     done = pos - start - HEADER.size
                     self._copy_out(pos, dst[done : done + k])

@@ -19,12 +19,27 @@ from pg_core.dtypes import dtype_code
 from .layout import BROKEN, HEAD, RECV_SLEEPS, REFUSED, SENDER_SLEEPS, TAIL, WANT_DRAIN, message_span
 from .segment import Segment
 
-__all__ = ["CODES", "EAGER_LIMIT", "RING_BYTES", "Payload", "Ring", "parts_bytes", "parts_of", "tensor_parts"]
+__all__ = [
+    "CODES",
+    "EAGER_LIMIT",
+    "RING_BYTES",
+    "STREAM_CHUNK",
+    "Payload",
+    "Ring",
+    "parts_bytes",
+    "parts_of",
+    "tensor_parts",
+]
 
 #: The declared eager limit (``Capabilities.eager_limit_bytes``): 1 MiB.
 EAGER_LIMIT: Final = 1 << 20
 #: A ring's bytes: one message of :data:`EAGER_LIMIT` bytes with its header fits an empty ring.
 RING_BYTES: Final = message_span(EAGER_LIMIT)
+#: The most bytes of a message larger than the ring that either end copies before it moves
+#: its word (``head`` or ``tail``): a quarter of the ring, so that the receiver copies one
+#: piece out while the sender copies the next in, on two CPUs at once. (Copying all the room
+#: there is made the two ends take turns: each waited for the other's whole ring.)
+STREAM_CHUNK: Final = EAGER_LIMIT // 4
 
 Payload = list[memoryview]
 

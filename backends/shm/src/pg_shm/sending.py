@@ -4,7 +4,8 @@ A message that fits in the ring's free space now is written by the caller at onc
 common case: no thread, no system call unless the receiver sleeps). Otherwise it goes to the
 ring's sender thread (one per peer, started on first need), which writes queued messages in
 order as space frees up, streaming a message larger than the ring through it while the
-receiver drains it. A message of at most :data:`~pg_shm.rings.EAGER_LIMIT` bytes never waits
+receiver drains it, a piece (:data:`~pg_shm.rings.STREAM_CHUNK`) at a time at both ends, so
+that the two copies run at once. A message of at most :data:`~pg_shm.rings.EAGER_LIMIT` bytes never waits
 for its receiver: while its sender thread waits for space, it rings the receiver's *drainer*
 (a thread per member, asleep on a futex), which moves whole waiting messages out of the ring
 into the receiver's process. A larger message waits until the receiver takes it. A sender
@@ -25,7 +26,7 @@ from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.work import Work
 
 from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
-from .rings import CODES, EAGER_LIMIT, Payload, Ring, parts_bytes, tensor_parts
+from .rings import CODES, EAGER_LIMIT, STREAM_CHUNK, Payload, Ring, parts_bytes, tensor_parts
 from .segment import Word, futex_wake
 from .waiting import Flag, Liveness, wait_until
 
@@ -254,7 +255,7 @@ class Outbox:
                 while done < part.nbytes:
                     if room() <= 0:
                         wait_room(1)
-                    k = min(room(), part.nbytes - done)
+                    k = min(room(), part.nbytes - done, STREAM_CHUNK)
                     self._copy_in(head, part[done : done + k])
                     head += k
                     done += k
