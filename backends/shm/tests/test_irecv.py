@@ -175,3 +175,61 @@ def test_a_posted_irecv_fails_as_a_blocking_recv_would(case: str, error: str) ->
     assert got["raised"] == error, got
     assert got["posting"] < 1.0, got
     assert got["seconds"] < 5, got
+
+
+def arrives_while_looking(ctx: RankContext) -> dict[str, Any] | None:
+    """Rank 1 waits for an irecv; its look at the ring (``_advance_posted``) is held, in rank 1's
+    process, until rank 0's message has landed in the ring just after the look found nothing.
+    The wait must see the message without sleeping: a wait that read the ring's head only after
+    looking took the new head for the old one and slept on it until its futex slice (30 ms)
+    ran out, about one irecv in ten in a ping-pong (its mean one way was 521 us for 17 us)."""
+    from pg_shm import waiting
+
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()
+    if ctx.rank == 0:
+        wait_for(ctx.store, ["looked"], 30)
+        group.send(torch.full((1,), 5.0), 1)
+        group.barrier()
+        group.shutdown()
+        return None
+    inbox = group.form_backend("cpu").inboxes[0]  # type: ignore[attr-defined]
+    looks = inbox._advance_posted
+    held, calls = [False], [0]
+    head = inbox.ring.head
+
+    def look_then_let_it_land() -> None:
+        before = head.value
+        looks()
+        calls[0] += 1
+        if calls[0] == 2:  # the wait's first look (the first is the irecv's own, as it posts)
+            held[0] = True
+            ctx.store.set("looked", "1")
+            deadline = time.monotonic() + 30
+            while head.value == before and time.monotonic() < deadline:
+                pass  # (under the inbox's lock, as the look is: rank 0's send needs none of it)
+
+    sleeps: list[str] = []
+    real_wait = waiting.futex_wait
+
+    def counted_wait(address: int, expected: int, seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            sleeps.append(f"{seconds:.3f} s")
+        real_wait(address, expected, seconds)
+
+    inbox._advance_posted = look_then_let_it_land
+    waiting.futex_wait = counted_wait  # type: ignore[assignment]
+    try:
+        got = torch.zeros(1)
+        group.irecv(got, 0).wait()
+    finally:
+        waiting.futex_wait = real_wait  # type: ignore[assignment]
+        del inbox._advance_posted
+    group.barrier()
+    group.shutdown()
+    return {"got": got.tolist(), "held": held[0], "sleeps": sleeps}
+
+
+def test_a_message_landing_while_an_irecv_looks_is_seen_without_sleeping(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(arrives_while_looking, timeout=120)
+    assert got[1] == {"got": [5.0], "held": True, "sleeps": []}, got

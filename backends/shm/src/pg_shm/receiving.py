@@ -281,9 +281,9 @@ class Inbox:
         head = self.ring.head
         while True:
             with self.lock:
+                seen = head.value  # read before deciding there is nothing: what the wait compares with
                 if not posted.done:
                     self._advance_posted()
-                seen = head.value
                 finished = self._take_finished()
             self._complete(finished)
             if posted.done:
