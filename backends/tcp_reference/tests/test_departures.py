@@ -138,6 +138,29 @@ def _stopped(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
+def _what_needs_rank_1_fails(b: TCPBackend) -> str:
+    """A receive from rank 1 after it went fails, naming it; what it said."""
+    with pytest.raises(PeerFailureError) as later:
+        b.recv(torch.empty(1), 1, 8, timeout=60.0)
+    assert _names(later.value, {1}), later.value
+    return str(later.value)
+
+
+def _send_as_rank_1(ctx: RankContext, name: str, prefix: str) -> None:
+    """Played over a raw socket: connect to rank 0 as rank 1 of group ``name``, say hello and
+    send one float32 message (42.0, tag 7), then close without a BYE (a crash, to rank 0)."""
+    ctx.store.wait([f"{prefix}/addr/0"])
+    host, _, port = ctx.store.get(f"{prefix}/addr/0").decode().rpartition(":")
+    uid = f"{name}-{ctx.job}".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as own:
+        own.sendall(
+            HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid))
+            + uid
+            + HEADER.pack(MAGIC, TENSOR, 0, dtype_code(torch.float32), 7, 0, 4)
+            + struct.pack("=f", 42.0)
+        )
+
+
 def data_on_one_connection_reset_on_the_other(ctx: RankContext) -> tuple[list[float], str] | None:
     """2 ranks; rank 1 is played here over raw sockets, as a process that dies mid-handshake
     leaves things. Rank 0 waits in a receive from rank 1 and, hearing nothing, makes its own
@@ -161,16 +184,7 @@ def data_on_one_connection_reset_on_the_other(ctx: RankContext) -> tuple[list[fl
                 while not _stopped(pid):
                     assert time.monotonic() < deadline, "rank 0 did not stop"
                     time.sleep(0.001)
-                ctx.store.wait([f"{prefix}/addr/0"])
-                host, _, port = ctx.store.get(f"{prefix}/addr/0").decode().rpartition(":")
-                uid = f"{name}-{ctx.job}".encode()
-                with socket.create_connection((host, int(port)), timeout=10) as own:
-                    own.sendall(
-                        HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid))
-                        + uid
-                        + HEADER.pack(MAGIC, TENSOR, 0, dtype_code(torch.float32), 7, 0, 4)
-                        + struct.pack("=f", 42.0)
-                    )
+                _send_as_rank_1(ctx, name, prefix)
             finally:  # the listener closes with rank 0's connection still queued: it is reset
                 listener.close()
                 os.kill(pid, signal.SIGCONT)
@@ -180,10 +194,7 @@ def data_on_one_connection_reset_on_the_other(ctx: RankContext) -> tuple[list[fl
         ctx.store.set(f"{name}/pid", str(os.getpid()))
         got = torch.zeros(1)
         b.recv(got, 1, 7, timeout=60.0)
-        with pytest.raises(PeerFailureError) as later:
-            b.recv(torch.empty(1), 1, 8, timeout=60.0)
-        assert _names(later.value, {1}), later.value
-        return got.tolist(), str(later.value)
+        return got.tolist(), _what_needs_rank_1_fails(b)
     finally:
         b.shutdown()
 
@@ -216,17 +227,9 @@ def data_in_the_listener_of_a_rank_that_refuses_ours(ctx: RankContext) -> tuple[
         with socket.socket() as closed_port:
             closed_port.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused
             ctx.store.set(f"{prefix}/addr/1", f"127.0.0.1:{closed_port.getsockname()[1]}")
-            ctx.store.wait([f"{name}/dialing", f"{prefix}/addr/0"])
-            host, _, port = ctx.store.get(f"{prefix}/addr/0").decode().rpartition(":")
-            uid = f"{name}-{ctx.job}".encode()
-            with socket.create_connection((host, int(port)), timeout=10) as own:
-                own.sendall(
-                    HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, 1, 0, len(uid))
-                    + uid
-                    + HEADER.pack(MAGIC, TENSOR, 0, dtype_code(torch.float32), 7, 0, 4)
-                    + struct.pack("=f", 42.0)
-                )
-            ctx.store.set(f"{name}/sent", "1")  # and closed without a BYE: a crash, to rank 0
+            ctx.store.wait([f"{name}/dialing"])
+            _send_as_rank_1(ctx, name, prefix)
+            ctx.store.set(f"{name}/sent", "1")
         return None
 
     real_connect, real_suspect_s = transport.connect, transport._SUSPECT_S
@@ -248,10 +251,7 @@ def data_in_the_listener_of_a_rank_that_refuses_ours(ctx: RankContext) -> tuple[
                 b.recv(got, 1, 7, timeout=60.0)
             finally:
                 del engine._progress_now
-            with pytest.raises(PeerFailureError) as later:
-                b.recv(torch.empty(1), 1, 8, timeout=60.0)
-            assert _names(later.value, {1}), later.value
-            return got.tolist(), str(later.value)
+            return got.tolist(), _what_needs_rank_1_fails(b)
         finally:
             b.shutdown()
     finally:
