@@ -199,14 +199,6 @@ def data_on_one_connection_reset_on_the_other(ctx: RankContext) -> tuple[list[fl
         b.shutdown()
 
 
-def test_what_a_crashed_rank_sent_on_its_own_connection_outlives_the_reset_of_ours(rank_pools: Pools) -> None:
-    results = rank_pools(2).run(data_on_one_connection_reset_on_the_other, timeout=120)
-    assert results[0] is not None
-    got, later = results[0]
-    assert got == [42.0], results[0]
-    assert "rank 1" in later, later
-
-
 def data_in_the_listener_of_a_rank_that_refuses_ours(ctx: RankContext) -> tuple[list[float], str] | None:
     """2 ranks; rank 1 is played here over raw sockets, as a rank that sent its message and
     died leaves things: its listener is gone (a bound port nobody listens on: connecting is
@@ -258,8 +250,17 @@ def data_in_the_listener_of_a_rank_that_refuses_ours(ctx: RankContext) -> tuple[
         transport.connect, transport._SUSPECT_S = real_connect, real_suspect_s  # type: ignore[assignment,misc]
 
 
-def test_a_refused_probe_waits_for_what_the_refusing_rank_left_in_the_listener(rank_pools: Pools) -> None:
-    results = rank_pools(2).run(data_in_the_listener_of_a_rank_that_refuses_ours, timeout=120)
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        pytest.param(data_on_one_connection_reset_on_the_other, id="the-reset-of-our-connection-first"),
+        pytest.param(data_in_the_listener_of_a_rank_that_refuses_ours, id="our-probe-refused-first"),
+    ],
+)
+def test_what_a_departed_rank_sent_outlives_a_failed_connection_to_it(
+    rank_pools: Pools, scenario: Callable[[RankContext], tuple[list[float], str] | None]
+) -> None:
+    results = rank_pools(2).run(scenario, timeout=120)
     assert results[0] is not None
     got, later = results[0]
     assert got == [42.0], results[0]

@@ -74,7 +74,7 @@ from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
 from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent, _Receive
-from .waiting import SLICE, SlicedWaits, Ticket, Waiters, slice_ended, wake_gloo_waits
+from .waiting import SLICE, SlicedWaits, Ticket, Waiters, slice_ended
 from .watch import ABORTED, DIED, SHUT_DOWN, PeerWatch
 
 __all__ = ["GlooBackend"]
@@ -362,12 +362,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
             self._broken = self._broken or "the group was aborted"
             self._aborted = True
         self._watch.close(word)  # the peers hear why first
-        if pg is not None and not self._large:
-            # Gloo's own threads leave their waits now. Not while a send above the eager limit is
-            # in flight: Gloo's write of it to a peer that does not read then holds the device
-            # (its listener and poll loop) past Gloo's timeout once the pairs are cut this way
-            # (measured, torch 2.13), where left alone it is released at the timeout.
-            wake_gloo_waits(pg, self.ctx.rank, self.ctx.size)
+        if pg is not None:
+            self._wake(pg)  # Gloo's own threads leave their waits now
         self._stop_reaper(0.0)
         self._waiters.close()
         with self._buffered_cond:

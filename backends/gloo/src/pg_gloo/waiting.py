@@ -261,8 +261,16 @@ class SlicedWaits:
             pg = self._pg
             if pg is not None:
                 pg.abort()
-                if not self._large:  # (see GlooBackend.abort)
-                    wake_gloo_waits(pg, self.rank, len(self._everyone) + 1)
+                self._wake(pg)
+
+    def _wake(self, pg: Any) -> None:
+        """Wake the threads blocked in ``pg``'s waits once its connections are closed
+        (:func:`wake_gloo_waits`). Not while a send above the eager limit is in flight: Gloo's
+        write of it to a peer that does not read then holds the device (its listener and poll
+        loop) past Gloo's timeout once the pairs are cut this way (measured, torch 2.13), where
+        left alone it is released at the timeout."""
+        if not self._large:
+            wake_gloo_waits(pg, self.rank, len(self._everyone) + 1)
 
     def _finish(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
         """Wait for a collective's Gloo ``work`` (see :meth:`_until`), then raise its error as
