@@ -2,9 +2,9 @@
 Ctrl-C interrupts, a receive that failed and is never written into afterwards, and sends that
 hold a bounded number of copied bytes while their receiver is slow.
 
-Torch's Gloo does not wake a thread waiting in it for ``abort()`` or a signal; pg-gloo's abort
-then lets a receive's wait expire, whose closure of Gloo's connections does, so an abort leaves
-no thread behind in Gloo (tested with the process's own thread list, native threads included).
+Torch's Gloo cannot wake a thread waiting in it (not for ``abort()``, not for a signal), so an
+abort leaves Gloo's own threads in the aborted operation until Gloo's timeout: the tests that
+abort give the group a short timeout and skip the pool's leak check, which would count them.
 """
 
 from __future__ import annotations
@@ -116,64 +116,11 @@ def interrupted_then_sent_to(ctx: RankContext, op: str, how: str) -> dict[str, A
 def test_a_blocked_operation_is_interrupted_and_its_tensor_never_written_after(
     rank_pools: Pools, op: str, how: str, error: type[BaseException]
 ) -> None:
-    got, _ = rank_pools(2).run(interrupted_then_sent_to, op, how, timeout=60)
+    got, _ = rank_pools(2).run(interrupted_then_sent_to, op, how, timeout=60, check_leaks=False)
     assert got["raised"] == error.__name__, got
     if got["seconds"] is not None:
         assert got["seconds"] < 1.0, got  # not at the group's 8 s timeout
     assert got["kept"] == [0.0] * 4  # rank 1's later send never landed in it
-
-
-def _threads() -> tuple[int, list[str]]:
-    """The process's threads (native ones included, from /proc) and pg-gloo's Python threads."""
-    return len(os.listdir("/proc/self/task")), sorted(t.name for t in threading.enumerate() if "gloo" in t.name)
-
-
-def aborted_under_blocked_waits(ctx: RankContext) -> dict[str, Any] | None:
-    """Rank 0 blocks a thread in a receive that rank 1 never matches and another in an
-    irecv's wait, then aborts, with the group's timeout a minute away: the waits raise, and
-    within 5 s every thread that waited in Gloo is gone (pg-gloo's waiter threads and torch's
-    own): the process has the threads it had before the group, not one more."""
-    before = _threads()
-    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=60)
-    group.barrier()
-    if ctx.rank == 1:
-        wait_for(ctx.store, ["aborted"], 60)
-        group.abort()
-        return None
-    raised: list[str] = []
-
-    def blocked(op: str) -> None:
-        try:
-            if op == "recv":
-                group.recv(torch.zeros(4), 1)
-            else:
-                group.irecv(torch.zeros(4), 1, tag=1).wait()
-        except BaseException as exc:
-            raised.append(type(exc).__name__)
-
-    threads = [threading.Thread(target=blocked, args=(op,)) for op in ("recv", "irecv")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        if t.ident is not None:
-            _waiting(t.ident)
-    during = _threads()
-    group.abort()
-    for t in threads:
-        t.join(timeout=10)
-    deadline = time.monotonic() + 5.0
-    while _threads() != before and time.monotonic() < deadline:
-        time.sleep(0.02)  # (a bounded poll of /proc: threads ending give no event to wait on)
-    after = _threads()
-    ctx.store.set("aborted", "1")
-    return {"raised": sorted(raised), "before": before, "during": during[0] > before[0], "after": after}
-
-
-def test_an_abort_leaves_no_thread_waiting_in_gloo(rank_pools: Pools) -> None:
-    got, _ = rank_pools(2).run(aborted_under_blocked_waits, timeout=60)
-    assert got["raised"] == ["GroupClosedError", "GroupClosedError"], got
-    assert got["during"], got  # the group had threads of its own while the receives waited
-    assert got["after"] == got["before"], got
 
 
 def slow_receiver(ctx: RankContext, total: int, piece: int, budget: int) -> dict[str, int]:
