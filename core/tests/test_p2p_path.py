@@ -1,6 +1,6 @@
-"""Blocking send/recv's lane (``ProcessGroup._p2p_lane``, :class:`pg_core.instance.Lane`): once a
+"""Point to point's lane (``ProcessGroup._p2p_lane``, :class:`pg_core.instance.Lane`): once a
 call of a kind has passed the full checks for a (device, dtype), later calls skip the checks
-that cannot change, and every rule still holds for the calls that must not take the lane: a
+that cannot change (isend/irecv too, where the backend has its own), and every rule still holds for the calls that must not take the lane: a
 tensor that is not dense (any more), a dtype not declared, another device with the same dtype,
 a closed group, a tag past the backend's range, a stream whose helper thread still has work.
 The flight recorder's entries of calls on the lane say what the full path's say."""
@@ -19,6 +19,7 @@ from pg_core import (
     HashStore,
     NotSupportedError,
     ProcessGroup,
+    Work,
 )
 from pg_core.recorder import head_of
 
@@ -222,3 +223,64 @@ def test_the_recorders_entries_of_calls_on_the_lane_are_the_full_paths(group, lo
     assert all(e["seq"] is None and e["end_ns"] >= e["start_ns"] for e in entries)
     assert head_of(entries)["p2p"] is None  # the newest one completed
     assert group.debug_state()["recorder"]["capacity"] > 0
+
+
+class NativeLogged(CpuLogged):
+    """:class:`CpuLogged` with its own ``isend``/``irecv`` (logged as such, done at once)."""
+
+    name = "native-logged"
+
+    def isend(self, tensor, dst, tag, *, timeout):
+        self._rec("isend", tensor, dst, tag)
+        return Work.completed("isend")
+
+    def irecv(self, tensor, src, tag, *, timeout):
+        self._rec("irecv", tensor, src, tag)
+        tensor.fill_(7)
+        return Work.completed("irecv")
+
+
+def test_isend_and_irecv_take_the_lane_to_the_backends_own_calls_and_every_rule_still_holds(log, monkeypatch):
+    g = ProcessGroup(
+        HashStore(), rank=0, size=2, backends={"cpu": NativeLogged}, options={"native-logged": {"log": log}}
+    )
+    try:
+        x = torch.arange(4.0)
+        g.isend(x, 1, tag=3).wait()  # the full path, which makes the lanes
+        g.irecv(torch.zeros(4), 1, tag=3).wait()
+        assert _lanes(g) == [("recv", "cpu", torch.float32), ("send", "cpu", torch.float32)]
+        full = list(log)
+        log.clear()
+        checked = []
+        full_path = g._p2p
+        monkeypatch.setattr(g, "_p2p", lambda *a, **k: checked.append(a[0]) or full_path(*a, **k))
+        g.isend(x, 1, tag=3).wait()  # the lanes: no full checks
+        got = torch.zeros(4)
+        g.irecv(got, 1, tag=3).wait()
+        assert checked == [] and log == full and got.tolist() == [7.0] * 4  # the same calls, wire tags and all
+        log.clear()
+        grid = torch.arange(6.0).reshape(2, 3)
+        g.isend(grid.t(), 1).wait()  # not dense: the full path stages it
+        out = torch.zeros(3, 2).t()
+        g.irecv(out, 1).wait()
+        assert out.tolist() == [[7.0, 7.0, 7.0]] * 2  # written back through the staging copy
+        with pytest.raises(ValueError):
+            g.isend(x, 0)  # to itself
+        with pytest.raises(ValueError):
+            g.irecv(x, 2)  # no such rank
+        with pytest.raises(TypeError):
+            g.isend(x, 1, tag=True)
+        assert checked == ["send", "recv", "send", "recv", "send"]
+        assert [(op, shape, plain) for op, _, shape, _, _, plain in log] == [
+            ("isend", (3, 2), True),
+            ("irecv", (2, 3), True),
+        ]
+        log.clear()
+        g.abort()
+        with pytest.raises(GroupClosedError):
+            g.isend(x, 1, tag=3)
+        with pytest.raises(GroupClosedError):
+            g.irecv(x, 1, tag=3)
+        assert log == []
+    finally:
+        g.abort()

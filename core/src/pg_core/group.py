@@ -952,8 +952,8 @@ class ProcessGroup:
     def _p2p_lane(
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
     ) -> Lane | None:
-        """The lane of a blocking ``send``/``recv`` (``kind``) that may skip :meth:`_p2p`'s
-        checks: with the group's timeout, outside any coalescing block, of a dense plain
+        """The lane of a ``send``/``recv`` (``kind``; ``isend``/``irecv`` too, where the backend
+        has its own: :attr:`Lane.starts`) that may skip :meth:`_p2p`'s checks: with the group's timeout, outside any coalescing block, of a dense plain
         tensor to or from a rank other than this one, with a tag in the backend's range,
         where one of its (device, dtype) already passed them. ``None``: take :meth:`_p2p`.
 
@@ -1120,6 +1120,9 @@ class ProcessGroup:
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> Work:
         """Start sending ``tensor`` to ``dst``; do not modify it until the ``Work`` completes."""
+        lane = self._p2p_lane("send", tensor, dst, tag, timeout)
+        if lane is not None and lane.starts:  # the backend's own isend, past the checks that can change
+            return lane.start(tensor, dst, tag, self._timeout)
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         return inst.p2p("send", t, dst, tag, budget, async_op=True)  # type: ignore[no-any-return]
 
@@ -1133,6 +1136,9 @@ class ProcessGroup:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
             inner = inst.irecv_any(t, tag, budget)  # (its result: the sender, checked)
             return then(inner, st.finish) if st.back else inner
+        lane = self._p2p_lane("recv", tensor, src, tag, timeout)
+        if lane is not None and lane.starts:
+            return lane.start(tensor, src, tag, self._timeout)
         via, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inner = via.p2p("recv", t, src, tag, budget, async_op=True)
         return then(inner, st.finish) if st.back else inner

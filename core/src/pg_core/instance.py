@@ -232,7 +232,10 @@ class Lane:
     instance has helper threads, through :meth:`Instance.blocking`, which keeps the
     stream's order."""
 
-    __slots__ = ("_call", "_first", "_instance", "_step", "_streams", "device", "dtype", "kind", "limit", "plain")
+    __slots__ = (
+        "_call", "_first", "_icall", "_instance", "_step", "_streams", "device", "dtype", "kind", "limit", "plain",
+        "starts",
+    )  # fmt: skip
 
     def __init__(self, instance: Instance, kind: str, dtype: torch.dtype) -> None:
         self._instance = instance
@@ -247,6 +250,10 @@ class Lane:
         self.limit = tags.limit
         #: the dtype has no lazy conjugation to check (it is not complex)
         self.plain = not dtype.is_complex
+        #: the backend has its own ``isend``/``irecv`` for ``kind`` (:meth:`start`); else an
+        #: asynchronous call takes the full path, which hands the blocking call to a helper thread
+        self.starts = instance.native_isend if kind == "send" else instance.native_irecv
+        self._icall = instance.backend.isend if kind == "send" else instance.backend.irecv
 
     def run(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
         """The blocking call with user ``tag`` (``0 <= tag <`` :attr:`limit`)."""
@@ -255,6 +262,11 @@ class Lane:
             self._instance.blocking(self.kind, tensor, peer, wire, timeout)
         else:
             self._call(tensor, peer, wire, timeout=timeout)
+
+    def start(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> Work:
+        """The backend's own ``isend``/``irecv`` with user ``tag``, where :attr:`starts`: called
+        straight, as :meth:`Instance.p2p` calls it for ``async_op=True``."""
+        return self._icall(tensor, peer, self._first + self._step * tag, timeout=timeout)  # type: ignore[no-any-return]
 
 
 def _check_sends_can_wait(spec: BackendSpec, device: str, cls: type[Backend]) -> None:
