@@ -139,7 +139,9 @@ class ShmBackend(Backend):
         thread: behind the receives posted on that peer before it, taking what is there now.
         Its work completes when waited for or polled, when a later receive from ``src`` runs,
         or, with nobody doing that, by the drainer (which also fails it at its deadline or when
-        ``src`` is gone); ``abort()``/``shutdown()`` fail it at once."""
+        ``src`` is gone); ``abort()``/``shutdown()`` fail it at once. A message that is there
+        already, in the common case (:meth:`~pg_shm.receiving.Inbox.take_tensor`), is received
+        at once: the work is done."""
         inbox = self.inboxes[src]
         posted: Posted | None = None
 
@@ -159,9 +161,11 @@ class ShmBackend(Backend):
             finally:
                 self._leave()
 
-        work = Work("irecv", driver=drive)
         self._enter()
         try:
+            if inbox.take_tensor(tensor, tag) < 0:
+                return Work.completed("irecv")
+            work = Work("irecv", driver=drive)
             posted = inbox.post(KIND_TENSOR, tag, tensor, deadline=time.monotonic() + timeout, op="irecv", work=work)
         finally:
             self._leave()

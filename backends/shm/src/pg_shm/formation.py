@@ -59,9 +59,14 @@ class Members:
             segment.close()
 
 
+def group_prefix(group_uid: str) -> str:
+    """How the names of the segments of the group ``group_uid`` begin (each member's name goes
+    on with its rank and a random part)."""
+    return f"pg-shm-{hashlib.sha256(group_uid.encode()).hexdigest()[:12]}-"
+
+
 def _prefix(ctx: BackendContext) -> str:
-    digest = hashlib.sha256(ctx.group_uid.encode()).hexdigest()[:12]
-    return f"pg-shm-{digest}-{ctx.rank}"
+    return f"{group_prefix(ctx.group_uid)}{ctx.rank}"
 
 
 def _check_one_host(ctx: BackendContext) -> None:

@@ -114,44 +114,54 @@ class Inbox:
 
     def receive_tensor(self, into: torch.Tensor, tag: int, timeout: float, op: str) -> None:
         """:meth:`receive` of a tensor message (deadline ``timeout`` seconds from now): the
-        common case (the next message in the ring is this one, whole, not wrapping, and nothing
-        is kept) copied straight into ``into`` from cells looked up once; after a short spin
-        for it, anything else takes :meth:`receive`."""
-        head, tail, data, cap = self._head, self._tail, self._data, self._cap
-        nbytes = into.nbytes
-        span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
+        common case (:meth:`take_tensor`) first, again after a short spin for it; anything else
+        takes :meth:`receive`."""
+        head = self._head
         for spin in (True, False):
-            with self.lock:
-                seen = head.value
-                start = tail.value
-                if (
-                    self.broken is None
-                    and not self._kept
-                    and not self.posted
-                    and self._stream is None
-                    and seen - start >= span
-                ):
-                    off = start % cap
-                    k, code, t, n = _unpack_header(data, off)
-                    if (
-                        k == KIND_TENSOR
-                        and t == tag
-                        and n == nbytes
-                        and code == CODES.get(into.dtype, 0)
-                        and off + span <= cap
-                    ):
-                        if nbytes:
-                            memmove(into.data_ptr(), self._base + off + _HEADER_BYTES, nbytes)
-                        tail.value = start + span
-                        if self._sender_sleeps.value:
-                            futex_wake(self._tail_address)
-                        return
+            seen = self.take_tensor(into, tag)
+            if seen < 0:
+                return
             if not spin or self.posted:
                 break
             for _ in range(SPINS):  # the sender is usually a few microseconds away: poll the bare cell
                 if head.value != seen:
                     break
         self.receive(KIND_TENSOR, tag, into, time.monotonic() + timeout, op)
+
+    def take_tensor(self, into: torch.Tensor, tag: int) -> int:
+        """Receive a tensor message of ``tag`` into ``into`` if it is the common case: the next
+        message in the ring, whole, not wrapping, the tensor's size and dtype, nothing kept or
+        posted; read from cells looked up once. Never blocks. ``-1`` once received, else the
+        ring's head as read (what a spin compares with)."""
+        head, tail, data, cap = self._head, self._tail, self._data, self._cap
+        nbytes = into.nbytes
+        span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
+        with self.lock:
+            seen = head.value
+            start = tail.value
+            if (
+                self.broken is None
+                and not self._kept
+                and not self.posted
+                and self._stream is None
+                and seen - start >= span
+            ):
+                off = start % cap
+                k, code, t, n = _unpack_header(data, off)
+                if (
+                    k == KIND_TENSOR
+                    and t == tag
+                    and n == nbytes
+                    and code == CODES.get(into.dtype, 0)
+                    and off + span <= cap
+                ):
+                    if nbytes:
+                        memmove(into.data_ptr(), self._base + off + _HEADER_BYTES, nbytes)
+                    tail.value = start + span
+                    if self._sender_sleeps.value:
+                        futex_wake(self._tail_address)
+                    return -1
+        return seen
 
     def receive(self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str) -> bytearray | None:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
