@@ -132,6 +132,52 @@ def test_an_irecv_of_the_wrong_size_fails_naming_the_peer(rank_pools: Pools) -> 
     assert "rank 0" in got["text"] and got["untouched"] and got["next"] == 2.0, got
 
 
+def sole(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1 posts one irecv at a time, each before its message exists, then waits (the wait
+    of the only receive posted takes its message as a blocking recv would, where it is that
+    receive's): a message of another tag ahead of it is kept for its own receive, a message of
+    the wrong size fails the irecv naming the sender and the stream goes on."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="shm", timeout=60)
+    group.barrier()
+    result: dict[str, Any] = {}
+    if ctx.rank == 0:
+        wait_for(ctx.store, ["posted/1"], 30)
+        group.send(torch.full((4,), 5.0), 1, tag=5)  # another tag, ahead of the posted one's message
+        group.send(torch.full((4,), 2.0), 1, tag=2)
+        wait_for(ctx.store, ["posted/2"], 30)
+        group.send(torch.full((3,), 3.0), 1, tag=2)  # the wrong size
+        group.send(torch.full((4,), 4.0), 1, tag=2)
+    else:
+        first = torch.zeros(4)
+        work = group.irecv(first, 0, tag=2)
+        ctx.store.set("posted/1", "1")
+        work.wait()
+        other = torch.zeros(4)
+        group.recv(other, 0, tag=5)
+        result.update(first=first.tolist(), other=other.tolist())
+        wrong = torch.zeros(4)
+        work = group.irecv(wrong, 0, tag=2)
+        ctx.store.set("posted/2", "1")
+        try:
+            work.wait()
+        except CollectiveMismatchError as exc:
+            result.update(raised="CollectiveMismatchError", peers=list(exc.peers or []))
+        else:
+            result["raised"] = "nothing"
+        after = torch.zeros(4)
+        group.irecv(after, 0, tag=2).wait()
+        result.update(untouched=bool((wrong == 0).all()), after=after.tolist())
+    group.shutdown()
+    return result
+
+
+def test_the_wait_of_the_only_posted_irecv_takes_its_own_message_and_no_other(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(sole, timeout=120)[1]
+    assert got["first"] == [2.0] * 4 and got["other"] == [5.0] * 4, got
+    assert got["raised"] == "CollectiveMismatchError" and got["peers"] == [0] and got["untouched"], got
+    assert got["after"] == [4.0] * 4, got
+
+
 def failing(ctx: RankContext, case: str) -> dict[str, Any]:
     """Rank 1 posts an irecv that rank 0 never answers: it times out, rank 0 dies, or rank 1
     aborts while it is pending."""

@@ -129,39 +129,42 @@ class Inbox:
         self.receive(KIND_TENSOR, tag, into, time.monotonic() + timeout, op)
 
     def take_tensor(self, into: torch.Tensor, tag: int) -> int:
-        """Receive a tensor message of ``tag`` into ``into`` if it is the common case: the next
-        message in the ring, whole, not wrapping, the tensor's size and dtype, nothing kept or
-        posted; read from cells looked up once. Never blocks. ``-1`` once received, else the
-        ring's head as read (what a spin compares with)."""
-        head, tail, data, cap = self._head, self._tail, self._data, self._cap
-        nbytes = into.nbytes
-        span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
+        """Receive a tensor message of ``tag`` into ``into`` if it is the common case
+        (:meth:`_take_at_tail`, with nothing kept or posted). Never blocks. ``-1`` once
+        received, else the ring's head as read (what a spin compares with)."""
         with self.lock:
-            seen = head.value
-            start = tail.value
+            seen = self._head.value
             if (
                 self.broken is None
                 and not self._kept
                 and not self.posted
                 and self._stream is None
-                and seen - start >= span
+                and self._take_at_tail(into, tag, seen)
             ):
-                off = start % cap
-                k, code, t, n = _unpack_header(data, off)
-                if (
-                    k == KIND_TENSOR
-                    and t == tag
-                    and n == nbytes
-                    and code == CODES.get(into.dtype, 0)
-                    and off + span <= cap
-                ):
-                    if nbytes:
-                        memmove(into.data_ptr(), self._base + off + _HEADER_BYTES, nbytes)
-                    tail.value = start + span
-                    if self._sender_sleeps.value:
-                        futex_wake(self._tail_address)
-                    return -1
+                return -1
         return seen
+
+    def _take_at_tail(self, into: torch.Tensor, tag: int, seen: int) -> bool:
+        """(Under the lock, where nothing is kept and no message is being streamed.) Whether
+        the next message in the ring (written up to ``seen``) was a tensor message of ``tag``
+        for ``into``, whole, not wrapping, the tensor's size and dtype: then it is copied
+        straight into ``into`` from cells looked up once, and the ring moved on."""
+        tail, cap = self._tail, self._cap
+        nbytes = into.nbytes
+        span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
+        start = tail.value
+        if seen - start < span:
+            return False
+        off = start % cap
+        k, code, t, n = _unpack_header(self._data, off)
+        if k != KIND_TENSOR or t != tag or n != nbytes or code != CODES.get(into.dtype, 0) or off + span > cap:
+            return False
+        if nbytes:
+            memmove(into.data_ptr(), self._base + off + _HEADER_BYTES, nbytes)
+        tail.value = start + span
+        if self._sender_sleeps.value:
+            futex_wake(self._tail_address)
+        return True
 
     def receive(self, kind: int, tag: int, into: torch.Tensor | None, deadline: float, op: str) -> bytearray | None:
         """The next message of (``kind``, ``tag``): copied into ``into`` (a tensor, whose size
@@ -289,11 +292,23 @@ class Inbox:
         inbox's other posted receives) as a blocking receive fails; ``until`` before its deadline
         only ends this drive."""
         head = self.ring.head
+        into = posted.into if posted.kind == KIND_TENSOR else None
         while True:
             with self.lock:
                 seen = head.value  # read before deciding there is nothing: what the wait compares with
                 if not posted.done:
-                    self._advance_posted()
+                    if (  # the only receive posted here, its message next in the ring: take it as recv does
+                        into is not None
+                        and self.posted == 1
+                        and self._stream is None
+                        and not self._kept
+                        and self.broken is None
+                        and self._take_at_tail(into, posted.tag, seen)
+                    ):
+                        self._pop_posted((KIND_TENSOR, posted.tag))
+                        self._done(posted)
+                    else:
+                        self._advance_posted()
                 finished = self._take_finished()
             self._complete(finished)
             if posted.done:
