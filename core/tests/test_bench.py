@@ -473,12 +473,28 @@ def test_an_asynchronous_form_is_compared_with_its_blocking_op() -> None:
     tables = report.format_table(rows).split("\n\n")
     assert tables[1].startswith("# all_reduce_async (world size 2, float32, sum, async_op=True then wait()")
     assert tables[1].splitlines()[2].split()[-3:] == ["1.07x", "+3.5us", "ok"]
+    assert "# [+a +b]" not in report.format_table(rows)  # no rounds: no round differences
     assert "isend().wait() then irecv().wait()" in tables[3]
     # the asynchronous form leaves what its op leaves, and moves as much
     assert torch.equal(
         inputs.expected_output("all_reduce_async", 1, 2, 4), inputs.expected_output("all_reduce", 1, 2, 4)
     )
     assert sizing.busbw_factor("all_reduce_async", 4) == sizing.busbw_factor("all_reduce", 4)
+
+
+def test_with_rounds_an_asynchronous_forms_difference_is_given_round_by_round_too() -> None:
+    blocking, launched = _row("shm", 10.0, op="send_recv"), _row("shm", 14.0, op="isend_irecv")
+    blocking.round_median_us = [10.0, 30.0, 10.0, 11.0, 10.0]  # round 2: the machine was busy
+    launched.round_median_us = [12.0, 31.0, 13.0, 14.0, 13.0]
+    for row in (blocking, launched):
+        row.rounds = 5
+    rows = [blocking, launched]
+    report.add_ratios(rows)
+    assert launched.ref_round_diffs_us == pytest.approx([2.0, 1.0, 3.0, 3.0, 3.0])
+    assert blocking.ref_round_diffs_us is None
+    table = report.format_table(rows)
+    assert "1.40x +4.0us [+2.0 +3.0]" in table and "# [+a +b] after a vs OP difference" in table
+    assert json.loads(report.format_json(rows))[1]["ref_round_diffs_us"] == pytest.approx([2.0, 1.0, 3.0, 3.0, 3.0])
 
 
 def test_async_adds_each_asynchronous_form_after_its_op() -> None:

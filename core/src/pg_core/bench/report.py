@@ -86,6 +86,8 @@ class Row:
     round_median_us: list[float] | None = None
     #: with ``--rounds R``: this row's round median over its baseline's in the same round, round by round
     round_ratios: list[float] | None = None
+    #: with ``--rounds R``: this row's round median minus its ``ref_op``'s in the same round (microseconds)
+    ref_round_diffs_us: list[float] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Row:
@@ -106,7 +108,8 @@ def compared_with(label: str, baselines: Sequence[str]) -> str | None:
 def add_ratios(rows: list[Row]) -> None:
     """Fill in each row's ``ratio`` to its baseline (:func:`compared_with`) at the same op and
     size, round by round too (``round_ratios``), and ``ref_ratio``/``ref_diff_us`` to its
-    reference op on the same backend and size, where those rows were measured."""
+    reference op on the same backend and size (round by round too: ``ref_round_diffs_us``),
+    where those rows were measured."""
     baselines = list(dict.fromkeys(r.backend for r in rows if r.baseline))
     base = {(r.op, r.size, r.backend): r for r in rows if r.baseline and r.median_us}
     same = {(r.op, r.size, r.backend): r for r in rows if r.median_us}
@@ -127,6 +130,9 @@ def add_ratios(rows: list[Row]) -> None:
             row.ref_ratio = row.median_us / other.median_us
             row.ref_diff_us = row.median_us - other.median_us
             row.ref_op = ref_op
+            mine, theirs = row.round_median_us, other.round_median_us
+            if mine and theirs and len(mine) == len(theirs):
+                row.ref_round_diffs_us = [a - b for a, b in zip(mine, theirs, strict=True)]
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
@@ -212,6 +218,9 @@ def format_table(rows: Sequence[Row], about: Sequence[str] = ()) -> str:
             ]
             if ref_op is not None:
                 diff = "" if r.ref_diff_us is None else f" {r.ref_diff_us:+.1f}us"
+                if r.ref_round_diffs_us:
+                    low, high = quartiles(r.ref_round_diffs_us)
+                    diff += f" [{low:+.1f} {high:+.1f}]"
                 line.append("-" if r.ref_ratio is None else f"{r.ref_ratio:.2f}x{diff}")
             lines.append([*line, check])
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -232,6 +241,8 @@ def format_table(rows: Sequence[Row], about: Sequence[str] = ()) -> str:
     )
     if any(r.round_ratios for r in rows):
         out.append("# [a-b] (--rounds): the middle half of the ratios of each round's medians, round by round.")
+    if any(r.ref_round_diffs_us for r in rows):
+        out.append("# [+a +b] after a vs OP difference (--rounds): the middle half of the rounds' differences.")
     if any(r.op in OBJECT_OPS for r in rows):
         out.append("# Object ops: size is the pickled object's bytes (protocol 5), count its payload's bytes.")
     if any(r.op in REFERENCE_OPS for r in rows):
