@@ -178,3 +178,32 @@ def test_isend_to_a_slow_receiver_holds_at_most_the_budget(rank_pools: Pools) ->
     growth = sender["peak"] - sender["before"]
     # the budget, the piece being copied and the allocator's slack (freed blocks it keeps), not 1 GiB
     assert growth < budget + (128 << 20), sender
+
+
+def peer_gave_up(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1's recv gives up after 1 s (Gloo closes every connection of the group then) while
+    rank 0 waits in an all_reduce whose own timeout is 60 s: what rank 0 raises, and when."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=60)
+    group.barrier()
+    out: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        if ctx.rank == 1:
+            group.recv(torch.empty(1), 0, timeout=1.0)
+        else:
+            group.all_reduce(torch.ones(1))
+    except PGError as exc:
+        out.update(raised=type(exc).__name__, text=str(exc), seconds=time.monotonic() - started)
+    else:
+        out["raised"] = "nothing"
+    ctx.store.set(f"reported/{ctx.rank}", "1")  # rank 1's abort would tell rank 0 it aborted: not before
+    wait_for(ctx.store, ["reported/0", "reported/1"], 60)
+    group.abort()
+    return out
+
+
+def test_a_peer_that_gave_up_on_its_own_operation_is_a_timeout_not_a_failure(rank_pools: Pools) -> None:
+    got = rank_pools(2).run(peer_gave_up, timeout=120, check_leaks=False)
+    assert got[1]["raised"] == "CollectiveTimeout", got[1]
+    assert got[0]["raised"] == "CollectiveTimeout" and "gave up on an operation of its own" in got[0]["text"], got[0]
+    assert got[0]["seconds"] < 30, got[0]  # the peer's closing, not its own 60 s timeout

@@ -231,7 +231,22 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
                 f"{what}: Gloo's connection was closed by an earlier timeout ({text}); form a new group", peers=peers
             )
         if any(words in text for words in _PEER_GONE):
-            return PeerFailureError(f"{what}: a peer closed its Gloo connection ({text})", peers=peers)
+            for peer in peers or self._everyone:  # one look at each watch connection: a dead peer's is closed
+                self._watch.check(peer)
+            gone = dict(self._watch.gone)
+            lost = [p for p in (peers or self._everyone) if p in gone] or sorted(gone)
+            if lost:
+                return PeerFailureError(f"{what}: {_who(lost, gone)} (Gloo: {text})", peers=_blamed(lost, gone))
+            # alive, and it said no last word: it gave up on an operation of its own (Gloo closes every
+            # connection of a group when one times out, and pg-gloo closes them when one is interrupted)
+            self._broken = self._broken or "a peer closed its Gloo connections after giving up on an operation"
+            return CollectiveTimeout(
+                f"{what}: a peer closed its Gloo connection, alive and without aborting: it gave up on an "
+                f"operation of its own (its timeout, or an interrupt), and Gloo closed every connection of the "
+                f"group ({text}); this group's gloo backend refuses every later operation: form a new group",
+                op=what,
+                peers=peers,
+            )
         return exc
 
     def prepared_all_reduce(
@@ -347,14 +362,15 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
         threads get :class:`~pg_core.errors.GroupClosedError` within ``SLICE_S``, and the peers
         are told (their errors say this rank aborted). Gloo's own threads still sit in the
         operations they were running until those reach Gloo's timeout (nothing else wakes them);
-        the Gloo object is let go in a thread of its own, whose end waits for them."""
+        the Gloo object is let go in a thread of its own, whose end waits for them. The peers are
+        told first, so that what their Gloo connections' closing fails reads as this abort."""
+        self._watch.close(word)
         with self._closing:
             pg, self._pg = self._pg, None
             if pg is not None:
                 pg.abort()
             self._broken = self._broken or "the group was aborted"
             self._aborted = True
-        self._watch.close(word)
         self._stop_reaper(0.0)
         self._waiters.close()
         with self._buffered_cond:
