@@ -953,9 +953,10 @@ class ProcessGroup:
         self, kind: str, tensor: torch.Tensor, peer: int, tag: int, timeout: float | timedelta | None
     ) -> Lane | None:
         """The lane of a ``send``/``recv`` (``kind``; ``isend``/``irecv`` too, where the backend
-        has its own: :attr:`Lane.starts`) that may skip :meth:`_p2p`'s checks: with the group's timeout, outside any coalescing block, of a dense plain
-        tensor to or from a rank other than this one, with a tag in the backend's range,
-        where one of its (device, dtype) already passed them. ``None``: take :meth:`_p2p`.
+        has its own: :attr:`Lane.starts`) that may skip :meth:`_p2p`'s checks: with the group's
+        timeout, outside any coalescing block, of a dense plain tensor to or from a rank other
+        than this one, with a tag in the backend's range, where one of its (device, dtype)
+        already passed them. ``None``: take :meth:`_p2p`.
 
         The checks run cheapest first (one type test, one hash), and what is rarely true last:
         whatever a call could change since its lane was made (the group closed, the tensor's

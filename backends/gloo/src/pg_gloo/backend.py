@@ -221,7 +221,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
                 op=what,
                 peers=peers,
             )
-        gone = self._watch.wait_gone(0.5) if any(words in text for words in _PEER_GONE) else {}
+        closed = any(words in text for words in _PEER_GONE)
+        gone = self._gone(peers or self._everyone) if closed else {}
         lost = [p for p in (peers or self._everyone) if p in gone] or sorted(gone)
         if lost:  # the watch knows who, and how: Gloo's text names a socket address
             return PeerFailureError(f"{what}: {_who(lost, gone)} (Gloo: {text})", peers=_blamed(lost, gone))
@@ -230,15 +231,7 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
             return PeerFailureError(
                 f"{what}: Gloo's connection was closed by an earlier timeout ({text}); form a new group", peers=peers
             )
-        if any(words in text for words in _PEER_GONE):
-            for peer in peers or self._everyone:  # one look at each watch connection: a dead peer's is closed
-                self._watch.check(peer)
-            gone = dict(self._watch.gone)
-            lost = [p for p in (peers or self._everyone) if p in gone] or sorted(gone)
-            if lost:
-                return PeerFailureError(f"{what}: {_who(lost, gone)} (Gloo: {text})", peers=_blamed(lost, gone))
-            # alive, and it said no last word: it gave up on an operation of its own (Gloo closes every
-            # connection of a group when one times out, and pg-gloo closes them when one is interrupted)
+        if closed:  # alive, and no last word: it gave up on an operation of its own
             self._broken = self._broken or "a peer closed its Gloo connections after giving up on an operation"
             return CollectiveTimeout(
                 f"{what}: a peer closed its Gloo connection, alive and without aborting: it gave up on an "
@@ -248,6 +241,16 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
                 peers=peers,
             )
         return exc
+
+    def _gone(self, peers: Sequence[int]) -> dict[int, str]:
+        """The peers known gone once Gloo said a connection closed: one look at each of ``peers``'
+        watch connections (a dead peer's is closed already, as its Gloo connections are), then,
+        if none is, at most 0.5 s for a last word on its way (an aborting peer says it first).
+        None gone: the peer is alive and closed its connections itself (Gloo closes every
+        connection of a group when one of its operations times out)."""
+        for peer in peers:
+            self._watch.check(peer)
+        return self._watch.wait_gone(0.5)
 
     def prepared_all_reduce(
         self, dtype: torch.dtype, op: ReduceOp, *, timeout: float

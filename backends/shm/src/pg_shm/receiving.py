@@ -134,21 +134,19 @@ class Inbox:
         received, else the ring's head as read (what a spin compares with)."""
         with self.lock:
             seen = self._head.value
-            if (
-                self.broken is None
-                and not self._kept
-                and not self.posted
-                and self._stream is None
-                and self._take_at_tail(into, tag, seen)
-            ):
+            if self._take_at_tail(into, tag, seen, posted=0):
                 return -1
         return seen
 
-    def _take_at_tail(self, into: torch.Tensor, tag: int, seen: int) -> bool:
-        """(Under the lock, where nothing is kept and no message is being streamed.) Whether
-        the next message in the ring (written up to ``seen``) was a tensor message of ``tag``
-        for ``into``, whole, not wrapping, the tensor's size and dtype: then it is copied
-        straight into ``into`` from cells looked up once, and the ring moved on."""
+    def _take_at_tail(self, into: torch.Tensor, tag: int, seen: int, *, posted: int) -> bool:
+        """(Under the lock.) The common case, for a receive of its own (``posted=0``: none is
+        posted) or for the wait of the only receive posted (``posted=1``): nothing kept, none
+        streamed, the peer not broken, and the next message in the ring (written up to
+        ``seen``) a tensor message of ``tag`` for ``into``, whole, not wrapping, the tensor's
+        size and dtype. Then it is copied straight into ``into`` from cells looked up once, the
+        ring moved on, and this returns True."""
+        if self.posted != posted or self._kept or self._stream is not None or self.broken is not None:
+            return False
         tail, cap = self._tail, self._cap
         nbytes = into.nbytes
         span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
@@ -297,14 +295,8 @@ class Inbox:
             with self.lock:
                 seen = head.value  # read before deciding there is nothing: what the wait compares with
                 if not posted.done:
-                    if (  # the only receive posted here, its message next in the ring: take it as recv does
-                        into is not None
-                        and self.posted == 1
-                        and self._stream is None
-                        and not self._kept
-                        and self.broken is None
-                        and self._take_at_tail(into, posted.tag, seen)
-                    ):
+                    # the only receive posted here, its message next in the ring: take it as recv does
+                    if into is not None and self._take_at_tail(into, posted.tag, seen, posted=1):
                         self._pop_posted((KIND_TENSOR, posted.tag))
                         self._done(posted)
                     else:
