@@ -2,9 +2,9 @@
 Ctrl-C interrupts, a receive that failed and is never written into afterwards, and sends that
 hold a bounded number of copied bytes while their receiver is slow.
 
-Torch's Gloo cannot wake a thread waiting in it (not for ``abort()``, not for a signal), so an
-abort leaves Gloo's own threads in the aborted operation until Gloo's timeout: the tests that
-abort give the group a short timeout and skip the pool's leak check, which would count them.
+Torch's Gloo does not wake a thread waiting in it for ``abort()`` or a signal; pg-gloo's abort
+then lets a receive's wait expire, whose closure of Gloo's connections does, so an abort leaves
+no thread behind in Gloo (tested with the process's own thread list, native threads included).
 """
 
 from __future__ import annotations
@@ -116,11 +116,72 @@ def interrupted_then_sent_to(ctx: RankContext, op: str, how: str) -> dict[str, A
 def test_a_blocked_operation_is_interrupted_and_its_tensor_never_written_after(
     rank_pools: Pools, op: str, how: str, error: type[BaseException]
 ) -> None:
-    got, _ = rank_pools(2).run(interrupted_then_sent_to, op, how, timeout=60, check_leaks=False)
+    got, _ = rank_pools(2).run(interrupted_then_sent_to, op, how, timeout=60)
     assert got["raised"] == error.__name__, got
     if got["seconds"] is not None:
         assert got["seconds"] < 1.0, got  # not at the group's 8 s timeout
     assert got["kept"] == [0.0] * 4  # rank 1's later send never landed in it
+
+
+def _held() -> tuple[int, int, list[str]]:
+    """What the process holds: its threads (native ones included, from /proc), its file
+    descriptors (Gloo's listener, poll loop, pipe and connections among them) and pg-gloo's
+    Python threads."""
+    names = sorted(t.name for t in threading.enumerate() if "gloo" in t.name)
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")), names
+
+
+def aborted_under_blocked_waits(ctx: RankContext) -> dict[str, Any] | None:
+    """Rank 0 blocks a thread in a receive that rank 1 never matches, another in an irecv's
+    wait and a third in a send above the eager limit that rank 1 never receives (its header
+    with the send reaper, its payload with a waiter thread), then aborts, with the group's
+    timeout a minute away: the operations raise, and within 5 s every thread that waited in
+    Gloo is gone (pg-gloo's waiter threads, the reaper and torch's own), and so is every
+    descriptor: the process holds what it held before the group, not one more."""
+    before = _held()
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=60)
+    group.barrier()
+    if ctx.rank == 1:
+        wait_for(ctx.store, ["aborted"], 60)
+        group.abort()
+        return None
+    raised: list[str] = []
+    big = torch.ones(EAGER_LIMIT_BYTES // 4 + 1)
+
+    def blocked(op: str) -> None:
+        try:
+            if op == "recv":
+                group.recv(torch.zeros(4), 1)
+            elif op == "irecv":
+                group.irecv(torch.zeros(4), 1, tag=1).wait()
+            else:
+                group.send(big, 1, tag=2)
+        except BaseException as exc:
+            raised.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=blocked, args=(op,)) for op in ("recv", "irecv", "send")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        if t.ident is not None:
+            _waiting(t.ident)
+    during = _held()
+    group.abort()
+    for t in threads:
+        t.join(timeout=10)
+    deadline = time.monotonic() + 5.0
+    while _held() != before and time.monotonic() < deadline:
+        time.sleep(0.02)  # (a bounded poll of /proc: threads ending give no event to wait on)
+    after = _held()
+    ctx.store.set("aborted", "1")
+    return {"raised": sorted(raised), "before": before, "during": during[0] > before[0], "after": after}
+
+
+def test_an_abort_leaves_no_thread_or_descriptor_behind(rank_pools: Pools) -> None:
+    got, _ = rank_pools(2).run(aborted_under_blocked_waits, timeout=60)
+    assert got["raised"] == ["GroupClosedError"] * 3, got
+    assert got["during"], got  # the group had threads of its own while the operations waited
+    assert got["after"] == got["before"], got
 
 
 def slow_receiver(ctx: RankContext, total: int, piece: int, budget: int) -> dict[str, int]:

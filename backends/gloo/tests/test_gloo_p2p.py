@@ -214,7 +214,7 @@ def peer_dies_during(ctx: RankContext, what: str) -> dict[str, Any] | None:
 
 @pytest.mark.parametrize("what", ["send", "irecv"])
 def test_a_peer_that_dies_during_a_large_send_or_an_irecv_is_a_peer_failure(rank_pools: Pools, what: str) -> None:
-    got = rank_pools(2).run(peer_dies_during, what, timeout=120, may_exit=[1], check_leaks=False)
+    got = rank_pools(2).run(peer_dies_during, what, timeout=120, may_exit=[1])
     assert got[0] == {"raised": "PeerFailureError", "peers": [1], "fast": True}
 
 

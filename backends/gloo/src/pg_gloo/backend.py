@@ -45,10 +45,12 @@ is what Gloo lacks for pg-core's contract, each found by testing Gloo itself:
   :class:`~pg_core.errors.PeerFailureError` naming the rank (from the watch). Gloo closes its
   connections on a timeout (both sides see it), so after one this backend refuses everything
   at once with a ``PeerFailureError`` that says so: form a new group.
-* **Abort** closes Gloo's connections, then every wait raises. Gloo's own threads stay in the
-  operations they ran until those reach Gloo's timeout (nothing else wakes them), and the
-  Gloo object's destructor joins them: it is let go in a thread of its own, so ``abort()``
-  returns at once.
+* **Abort** closes Gloo's connections, then every wait raises. ``ProcessGroupGloo.abort()``
+  wakes none of the threads blocked in Gloo (pg-gloo's waiter threads, its send reaper,
+  torch's worker threads): a receive posted after it and let expire does, within
+  milliseconds (:func:`~pg_gloo.waiting.wake_gloo_waits`), so they end with the abort, not
+  at Gloo's timeout. The Gloo object's destructor joins torch's threads: it is let go in a
+  thread of its own, so ``abort()`` returns at once.
 """
 
 from __future__ import annotations
@@ -208,6 +210,12 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
         if isinstance(exc, PGError):  # pg-core's own (a RuntimeError too): already says it
             return exc
         text = first_line(exc)
+        if "Application timeout caused pair closure" in text and (self._aborted or self._broken is not None):
+            try:  # this backend closed them (abort, or a cut) and woke the wait: say why, as a wait would
+                self._alarm(what, peers, kinds=frozenset(), patience=0.0)
+            except PGError as said:  # may be kept (a send's failure, for the next call): its traceback
+                said.__traceback__ = said.__context__ = None  # and context would pin frames, Gloo's work among them
+                return said
         if "Connect timeout" in text and self._watch.gone:  # forming: a peer left, and the watch knows who
             lost = sorted(self._watch.gone)
             return PeerFailureError(
@@ -363,10 +371,10 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
     def abort(self, word: bytes = b"A") -> None:
         """Close Gloo's connections now, then make every wait raise: operations blocked in other
         threads get :class:`~pg_core.errors.GroupClosedError` within ``SLICE_S``, and the peers
-        are told (their errors say this rank aborted). Gloo's own threads still sit in the
-        operations they were running until those reach Gloo's timeout (nothing else wakes them);
-        the Gloo object is let go in a thread of its own, whose end waits for them. The peers are
-        told first, so that what their Gloo connections' closing fails reads as this abort."""
+        are told (their errors say this rank aborted). The threads blocked in Gloo's waits are
+        woken (:func:`~pg_gloo.waiting.wake_gloo_waits`); the Gloo object is let go in a thread
+        of its own, whose end waits for torch's. The peers are told first, so that what their
+        Gloo connections' closing fails reads as this abort."""
         self._watch.close(word)
         with self._closing:
             pg, self._pg = self._pg, None
@@ -374,6 +382,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
                 pg.abort()
             self._broken = self._broken or "the group was aborted"
             self._aborted = True
+        if pg is not None:
+            self._wake(pg)  # Gloo's own threads leave their waits now
         self._stop_reaper(0.0)
         self._waiters.close()
         with self._buffered_cond:
@@ -384,8 +394,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
 
     @staticmethod
     def _release(pg: Any) -> None:
-        """Let go of an aborted Gloo object without waiting: its destructor joins Gloo's threads,
-        which end only once the operations they run reach Gloo's timeout. While the interpreter
+        """Let go of an aborted Gloo object without waiting: its destructor joins Gloo's threads
+        (woken from their waits by then, :func:`~pg_gloo.waiting.wake_gloo_waits`). While the interpreter
         finalizes (a group never shut down, collected at exit) no thread can start (starting one
         waits forever): the object is let go here."""
         holder = [pg]

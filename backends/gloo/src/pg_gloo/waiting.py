@@ -15,6 +15,13 @@ its payload's receive and the next receive of its stream, and completes an ``ire
 without anyone waiting on it (:mod:`pg_gloo.messages`). No thread can wait in Gloo itself and
 stay interruptible: ``ProcessGroupGloo.abort()`` does not wake a thread blocked in a receive
 (measured, torch 2.13), and ``Work::abort()``, which would, is not bound in Python.
+
+What does wake them is the same closure a point-to-point wait's expiry makes: once pg-gloo
+closes Gloo's connections (``abort()``, or a failed wait that cuts them), it posts one receive
+and lets its wait expire at once (:func:`wake_gloo_waits`), and every thread blocked in Gloo
+(waiter threads, the send reaper, torch's worker threads in a collective) raises within
+milliseconds ("Application timeout caused pair closure"), instead of sitting there until Gloo's
+own timeout.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final
 
+import torch
 from pg_core.c10d import timeout_delta
 from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
 from pg_core.work import Work
 
-__all__ = ["SLICE_S", "SlicedWaits", "Ticket", "Waiters", "slice_ended"]
+__all__ = ["SLICE_S", "SlicedWaits", "Ticket", "Waiters", "slice_ended", "wake_gloo_waits"]
 
 #: How often a wait looks up from its event for an abort, a peer gone or its deadline; and
 #: how long past the operation's timeout it still waits for Gloo's own timeout to fire first.
@@ -45,6 +53,30 @@ GRACE_S: Final = 2.0
 #: a continuation of a Gloo wait (:meth:`Waiters.start`): called with what the wait raised, or None
 Then = Callable[[BaseException | None], None]
 _Item = tuple[Any, timedelta, "Ticket", "Then | None"]
+
+
+#: The wire tag of :func:`wake_gloo_waits`' receive (the last one Gloo's int32 tags have; the
+#: connections are closed when it is posted, so nothing can arrive on it).
+_WAKE_TAG: Final = 2**31 - 1
+_WAKE_WAIT: Final = timedelta(milliseconds=1)
+
+
+def wake_gloo_waits(pg: Any, rank: int, size: int) -> None:
+    """Wake every thread blocked in a wait of ``pg``, a ``ProcessGroupGloo`` whose connections
+    were just closed (``pg.abort()``): a receive from a peer, posted now and waited for 1 ms,
+    expires, and Gloo's expiry closes every pair with an error that every blocked wait raises
+    (measured on torch 2.13: a blocked receive and a blocked all_reduce raised 5 ms later, where
+    ``abort()`` alone left them until Gloo's timeout). Nothing to do in a group of one."""
+    if size < 2:
+        return
+    scratch = torch.empty(1, dtype=torch.uint8)
+    try:
+        pg.recv([scratch], (rank + 1) % size, _WAKE_TAG).wait(_WAKE_WAIT)
+    except RuntimeError:  # the expiry, as intended (or the pair refusing a post: closed already)
+        return
+    logging.getLogger("pg_gloo").warning(
+        "pg-gloo: a receive posted to wake Gloo's waits after its connections closed was answered"
+    )
 
 
 def slice_ended(work: Any, span: timedelta) -> bool:
@@ -228,6 +260,12 @@ class SlicedWaits:
             pg = self._pg
             if pg is not None:
                 pg.abort()
+                self._wake(pg)
+
+    def _wake(self, pg: Any) -> None:
+        """Wake the threads blocked in ``pg``'s waits once its connections are closed
+        (:func:`wake_gloo_waits`)."""
+        wake_gloo_waits(pg, self.rank, len(self._everyone) + 1)
 
     def _finish(self, work: Any, what: str, timeout: float, peers: Sequence[int]) -> None:
         """Wait for a collective's Gloo ``work`` (see :meth:`_until`), then raise its error as

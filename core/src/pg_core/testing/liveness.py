@@ -18,8 +18,8 @@ operations blocked in other threads raise :class:`~pg_core.errors.GroupClosedErr
 * **release after abort**: every thread, file descriptor, child process and shared memory
   mapping made since before the group must be gone by the time the aborted operations' own
   timeout has passed, plus the pool's 5 s grace. The measured time is reported: a backend
-  releases at once (pg-tcp), or what a library cannot interrupt lingers until the timeout
-  of the operation it runs (torch's Gloo threads), which the report shows. ``Capabilities``
+  releases at once (every CPU backend in this repository), or what a library cannot interrupt
+  lingers until the timeout of the operation it runs, which the report shows. ``Capabilities``
   has no field in which a backend declares that it lingers, so the check cannot hold the
   others to "at once" without failing it; the bound is the one every blocking path keeps
   anyway, its timeout.
