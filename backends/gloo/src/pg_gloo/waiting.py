@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from pg_core.c10d import timeout_delta
-from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError
+from pg_core.errors import CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from pg_core.work import Work
 
 __all__ = ["SLICE_S", "SlicedWaits", "Ticket", "Waiters", "slice_ended", "wake_gloo_waits"]
@@ -225,7 +225,10 @@ class SlicedWaits:
         is gone, or ``timeout`` (plus Gloo's grace) has passed. Whatever stops the wait early
         (those, or ``KeyboardInterrupt``) leaves Gloo's operation posted: unless every peer it
         needs is gone, Gloo's connections are closed first, so nothing is written into the
-        caller's tensors afterwards."""
+        caller's tensors afterwards. Before an alarm stops it, the wait looks one more slice: an
+        operation that ended meanwhile ends with its own outcome (its own end may be what raised
+        the alarm: a Gloo timeout, recorded by the thread that waited in Gloo, breaks the group
+        before that thread hands the operation its error)."""
         if waited(SLICE_S):
             return
         deadline = time.monotonic() + timeout + GRACE_S
@@ -234,9 +237,11 @@ class SlicedWaits:
             while not (done := waited(SLICE_S)):
                 try:
                     self._alarm(what, peers)
-                except PeerFailureError as exc:
-                    if set(exc.peers) != set(peers):  # some peer it needs is alive, and may still write
-                        self._cut(f"{what} failed: {exc}")
+                except PGError as exc:
+                    if done := waited(SLICE_S):  # one more slice: an operation whose own end raised the
+                        return  # alarm (its timeout breaks the group) ends with its own outcome
+                    if isinstance(exc, PeerFailureError) and set(exc.peers) != set(peers):
+                        self._cut(f"{what} failed: {exc}")  # some peer it needs is alive, and may still write
                     raise
                 if time.monotonic() > deadline:
                     self._cut(f"{what} did not end within {timeout:g} s")
