@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -27,6 +29,35 @@ def test_done_never_drives_but_is_completed_does() -> None:
     assert work.is_completed()
     assert calls == [0.0]
     assert work.done and work.result() == 7
+
+
+class _Held:
+    """What a driver holds: a backend's own operation, and the connections behind it."""
+
+
+@pytest.mark.parametrize("how", ["result", "exception"])
+def test_a_done_work_lets_go_of_its_driver_and_what_the_driver_holds(how: str) -> None:
+    held = _Held()
+    gone = weakref.ref(held)
+
+    def drive(work: Work, timeout: float, held: _Held = held) -> None:
+        if how == "result":
+            work.set_result(None)
+        else:
+            work.set_exception(RuntimeError("the peer aborted"))
+
+    work = Work("op", driver=drive)
+    del held, drive
+    assert work.driven and gone() is not None  # pending: the driver is needed
+    work.wait_until_done(5.0)
+    gc.collect()
+    assert gone() is None  # a failed work kept after an abort holds no connection
+    assert not work.driven
+    if how == "exception":
+        with pytest.raises(RuntimeError, match="the peer aborted"):
+            work.wait()
+    else:
+        assert work.wait() is True
 
 
 def test_wait_until_done_is_bounded_and_never_raises() -> None:

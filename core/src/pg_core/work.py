@@ -97,6 +97,9 @@ class Work:
             if self._done:
                 return
             self._result, self._exc, self._done = result, exc, True
+            # a done work needs no driver, and its driver holds the backend's own operation (a
+            # torch work, a request, the connections behind them) for as long as anyone holds this
+            self._driver = None
             callbacks, self._callbacks = self._callbacks, None
             if self._cond is not None:
                 self._cond.notify_all()
@@ -116,14 +119,16 @@ class Work:
     def driven(self) -> bool:
         """Whether the work completes only while someone drives it (made with a ``driver``:
         ``wait``, ``is_completed`` and :meth:`wait_until_done` drive it), so that a caller
-        wanting its callbacks to run without waiting must drive it from a thread of its own."""
+        wanting its callbacks to run without waiting must drive it from a thread of its own.
+        A done work is not: completion lets go of the driver."""
         return self._driver is not None
 
     # -- consumer side -------------------------------------------------------
     def is_completed(self) -> bool:
         """Whether the operation finished (successfully or not); never blocks."""
-        if not self._done and self._driver is not None:
-            self._driver(self, 0.0)
+        driver = self._driver  # (read once: completion drops it)
+        if not self._done and driver is not None:
+            driver(self, 0.0)
         return self._done
 
     def wait(self, timeout: float | timedelta | None = None) -> bool:
@@ -165,8 +170,9 @@ class Work:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
-            if self._driver is not None:
-                self._driver(self, 1.0 if remaining is None else min(remaining, 1.0))
+            driver = self._driver  # (read once: completion drops it)
+            if driver is not None:
+                driver(self, 1.0 if remaining is None else min(remaining, 1.0))
                 continue
             with self._lock:
                 if not self._done:
