@@ -69,3 +69,30 @@ def test_a_send_completed_before_abort_and_one_woken_by_it_pass() -> None:
     for sends_wait in (True, False):
         assert judge(_results(_op(blocked=False, seconds=-0.5, raised=False), sends_wait=sends_wait)) is None
         assert judge(_results(_op(blocked=True, seconds=0.05, raised=True), sends_wait=sends_wait)) is None
+
+
+def _with_pending(work: dict[str, Any]) -> list[dict[str, Any]]:
+    results = _results(_op(blocked=True, seconds=0.05, raised=True), sends_wait=True)
+    results[0]["pending"] = {"timeout": 10.0, "release": {"seconds": 0.1, "leak": None}, "works": {"irecv": work}}
+    results[0]["shm_left"]["pending"] = []
+    return results
+
+
+def test_a_pending_work_must_raise_group_closed_from_its_wait_after_abort() -> None:
+    woken = _with_pending(_op(blocked=True, seconds=0.02, raised=True))
+    assert judge(woken) is None
+    assert "pending irecv woke in 0.02 s" in describe(woken)
+    for work, says in [
+        (_op(blocked=True, seconds=0.02, raised=False), "the wait() of the irecv work (posted, not waited for)"),
+        (_op(blocked=True, seconds=ABORT_BOUND_S + 1, raised=True), "its GroupClosedError came"),
+        (_op(blocked=False, seconds=-0.1, raised=False), "completed before abort() was called"),
+    ]:
+        problem = judge(_with_pending(work))
+        assert problem is not None and problem[0] == "liveness" and says in problem[1], problem
+
+
+def test_a_leak_after_the_abort_with_works_pending_is_a_leak() -> None:
+    results = _with_pending(_op(blocked=True, seconds=0.02, raised=True))
+    results[0]["pending"]["release"]["leak"] = "leaked file descriptors ['7->anon_inode:[eventpoll]']"
+    problem = judge(results)
+    assert problem is not None and problem[0] == "leak" and "with works pending" in problem[1], problem

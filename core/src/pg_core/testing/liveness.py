@@ -15,6 +15,11 @@ operations blocked in other threads raise :class:`~pg_core.errors.GroupClosedErr
   whole message) was not blocked; the report says so. So was one still copying its message
   in when ``abort()`` came, on a backend whose sends never wait for their receiver (no eager
   limit), if it then returns normally within the bound.
+* **pending works**: in a fresh group, rank 0 posts an ``irecv`` that rank 1 never matches and
+  the collective with ``async_op=True``, which rank 1 never joins (a trainer's bucket of
+  asynchronous all_reduces, say), and aborts; the ``wait()`` of each, on a thread of its own,
+  must raise ``GroupClosedError`` within :data:`ABORT_BOUND_S`, and what the group made must
+  be released by the same bound as after the first abort.
 * **release after abort**: every thread, file descriptor, child process and shared memory
   mapping made since before the group must be gone by the time the aborted operations' own
   timeout has passed, plus the pool's 5 s grace. The measured time is reported: a backend
@@ -79,6 +84,8 @@ SEND_BYTES = 32 * 1024 * 1024
 COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather")
 #: Candidate dtypes, in order, for the collective and the messages.
 _DTYPES = (torch.float32, torch.int64, torch.uint8, torch.float16, torch.bfloat16, torch.float64, torch.int32)
+#: The phases of a run, in order: each forms a group and ends it (see the module docstring).
+_PHASES = ("abort", "pending", "shutdown")
 #: Seconds each operation may take to reach the backend before abort is called anyway.
 _ENTER_S = 10.0
 #: After every operation waits in the backend, this long for a send to fill the buffers.
@@ -118,20 +125,19 @@ def _plan(group: ProcessGroup, device_type: str) -> dict[str, Any]:
     return plan
 
 
-def _collective(group: ProcessGroup, plan: dict[str, Any], device: torch.device) -> Callable[[float], None]:
+def _collective(group: ProcessGroup, plan: dict[str, Any], device: torch.device) -> Callable[..., Any]:
+    """The plan's collective as ``run(timeout, async_op=False)``: its work where asynchronous."""
     op, dtype = plan["collective"], plan["dtype"]
 
-    def run(timeout: float) -> None:
+    def run(timeout: float, async_op: bool = False) -> Any:
         if op == "barrier":
-            group.barrier(timeout=timeout)
-            return
+            return group.barrier(timeout=timeout, async_op=async_op)
         t = torch.ones(4, dtype=dtype, device=device)
         if op == "all_reduce":
-            group.all_reduce(t, timeout=timeout)
-        elif op == "broadcast":
-            group.broadcast(t, src=1, timeout=timeout)
-        else:
-            group.all_gather([torch.empty_like(t) for _ in range(group.size)], t, timeout=timeout)
+            return group.all_reduce(t, timeout=timeout, async_op=async_op)
+        if op == "broadcast":
+            return group.broadcast(t, src=1, timeout=timeout, async_op=async_op)
+        return group.all_gather([torch.empty_like(t) for _ in range(group.size)], t, timeout=timeout, async_op=async_op)
 
     return run
 
@@ -298,6 +304,59 @@ def _abort_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, ti
     return result
 
 
+def _pending_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, timeout: float) -> dict[str, Any]:
+    """Rank 0 posts an ``irecv`` that rank 1 never matches and the plan's collective with
+    ``async_op=True``, which rank 1 never joins, lets them settle, and aborts; then each work's
+    ``wait()``, on a thread of its own, must raise ``GroupClosedError`` within the bound."""
+    before = resources()
+    group = ProcessGroup(
+        ctx.store,
+        ctx.rank,
+        ctx.size,
+        backends={device_type: spec},
+        name="conformance-liveness-pending",
+        timeout=timeout,
+    )
+    plan = _plan(group, device_type)
+    _warm_up(group, plan, device, timeout)
+    seen = _segments(resources()) - _segments(before)
+    if ctx.rank != 0:
+        wait_for(
+            ctx.store, ["liveness/pending-done"], 2 * timeout + 30.0, what=f"liveness rank {ctx.rank}: rank 0's abort"
+        )
+        start = time.monotonic()
+        group.abort()
+        return {"release": {"seconds": time.monotonic() - start, "leak": leaks(before)}, "shm": seen}
+    works: dict[str, Any] = {}
+    result: dict[str, Any] = {"timeout": timeout}
+    try:
+        if plan["p2p"] is not None:
+            works["irecv"] = group.irecv(torch.zeros(4, dtype=plan["p2p"], device=device), 1, tag=7, timeout=timeout)
+        if plan["collective"] is not None:
+            works[plan["collective"] + "(async_op=True)"] = _collective(group, plan, device)(timeout, async_op=True)
+        settle = time.monotonic() + _SETTLE_S
+        while time.monotonic() < settle and not all(work.is_completed() for work in works.values()):
+            time.sleep(0.01)  # the works reach their backend meanwhile
+        pending = {name: not work.is_completed() for name, work in works.items()}
+        aborted_at = time.monotonic()
+        group.abort()
+        waits = [_Blocked(name, work.wait) for name, work in works.items()]
+        for wait in waits:
+            wait.start()
+        for wait in waits:
+            wait.join(timeout=max(0.0, aborted_at + timeout + 5.0 - time.monotonic()))
+        result["works"] = {w.op: _outcome(w, pending[w.op], True, aborted_at) for w in waits}
+        for wait in waits:
+            wait.error = None  # (its traceback holds the frames that waited)
+    finally:
+        ctx.store.set("liveness/pending-done", "1")
+    del works, waits, wait  # (the last loop variable too)
+    grace = max(0.0, aborted_at + timeout - time.monotonic()) + 5.0
+    result["release"] = {"seconds": time.monotonic() - aborted_at, "leak": leaks(before, grace_s=grace)}
+    result["shm"] = seen
+    return result
+
+
 def _shutdown_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, timeout: float) -> dict[str, Any]:
     before = resources()
     group = ProcessGroup(
@@ -332,12 +391,11 @@ def run_liveness(ctx: Any, backend_ref: str, device_type: str, op_timeout: float
     timeout = blocked_timeout(op_timeout)
     out: dict[str, Any] = {"abort": _abort_phase(ctx, spec, device_type, device, timeout)}
     _together(ctx, "aborted", 3 * timeout + 30.0)  # rank 0 may wait for what lingers until the timeout
+    out["pending"] = _pending_phase(ctx, spec, device_type, device, timeout)
+    _together(ctx, "aborted-pending", 3 * timeout + 30.0)
     out["shutdown"] = _shutdown_phase(ctx, spec, device_type, device, op_timeout)
     _together(ctx, "closed", 3 * op_timeout + 30.0)
-    out["shm_left"] = {
-        "abort": shm_left(out["abort"].pop("shm")),
-        "shutdown": shm_left(out["shutdown"].pop("shm")),
-    }
+    out["shm_left"] = {phase: shm_left(out[phase].pop("shm")) for phase in _PHASES}
     return out
 
 
@@ -364,6 +422,28 @@ def _taken_in(zero: dict[str, Any], name: str, got: dict[str, Any]) -> bool:
     return zero.get("sends_wait") is False and got["ended"] and got["seconds"] <= ABORT_BOUND_S
 
 
+def _unwoken(got: dict[str, Any], waited: str, how_blocked: str, timeout: float) -> str | None:
+    """What is wrong with ``got``, an operation that was blocked (``how_blocked``) when
+    ``abort()`` came, or None: it must raise ``GroupClosedError`` within the bound."""
+    if got["type"] is None or "GroupClosedError" not in got["mro"]:
+        how = (
+            f"{got['seconds']:.2f} s after it, {_said(got)}"
+            if got["ended"]
+            else f"it is still blocked {timeout + 5:g} s after it"
+        )
+        return (
+            f"rank 0: {waited} {how_blocked} when group.abort() was called, and {how}; "
+            f"it must raise {GroupClosedError.__name__} within {ABORT_BOUND_S:g} s"
+        )
+    if got["seconds"] > ABORT_BOUND_S:
+        return (
+            f"rank 0: {waited} {how_blocked} when group.abort() was called, and its "
+            f"GroupClosedError came {got['seconds']:.2f} s after it; it must come within {ABORT_BOUND_S:g} s "
+            "(abort() wakes what is blocked, at once)"
+        )
+    return None
+
+
 def judge(results: list[dict[str, Any]]) -> tuple[str, str] | None:
     """``(check, detail)`` for the first thing the ranks' results break, or ``None``."""
     zero = results[0]["abort"]
@@ -376,40 +456,38 @@ def judge(results: list[dict[str, Any]]) -> tuple[str, str] | None:
                 f"rank 0: {waited} (on its own thread, rank 1 never taking part) ended before abort() was called: "
                 f"{_said(got)}; it must wait until abort() or its timeout ({zero['timeout']:g} s)"
             )
-        if got["type"] is None or "GroupClosedError" not in got["mro"]:
-            how = (
-                f"{got['seconds']:.2f} s after it, {_said(got)}"
-                if got["ended"]
-                else f"it is still blocked {zero['timeout'] + 5:g} s after it"
-            )
+        if problem := _unwoken(got, waited, "was blocked on another thread", zero["timeout"]):
+            return "liveness", problem
+    pending = results[0].get("pending", {})
+    for name, got in pending.get("works", {}).items():
+        if not got["blocked"]:
             return "liveness", (
-                f"rank 0: {waited} was blocked on another thread when group.abort() was called, and {how}; "
-                f"it must raise {GroupClosedError.__name__} within {ABORT_BOUND_S:g} s"
+                f"rank 0: the {name} work (rank 1 never taking part) completed before abort() was called; "
+                f"it must stay pending until abort() or its timeout ({pending['timeout']:g} s)"
             )
-        if got["seconds"] > ABORT_BOUND_S:
-            return "liveness", (
-                f"rank 0: {waited} was blocked on another thread when group.abort() was called, and its "
-                f"GroupClosedError came {got['seconds']:.2f} s after it; it must come within {ABORT_BOUND_S:g} s "
-                "(abort() wakes what is blocked, at once)"
-            )
+        if problem := _unwoken(
+            got, f"the wait() of the {name} work", "(posted, not waited for) was pending", pending["timeout"]
+        ):
+            return "liveness", problem
     if zero.get("abort_s") is not None and zero["abort_s"] > ABORT_BOUND_S:
         return "liveness", f"rank 0: group.abort() took {zero['abort_s']:.2f} s to return; at most {ABORT_BOUND_S:g} s"
     for r, res in enumerate(results):
-        for phase in ("abort", "shutdown"):
+        for phase in (p for p in _PHASES if p in res):
             leak = res[phase]["release"]["leak"]
             if leak is not None:
                 after = (
-                    f"group.abort() ({res['abort'].get('timeout', 0):g} s after it, the aborted operations' "
-                    "timeout, plus 5 s)"
-                    if phase == "abort"
-                    else "group.shutdown() (5 s after it)"
+                    "group.shutdown() (5 s after it)"
+                    if phase == "shutdown"
+                    else f"group.abort() ({res[phase].get('timeout', 0):g} s after it, the aborted operations' "
+                    "timeout, plus 5 s)" + (" with works pending" if phase == "pending" else "")
                 )
                 return "leak", f"rank {r}: after {after}, it {leak}"
             left = res["shm_left"][phase]
             if left:
                 return "leak", (
                     f"rank {r}: shared memory segments it used while the group was alive are still in {SHM_DIR} "
-                    f"after every rank's group.{phase}(): {left} (unlink them when the group closes)"
+                    f"after every rank's group.{'shutdown' if phase == 'shutdown' else 'abort'}(): {left} "
+                    "(unlink them when the group closes)"
                 )
     return None
 
@@ -428,7 +506,10 @@ def describe(results: list[dict[str, Any]]) -> str:
             bits.append(f"{what}: {when} (the backend took it all in{stopped}), not blocked")
     if not bits:
         bits.append("nothing declared that could block")
-    release = max(r["abort"]["release"]["seconds"] for r in results)
+    works = results[0].get("pending", {}).get("works", {})
+    if works:
+        bits.append(", ".join(f"pending {name} woke in {got['seconds']:.2f} s" for name, got in works.items()))
+    release = max(r[p]["release"]["seconds"] for r in results for p in ("abort", "pending") if p in r)
     lingered = " (lingered until the aborted operations' timeout)" if release > 5.0 else ""
     shut = max(r["shutdown"]["release"]["seconds"] for r in results)
     return (
