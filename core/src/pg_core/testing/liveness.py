@@ -233,14 +233,27 @@ def _outcome(op: _Blocked, blocked: bool, entered: bool, aborted_at: float) -> d
     }
 
 
-def _abort_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, timeout: float) -> dict[str, Any]:
+def _formed(
+    ctx: Any, spec: Any, device_type: str, device: torch.device, timeout: float, *, phase: str
+) -> tuple[tuple[Any, ...], ProcessGroup, dict[str, Any], set[str]]:
+    """A phase's group, warmed up: what the process held before it, the group, its plan, and
+    the shared memory segments it made."""
     before = resources()
     group = ProcessGroup(
-        ctx.store, ctx.rank, ctx.size, backends={device_type: spec}, name="conformance-liveness-abort", timeout=timeout
+        ctx.store,
+        ctx.rank,
+        ctx.size,
+        backends={device_type: spec},
+        name=f"conformance-liveness-{phase}",
+        timeout=timeout,
     )
     plan = _plan(group, device_type)
     _warm_up(group, plan, device, timeout)
-    seen = _segments(resources()) - _segments(before)
+    return before, group, plan, _segments(resources()) - _segments(before)
+
+
+def _abort_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, timeout: float) -> dict[str, Any]:
+    before, group, plan, seen = _formed(ctx, spec, device_type, device, timeout, phase="abort")
     wait_s = 3 * timeout + _ENTER_S + 30.0
     if ctx.rank != 0:
         if ctx.rank == 1:
@@ -308,18 +321,7 @@ def _pending_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, 
     """Rank 0 posts an ``irecv`` that rank 1 never matches and the plan's collective with
     ``async_op=True``, which rank 1 never joins, lets them settle, and aborts; then each work's
     ``wait()``, on a thread of its own, must raise ``GroupClosedError`` within the bound."""
-    before = resources()
-    group = ProcessGroup(
-        ctx.store,
-        ctx.rank,
-        ctx.size,
-        backends={device_type: spec},
-        name="conformance-liveness-pending",
-        timeout=timeout,
-    )
-    plan = _plan(group, device_type)
-    _warm_up(group, plan, device, timeout)
-    seen = _segments(resources()) - _segments(before)
+    before, group, plan, seen = _formed(ctx, spec, device_type, device, timeout, phase="pending")
     if ctx.rank != 0:
         wait_for(
             ctx.store, ["liveness/pending-done"], 2 * timeout + 30.0, what=f"liveness rank {ctx.rank}: rank 0's abort"
@@ -358,17 +360,7 @@ def _pending_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, 
 
 
 def _shutdown_phase(ctx: Any, spec: Any, device_type: str, device: torch.device, timeout: float) -> dict[str, Any]:
-    before = resources()
-    group = ProcessGroup(
-        ctx.store,
-        ctx.rank,
-        ctx.size,
-        backends={device_type: spec},
-        name="conformance-liveness-shutdown",
-        timeout=timeout,
-    )
-    _warm_up(group, _plan(group, device_type), device, timeout)
-    seen = _segments(resources()) - _segments(before)
+    before, group, _, seen = _formed(ctx, spec, device_type, device, timeout, phase="shutdown")
     start = time.monotonic()
     group.shutdown()
     shut_s = time.monotonic() - start
