@@ -1,6 +1,6 @@
 """Where a pg-gloo 4-byte send/recv spends its time beyond torch's own Gloo, one component at a time.
 
-    python backends/gloo/benchmarks/p2p_components.py [--rounds 9] [--iters 300] [--size 4]
+    python backends/gloo/benchmarks/p2p_components.py [--rounds 9] [--iters 300] [--size 4] [--native]
 
 Two processes, each pinned to its own core (where there are two), one raw ``ProcessGroupGloo``
 each and one pg-core group on pg-gloo. A ping-pong (one way = round trip / 2) is timed, the cases
@@ -14,7 +14,13 @@ interleaved in every round, in these forms:
   wait and hands over through a lock (the caller waits for the lock in slices): the thread hop;
 * ``hop+header``: as ``hop``, the message preceded by a 16-byte header and received into a
   first buffer of pg-gloo's size, copied out: the eager path's message format;
-* ``pg-gloo``: pg-core's ``group.send``/``group.recv``.
+* ``backend``: pg-gloo's backend object called directly (its ``send``/``recv``), without the core;
+* ``pg-gloo``: pg-core's ``group.send``/``group.recv``;
+* ``native`` (with ``--native``, which compiles ``native_p2p.cpp`` with
+  ``torch.utils.cpp_extension``: a C++ compiler and ninja are needed): ``hop+header`` written in
+  C++, no Python between Gloo's calls (the header and copies in C++, one native thread waiting
+  in Gloo while the caller waits on a condition variable in slices): what a compiled layer
+  would leave of pg-gloo's gap.
 
 The table gives each form's median over the rounds' medians (microseconds one way) and the
 difference to ``torch``, and the same for rank 0's process CPU time per one way (all its threads,
@@ -82,7 +88,19 @@ def _raw(rank: int, port: int) -> ProcessGroupGloo:
     return ProcessGroupGloo(torch.distributed.PrefixStore("raw", store), rank, 2, options)
 
 
-def _cases(pg: ProcessGroupGloo, group: ProcessGroup, rank: int, size: int) -> dict[str, Callable[[], None]]:
+def _native() -> Any:
+    """Compile (or load the cached build of) ``native_p2p.cpp``."""
+    from torch.utils.cpp_extension import load
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    build = os.path.join(os.environ.get("TMPDIR", "/tmp"), "pg-gloo-native-p2p")
+    os.makedirs(build, exist_ok=True)
+    return load("pg_gloo_native_p2p", [os.path.join(here, "native_p2p.cpp")], build_directory=build)
+
+
+def _cases(
+    pg: ProcessGroupGloo, group: ProcessGroup, rank: int, size: int, *, native: bool
+) -> dict[str, Callable[[], None]]:
     peer = 1 - rank
     msg, got = torch.ones(max(size // 4, 1)), torch.empty(max(size // 4, 1))
     nbytes = msg.numel() * 4
@@ -143,27 +161,55 @@ def _cases(pg: ProcessGroupGloo, group: ProcessGroup, rank: int, size: int) -> d
             group.recv(got, peer)
             group.send(got, peer)
 
+    backend = group._dispatch.instance(torch.device("cpu"), "send").backend  # (a diagnostic: private)
+
+    def direct() -> None:
+        if rank == 0:
+            backend.send(msg, peer, 5, timeout=60.0)
+            backend.recv(got, peer, 5, timeout=60.0)
+        else:
+            backend.recv(got, peer, 5, timeout=60.0)
+            backend.send(got, peer, 5, timeout=60.0)
+
+    compiled = _native().Native(pg) if native else None
+
+    def native_case() -> None:
+        assert compiled is not None
+        if rank == 0:
+            compiled.send_eager(msg, peer, 6, 1)
+            compiled.recv_eager(got, peer, 6, 1)
+        else:
+            compiled.recv_eager(got, peer, 6, 1)
+            compiled.send_eager(got, peer, 6, 1)
+
     def drain() -> None:
         while pending:
             pending.pop().wait()
+        if compiled is not None:
+            compiled.drain()
 
-    return {
+    cases = {
         "torch": torch_case,
         "eager-send": eager_send,
         "hop": hop,
         "hop+header": hop_header,
+        "backend": direct,
         "pg-gloo": pg_gloo,
-        "(drain)": drain,
     }
+    if native:
+        cases["native"] = native_case
+    return {**cases, "(drain)": drain}
 
 
-def _rank(rank: int, port: int, rounds: int, iters: int, *, size: int, out: dict[str, list[float]]) -> None:
+def _rank(
+    rank: int, port: int, rounds: int, iters: int, *, size: int, native: bool, out: dict[str, list[float]]
+) -> None:
     if len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, {rank})
     pg = _raw(rank, port)
     store = TCPStore("127.0.0.1", port, is_master=False)
     with ProcessGroup(store, rank, 2, backends="gloo", timeout=60) as group:
-        cases = _cases(pg, group, rank, size)
+        cases = _cases(pg, group, rank, size, native=native)
         drain = cases.pop("(drain)")
         for fn in cases.values():
             for _ in range(30):
@@ -190,12 +236,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--size", type=int, default=4, help="message bytes")
+    parser.add_argument("--native", action="store_true", help="also time native_p2p.cpp (compiled here)")
     args = parser.parse_args()
+    if args.native:
+        _native()  # compiled once, before the ranks load it
     store = TCPStore("127.0.0.1", 0, is_master=True)
     manager = mp.Manager()
     out = manager.dict()
     procs = [
-        mp.Process(target=_rank, args=(r, store.port, args.rounds, args.iters), kwargs={"size": args.size, "out": out})
+        mp.Process(
+            target=_rank,
+            args=(r, store.port, args.rounds, args.iters),
+            kwargs={"size": args.size, "native": args.native, "out": out},
+        )
         for r in range(2)
     ]
     for p in procs:
