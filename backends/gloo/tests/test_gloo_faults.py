@@ -268,3 +268,46 @@ def test_a_peer_that_gave_up_on_its_own_operation_is_a_timeout_not_a_failure(ran
     assert got[1]["raised"] == "CollectiveTimeout", got[1]
     assert got[0]["raised"] == "CollectiveTimeout" and "gave up on an operation of its own" in got[0]["text"], got[0]
     assert got[0]["seconds"] < 30, got[0]  # the peer's closing, not its own 60 s timeout
+
+
+def timed_out_while_its_end_is_slow(ctx: RankContext, op: str) -> dict[str, Any] | None:
+    """Rank 0 receives with a 0.5 s timeout from rank 1, which sends nothing. Gloo's timeout
+    ends the receive in a waiter thread, which records the group broken, then ends the
+    receive; the step between the two is stretched to 0.3 s here (three of the caller's
+    slices), as a descheduled thread on a loaded machine stretches it: the caller, looking up
+    from its wait meanwhile, finds the group broken by its own operation's timeout, and must
+    still say the timeout, not a peer failure."""
+    group = ProcessGroup(ctx.store, ctx.rank, ctx.size, backends="gloo", timeout=60)
+    group.barrier()
+    out: dict[str, Any] | None = None
+    if ctx.rank == 0:
+        backend = group._dispatch.instance(torch.device("cpu")).backend
+        assert isinstance(backend, GlooBackend)
+        following = backend._next
+
+        def slowed(receive: Any) -> None:
+            time.sleep(0.3)  # (the window under test, widened: not a synchronisation)
+            following(receive)
+
+        backend._next = slowed  # type: ignore[method-assign]
+        into = torch.zeros(4)
+        try:
+            if op == "recv":
+                group.recv(into, 1, timeout=0.5)
+            else:
+                group.irecv(into, 1, timeout=0.5).wait()
+        except PGError as exc:
+            out = {"raised": type(exc).__name__, "said": str(exc)}
+        else:
+            out = {"raised": "nothing"}
+        ctx.store.set("done", "1")
+    else:
+        wait_for(ctx.store, ["done"], 60)
+    group.abort()
+    return out
+
+
+@pytest.mark.parametrize("op", ["recv", "irecv"])
+def test_a_receive_whose_own_timeout_broke_the_group_says_the_timeout(rank_pools: Pools, op: str) -> None:
+    got, _ = rank_pools(2).run(timed_out_while_its_end_is_slow, op, timeout=60)
+    assert got["raised"] == "CollectiveTimeout", got

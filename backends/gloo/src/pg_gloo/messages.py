@@ -50,7 +50,7 @@ from pg_core.backend import BackendContext, tensor_bytes
 from pg_core.buffers import SpareBuffers
 from pg_core.c10d import flat_bytes, timeout_delta
 from pg_core.dtypes import dtype_code, dtype_from_code, dtype_name
-from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError
+from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClosedError, PeerFailureError, PGError
 from pg_core.work import Work
 
 from .plugin import EAGER_LIMIT_BYTES
@@ -170,7 +170,15 @@ class Messages:
 
         def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException: ...
 
-        def _until(self, waited: Callable[[float], bool], what: str, timeout: float, peers: Sequence[int]) -> None: ...
+        def _until(
+            self,
+            waited: Callable[[float], bool],
+            what: str,
+            timeout: float,
+            peers: Sequence[int],
+            *,
+            ticket: Ticket | None = ...,
+        ) -> None: ...
 
         def _cut(self, why: str) -> None: ...
 
@@ -181,7 +189,7 @@ class Messages:
             self._send_eager(tensor, nbytes, dst, tag, timeout)
             return
         sent = self._send_large(tensor, nbytes, dst, tag, timeout=timeout, what="send")
-        self._until(sent.wait, "send", timeout, [dst])
+        self._until(sent.wait, "send", timeout, [dst], ticket=sent)
         if sent.error is not None:
             raise sent.error
 
@@ -221,6 +229,7 @@ class Messages:
         self._large.add(sent)
 
         def ended(error: BaseException | None) -> None:
+            sent.ending = error is not None  # (before the error is worked out: see Ticket)
             sent.error = None if error is None else self._error(error, f"{what} to rank {dst}", timeout, [dst])
             self._large.discard(sent)
             sent.set()
@@ -344,7 +353,7 @@ class Messages:
     # -- receiving ----------------------------------------------------------------------------
     def recv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> None:
         received = self._receive("recv", tensor, src, tag, timeout)
-        self._until(received.done.wait, "recv", timeout, [src])
+        self._until(received.done.wait, "recv", timeout, [src], ticket=received.done)
         if received.done.error is not None:
             raise received.done.error
 
@@ -355,7 +364,7 @@ class Messages:
 
     def recv_bytes(self, src: int, tag: int, *, timeout: float) -> bytearray:
         received = self._receive("recv_bytes", None, src, tag, timeout)
-        self._until(received.done.wait, "recv_bytes", timeout, [src])
+        self._until(received.done.wait, "recv_bytes", timeout, [src], ticket=received.done)
         if received.done.error is not None:
             raise received.done.error
         assert received.result is not None
@@ -407,6 +416,7 @@ class Messages:
         ended: BaseException | None = None
         try:
             if error is not None:  # the buffer is not kept: Gloo may still write to it
+                receive.done.ending = True  # (before the error is worked out: see Ticket)
                 ended = self._refused(error, receive)
             else:
                 view = tensor_bytes(first)
@@ -449,6 +459,7 @@ class Messages:
         def landed(error: BaseException | None, memory: torch.Tensor = target) -> None:
             del memory  # (kept alive until Gloo is done with it)
             if error is not None:
+                receive.done.ending = True
                 receive.end(self._refused(error, receive))
             elif refusal is not None:
                 receive.end(CollectiveMismatchError(refusal, peers=[receive.src]))
@@ -486,22 +497,28 @@ class Messages:
                     self._alarm(what, [peer])
                     if time.monotonic() > deadline:
                         raise CollectiveTimeout(f"{what}: not done after {timeout:g} s", op=what, peers=[peer])
-                except PeerFailureError as failed:
-                    if set(failed.peers) != {peer}:  # the peer is alive, and Gloo may still write
-                        self._cut(f"{what} failed: {failed}")
-                    work.set_exception(failed)
-                except CollectiveTimeout as late:  # Gloo's own timeout did not fire: stop it writing
-                    self._cut(f"{what} did not end within {timeout:g} s")
-                    work.set_exception(late)
-                except GroupClosedError as closed:
-                    work.set_exception(closed)
-                return
+                except PGError as stopped:
+                    if not ended.settled():  # else its own end (its timeout broke the group, say) says it
+                        work.set_exception(self._stopped(stopped, what, peer, timeout))
+                        return
+                else:
+                    return
             if ended.error is not None:
                 work.set_exception(ended.error)
             else:
                 work.set_result(None)
 
         return Work(what, driver=drive)
+
+    def _stopped(self, exc: PGError, what: str, peer: int, timeout: float) -> PGError:
+        """What stops a work of :meth:`_ended_work` (an alarm, or its deadline passed), once Gloo's
+        connections are closed where Gloo may still write into its tensor: a peer it needs is alive."""
+        if isinstance(exc, PeerFailureError):
+            if set(exc.peers) != {peer}:  # the peer is alive, and Gloo may still write
+                self._cut(f"{what} failed: {exc}")
+        elif isinstance(exc, CollectiveTimeout):  # Gloo's own timeout did not fire: stop it writing
+            self._cut(f"{what} did not end within {timeout:g} s")
+        return exc
 
     def _drain_large(self, bound: float) -> None:
         """Wait (at most ``bound`` seconds) for the sends above the eager limit still in flight."""

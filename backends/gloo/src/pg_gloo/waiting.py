@@ -104,15 +104,20 @@ class Ticket:
     """One operation a waiter thread waits for: :meth:`wait` says whether Gloo's wait has
     returned, ``error`` is what it raised (or None). A bare lock, held until then: the
     cheapest hand-over between two threads that Python has (an ``Event`` costs more), and
-    its timed acquire is interrupted by signals."""
+    its timed acquire is interrupted by signals.
 
-    __slots__ = ("_done", "error", "finished")
+    ``ending`` is set by the thread that ends the operation once Gloo's wait has failed, before
+    it works out the error (which may record the group broken, the alarm a waiting caller then
+    finds): a caller that finds an alarm meanwhile waits for that end (:meth:`settled`)."""
+
+    __slots__ = ("_done", "ending", "error", "finished")
 
     def __init__(self) -> None:
         self._done = _thread.allocate_lock()
         self._done.acquire()
         self.error: BaseException | None = None
         self.finished = False
+        self.ending = False
 
     def set(self) -> None:
         self.finished = True
@@ -126,6 +131,14 @@ class Ticket:
             self._done.release()
             return True
         return False
+
+    def settled(self) -> bool:
+        """Whether the operation is done, looked at once an alarm is about to stop its wait: one
+        more slice, or, while its end is under way (``ending``), until that end (at most
+        :data:`GRACE_S`: the end works out its error, and at most waits 0.5 s for a peer's last
+        word). The end may be what raised the alarm (its timeout broke the group), so the
+        operation ends with its own outcome, however late the thread ending it is scheduled."""
+        return self.wait(SLICE_S) or (self.ending and self.wait(GRACE_S))
 
 
 class Waiters:
@@ -172,7 +185,7 @@ class Waiters:
             try:
                 work.wait(timeout)
             except BaseException as exc:  # Gloo's RuntimeError, for the caller to translate
-                ticket.error = exc
+                ticket.error, ticket.ending = exc, True
             del item, work
             with self._lock:  # idle again before the continuation wakes anyone (see the class)
                 closed = self._closed
@@ -219,16 +232,25 @@ class SlicedWaits:
 
         def _error(self, exc: BaseException, what: str, timeout: float, peers: Sequence[int] = ()) -> BaseException: ...
 
-    def _until(self, waited: Callable[[float], bool], what: str, timeout: float, peers: Sequence[int]) -> None:
+    def _until(
+        self,
+        waited: Callable[[float], bool],
+        what: str,
+        timeout: float,
+        peers: Sequence[int],
+        *,
+        ticket: Ticket | None = None,
+    ) -> None:
         """Wait in slices (``waited(seconds)`` waits at most that long and says whether the
         operation is done), raising between them if this backend was aborted, a peer in ``peers``
         is gone, or ``timeout`` (plus Gloo's grace) has passed. Whatever stops the wait early
         (those, or ``KeyboardInterrupt``) leaves Gloo's operation posted: unless every peer it
         needs is gone, Gloo's connections are closed first, so nothing is written into the
-        caller's tensors afterwards. Before an alarm stops it, the wait looks one more slice: an
-        operation that ended meanwhile ends with its own outcome (its own end may be what raised
-        the alarm: a Gloo timeout, recorded by the thread that waited in Gloo, breaks the group
-        before that thread hands the operation its error)."""
+        caller's tensors afterwards. Before an alarm stops it, the wait looks once more (one
+        slice; for an operation a thread ends, its ``ticket``, until that end where it is under
+        way: :meth:`Ticket.settled`): an operation that ended meanwhile ends with its own outcome
+        (its own end may be what raised the alarm: a Gloo timeout, recorded by the thread that
+        waited in Gloo, breaks the group before that thread hands the operation its error)."""
         if waited(SLICE_S):
             return
         deadline = time.monotonic() + timeout + GRACE_S
@@ -238,8 +260,8 @@ class SlicedWaits:
                 try:
                     self._alarm(what, peers)
                 except PGError as exc:
-                    if done := waited(SLICE_S):  # one more slice: an operation whose own end raised the
-                        return  # alarm (its timeout breaks the group) ends with its own outcome
+                    if done := (ticket.settled() if ticket is not None else waited(SLICE_S)):
+                        return  # its own end (its timeout broke the group, say) says what happened
                     if isinstance(exc, PeerFailureError) and set(exc.peers) != set(peers):
                         self._cut(f"{what} failed: {exc}")  # some peer it needs is alive, and may still write
                     raise
@@ -289,7 +311,7 @@ class SlicedWaits:
         """Wait for a point-to-point Gloo ``work``: a waiter thread waits in Gloo (a receive's
         wait cannot be sliced: one that expires closes every connection), the caller in slices."""
         ticket = self._waiters.start(work, timeout_delta(timeout))
-        self._until(ticket.wait, what, timeout, peers)
+        self._until(ticket.wait, what, timeout, peers, ticket=ticket)
         if ticket.error is not None:
             raise self._error(ticket.error, what, timeout, peers) from ticket.error
 
