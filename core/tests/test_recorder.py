@@ -30,6 +30,7 @@ from pg_core.recorder import (
     buffer_size,
     describe_args,
     head_of,
+    shape_of,
     trace_dir,
     where,
 )
@@ -69,15 +70,42 @@ def test_the_ring_keeps_the_last_n_operations_oldest_first() -> None:
     assert rec.entries()[-1]["state"] == FAILED and rec.entries()[-1]["error"] == "CollectiveTimeout"
 
 
+def _p2p(
+    rec: FlightRecorder,
+    op: str,
+    shape: torch.Size | None,
+    dtype: torch.dtype,
+    peer: int,
+    *,
+    error: BaseException | None = None,
+    seen: list[dict[str, Any]] | None = None,
+) -> None:
+    """A blocking ``op`` of a tensor of ``shape`` and ``dtype`` with ``peer``, recorded around its
+    call (:meth:`FlightRecorder.point_to_point`): the call puts the entries it sees in ``seen``
+    and fails with ``error``, which the recorder re-raises."""
+
+    def call(tensor: torch.Tensor, peer: int, tag: int, *, timeout: float) -> None:
+        if seen is not None:
+            seen.extend(rec.entries())
+        if error is not None:
+            raise error
+
+    try:
+        rec.point_to_point(op, shape, dtype, torch.device("cpu"), peer, call, torch.empty(0), 0, 1.0)
+    except BaseException as exc:
+        if exc is not error:
+            raise
+
+
 def test_operations_of_one_tensor_show_their_own_shape_and_dtype_however_they_alternate() -> None:
     rec = FlightRecorder(16)  # (consecutive calls of one shape and dtype share what they keep)
     a, b = torch.ones(2), torch.ones(2, dtype=torch.float64)
-    rec.tensor_point_to_point("send", a.shape, a.dtype, a.device, 1)
-    rec.tensor_point_to_point("send", a.shape, a.dtype, a.device, 1)
-    rec.tensor_point_to_point("recv", b.shape, b.dtype, b.device, 1)  # the same shape, another dtype
+    _p2p(rec, "send", a.shape, a.dtype, 1)
+    _p2p(rec, "send", a.shape, a.dtype, 1)
+    _p2p(rec, "recv", b.shape, b.dtype, 1)  # the same shape, another dtype
     rec.tensor_collective(1, "all_reduce", torch.ones(3, 1), "cpu")
-    rec.tensor_point_to_point("recv", None, a.dtype, a.device, 1)  # no one shape (nested): none shown
-    rec.tensor_point_to_point("send", torch.Size([2]), a.dtype, a.device, 1)  # an equal shape, another object
+    _p2p(rec, "recv", None, a.dtype, 1)  # no one shape (nested): none shown
+    _p2p(rec, "send", torch.Size([2]), a.dtype, 1)  # an equal shape, another object
     rec.tensor_collective(2, "all_reduce", torch.ones(3, 1, dtype=torch.int32), "cpu")
     entries = rec.entries()
     assert [e["input_sizes"] for e in entries] == [[[2]], [[2]], [[2]], [[3, 1]], [], [[2]], [[3, 1]]]
@@ -100,8 +128,9 @@ def test_a_point_to_point_entry_in_a_reused_slot_shows_nothing_of_the_slots_last
         7, "all_gather_into_tensor", describe_args("all_gather_into_tensor", (torch.empty(6), torch.ones(2))), "cpu"
     )
     rec.finished(gather, CollectiveTimeout("stuck"))
-    send = rec.point_to_point("send", torch.ones(3, dtype=torch.int64), 1)  # reuses the failed collective's slot
-    (started,) = rec.entries()
+    seen: list[dict[str, Any]] = []
+    _p2p(rec, "send", torch.Size([3]), torch.int64, 1, seen=seen)  # reuses the failed collective's slot
+    (started,) = seen  # as its call saw it
     assert (started["seq"], started["p2p_seq"], started["op"], started["peer"]) == (None, 1, "send", 1)
     assert started["input_sizes"] == started["output_sizes"] == [[3]]
     assert started["input_dtypes"] == started["output_dtypes"] == ["int64"]
@@ -112,11 +141,9 @@ def test_a_point_to_point_entry_in_a_reused_slot_shows_nothing_of_the_slots_last
         None,
     )
     assert "root" not in started and head_of([started])["p2p"] == {"op": "send", "peer": 1}
-    rec.finished(send)
     (done,) = rec.entries()
     assert (done["state"], done["error"]) == (COMPLETED, None) and done["end_ns"] >= done["start_ns"]
-    recv = rec.tensor_point_to_point("recv", torch.Size([2, 2]), torch.float16, torch.device("cpu"), 0)
-    rec.finished(recv, PeerFailureError("gone"))
+    _p2p(rec, "recv", torch.Size([2, 2]), torch.float16, 0, error=PeerFailureError("gone"))
     (failed,) = rec.entries()
     assert (failed["op"], failed["p2p_seq"], failed["state"], failed["error"]) == (
         "recv",
@@ -125,9 +152,11 @@ def test_a_point_to_point_entry_in_a_reused_slot_shows_nothing_of_the_slots_last
         "PeerFailureError",
     )
     assert failed["input_sizes"] == [[2, 2]] and failed["input_dtypes"] == ["float16"] and failed["device"] == "cpu"
-    nested = rec.point_to_point("send", torch.nested.nested_tensor([torch.ones(1), torch.ones(2)]), 1)
-    assert rec.entries()[0]["input_sizes"] == [] and rec.entries()[0]["p2p_seq"] == 3
-    rec.finished(nested, TypeError("nested"))
+    nested = torch.nested.nested_tensor([torch.ones(1), torch.ones(2)])
+    assert shape_of(nested) is None and shape_of(torch.ones(2, 1)) == (2, 1)
+    seen.clear()
+    _p2p(rec, "send", shape_of(nested), nested.dtype, 1, error=TypeError("nested"), seen=seen)
+    assert seen[0]["input_sizes"] == [] and seen[0]["p2p_seq"] == 3
     collective = rec.tensor_collective(8, "all_reduce", torch.ones(4), "cpu")  # and back: the collective's own fields
     (again,) = rec.entries()
     assert (again["seq"], again["p2p_seq"], again["root"], again["error"], again["end_ns"]) == (
@@ -243,8 +272,7 @@ def test_a_failed_collective_says_who_is_where_from_the_heads_in_the_store() -> 
     for rec in (rec0, rec1, rec2):
         _ran(rec, "all_reduce", "all_reduce")
     # rank 1 skipped collective #3 and is blocked in a recv that gives up: it publishes its head
-    recv = rec1.point_to_point("recv", torch.empty(2), 0)
-    rec1.finished(recv, CollectiveTimeout("recv timed out"))
+    _p2p(rec1, "recv", torch.Size([2]), torch.float32, 0, error=CollectiveTimeout("recv timed out"))
     _tracer(store, 1, 4, rec1).point_to_point_failed(CollectiveTimeout("recv timed out"))
     # rank 2 is in broadcast #3
     rec2.tensor_collective(3, "broadcast", torch.ones(1), "cpu")

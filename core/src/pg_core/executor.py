@@ -60,11 +60,11 @@ class Executor:
         "_pending",
         "_queue",
         "_recorder",
-        "_state",
         "_worker",
         "_worker_ident",
         "lost",
         "seq",
+        "state",
     )
 
     def __init__(
@@ -76,14 +76,16 @@ class Executor:
         self._name = name
         self._explain = explain
         self._recorder = recorder
-        self._lock = threading.Lock()  # guards _pending, _worker, _worker_ident, _state
+        self._lock = threading.Lock()  # guards _pending, _worker, _worker_ident, state
         self._exec_lock = threading.Lock()  # held while a collective runs
         self._pending = 0
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         #: the progress thread's ident while it runs (compared on every blocking call: cheaper than the thread)
         self._worker_ident: int | None = None
-        self._state: str | None = None  # None: open; else "shutting down", "shut down" or "aborted"
+        #: ``None`` while open, else what closed it: "shutting down", "shut down" or "aborted" (a plain
+        #: attribute, not a property: the point-to-point lane reads it on every call; only this class writes it)
+        self.state: str | None = None
         self._broken: tuple[type[PGError], str] | None = None
         self._next_seq = 1
         #: the sequence number of the collective running now (they run one at a time)
@@ -92,18 +94,13 @@ class Executor:
         self.lost: set[int] = set()
 
     @property
-    def state(self) -> str | None:
-        """``None`` while open, else what closed it."""
-        return self._state
-
-    @property
     def failed(self) -> bool:
         """Whether a collective failed (the group refuses later ones)."""
         return self._broken is not None
 
     def check_open(self) -> None:
-        if self._state is not None:
-            raise GroupClosedError(f"group {self._name!r} is {self._state}; create a new group to communicate again")
+        if self.state is not None:
+            raise GroupClosedError(f"group {self._name!r} is {self.state}; create a new group to communicate again")
 
     def run(
         self, op: str, fn: Callable[[int], Any], *, async_op: bool, args: tuple[Any, ...] = (), device: str = ""
@@ -129,7 +126,7 @@ class Executor:
             running.acquire()  # not `with`: on this hot path, acquire/release cost half as much
             try:
                 if self._pending == 0:
-                    if self._state is not None:
+                    if self.state is not None:
                         self.check_open()
                     return self._invoke(op, fn, arg, args, device)
             finally:
@@ -147,7 +144,7 @@ class Executor:
         worker = self._worker_ident
         if (
             self._pending
-            or self._state is not None
+            or self.state is not None
             or self._broken is not None
             or (worker is not None and worker == threading.get_ident())
         ):
@@ -214,7 +211,7 @@ class Executor:
 
         def run(arg: Any) -> Any:
             worker = self._worker_ident
-            if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
+            if self._pending or self.state is not None or self._broken is not None or (worker and worker == ident()):
                 return call(op, fn, arg, (arg,), device)
             acquire()
             try:
@@ -236,7 +233,7 @@ class Executor:
 
         def recorded(arg: Any) -> Any:  # run, noting the collective in the group's flight recorder
             worker = self._worker_ident
-            if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
+            if self._pending or self.state is not None or self._broken is not None or (worker and worker == ident()):
                 return call(op, fn, arg, (arg,), device)
             acquire()
             try:
@@ -279,7 +276,7 @@ class Executor:
 
         def run(arg: Any) -> Work:
             worker = self._worker_ident
-            if self._pending or self._state is not None or self._broken is not None or (worker and worker == ident()):
+            if self._pending or self.state is not None or self._broken is not None or (worker and worker == ident()):
                 return launch(op, lambda _seq: start(arg), (arg,), device)
             acquire()
             try:
@@ -383,8 +380,8 @@ class Executor:
     ) -> None:
         try:
             with self._exec_lock:
-                if self._state in ("shut down", "aborted"):
-                    raise GroupClosedError(f"group {self._name!r} was {self._state} before this operation ran")
+                if self.state in ("shut down", "aborted"):
+                    raise GroupClosedError(f"group {self._name!r} was {self.state} before this operation ran")
                 result = self._invoke(op, fn, _SEQ, args, device)
         except BaseException as exc:
             with self._lock:
@@ -400,16 +397,16 @@ class Executor:
         """Refuse new operations, let queued ones finish (at most ``timeout`` seconds), then
         wait for a running one. ``False`` if it was closed already."""
         with self._lock:
-            if self._state is not None:
+            if self.state is not None:
                 return False
-            self._state = "shutting down"
+            self.state = "shutting down"
             worker, self._worker, self._worker_ident = self._worker, None, None
             if worker is not None:
                 self._queue.put(None)
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=timeout)
         with self._lock:
-            self._state = "shut down"
+            self.state = "shut down"
         return True
 
     @property
@@ -423,9 +420,9 @@ class Executor:
         blocked in other threads raise), then fail what is still queued. ``False`` if it was
         aborted already."""
         with self._lock:
-            if self._state == "aborted":
+            if self.state == "aborted":
                 return False
-            self._state = "aborted"
+            self.state = "aborted"
             worker, self._worker, self._worker_ident = self._worker, None, None
         release()
         aborted = GroupClosedError(f"group {self._name!r} was aborted")

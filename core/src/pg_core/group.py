@@ -41,7 +41,7 @@ from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, che
 from .messages import ObjectsArg
 from .objects import Objects
 from .ops import RedOpType, ReduceOp, as_reduce_op
-from .recorder import FlightRecorder, Tracer, buffer_size, trace_dir
+from .recorder import FlightRecorder, Tracer, buffer_size, shape_of, trace_dir
 from .sparse import SPARSE_LAYOUTS, all_reduce_sparse
 from .store import PrefixStore, Store, auth_key_of, authenticated, hosts_store, store_address, wait_for
 from .tags import check_tag
@@ -1025,7 +1025,9 @@ class ProcessGroup:
         :meth:`_p2p`'s checks."""
         key = (kind, device, dtype)
         if key not in self._p2p_lanes:
-            lane = self._p2p_lanes[key] = inst.lane(kind, dtype)
+            lane = self._p2p_lanes[key] = inst.lane(
+                kind, dtype, timeout=self._timeout, recorder=self._recorder, failed=self._tracer.point_to_point_failed
+            )
             if device.type == "cpu":
                 self._cpu_lanes[kind][dtype] = lane
 
@@ -1039,33 +1041,10 @@ class ProcessGroup:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, timeout: float | timedelta | None = None) -> None:
         """Send ``tensor`` to group rank ``dst``; returns once ``tensor`` may be reused."""
         lane = self._p2p_lane("send", tensor, dst, tag, timeout)
-        recorder = self._recorder
         if lane is not None:
-            if recorder is None:
-                lane.run(tensor, dst, tag, self._timeout)
-                return
-            record = recorder.tensor_point_to_point("send", tensor.shape, lane.dtype, lane.device, dst)
-            try:
-                lane.run(tensor, dst, tag, self._timeout)
-            except BaseException as exc:
-                recorder.finished(record, exc)
-                self._tracer.point_to_point_failed(exc)
-                raise
-            recorder.finished(record)
-            return
-        if recorder is None or type(tensor) is not _Tensor or self._coalescing:
-            inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
-            inst.p2p("send", t, dst, tag, budget, async_op=False)
-            return
-        record = recorder.point_to_point("send", tensor, dst)
-        try:
-            inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
-            inst.p2p("send", t, dst, tag, budget, async_op=False)
-        except BaseException as exc:
-            recorder.finished(record, exc)
-            self._tracer.point_to_point_failed(exc)
-            raise
-        recorder.finished(record)
+            lane.run(tensor, dst, tag)
+        else:
+            self._full_p2p("send", self._send, tensor, dst, tag, timeout=timeout)
 
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *, timeout: float | timedelta | None = None
@@ -1078,35 +1057,46 @@ class ProcessGroup:
         :class:`~pg_core.errors.NotSupportedError` before anything is received). Each sender's
         messages arrive in the order it sent them, however receives naming it and any-source
         receives interleave (see docs/decisions.md)."""
+        if src is None:  # (not recorded: its peer is known only once it is received)
+            return self._recv(tensor, None, tag, timeout=timeout)
+        lane = self._p2p_lane("recv", tensor, src, tag, timeout)
+        if lane is not None:
+            lane.run(tensor, src, tag)
+        else:
+            self._full_p2p("recv", self._recv, tensor, src, tag, timeout=timeout)
+        return src
+
+    def _full_p2p(
+        self,
+        kind: str,
+        call: Callable[..., object],
+        tensor: torch.Tensor,
+        peer: int,
+        tag: int,
+        *,
+        timeout: float | timedelta | None,
+    ) -> None:
+        """A blocking ``send``/``recv`` (``kind``) that its lane may not take: ``call`` (:meth:`_send`,
+        :meth:`_recv`), its checks included, recorded as the lane records its calls (a coalescing
+        block's calls are its batch's, recorded with it)."""
         recorder = self._recorder
-        if src is not None:
-            lane = self._p2p_lane("recv", tensor, src, tag, timeout)
-            if lane is not None:
-                if recorder is None:
-                    lane.run(tensor, src, tag, self._timeout)
-                    return src
-                record = recorder.tensor_point_to_point("recv", tensor.shape, lane.dtype, lane.device, src)
-                try:
-                    lane.run(tensor, src, tag, self._timeout)
-                except BaseException as exc:
-                    recorder.finished(record, exc)
-                    self._tracer.point_to_point_failed(exc)
-                    raise
-                recorder.finished(record)
-                return src
-        if recorder is None or src is None or type(tensor) is not _Tensor or self._coalescing:
-            return self._recv(tensor, src, tag, timeout)
-        record = recorder.point_to_point("recv", tensor, src)
+        if recorder is None or type(tensor) is not _Tensor or self._coalescing:
+            call(tensor, peer, tag, timeout=timeout)
+            return
         try:
-            sender = self._recv(tensor, src, tag, timeout)
+            recorder.point_to_point(
+                kind, shape_of(tensor), tensor.dtype, tensor.device, peer, call, tensor, tag, timeout
+            )
         except BaseException as exc:
-            recorder.finished(record, exc)
             self._tracer.point_to_point_failed(exc)
             raise
-        recorder.finished(record)
-        return sender
 
-    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | timedelta | None) -> int:
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float | timedelta | None) -> None:
+        """A blocking send by the full path (:meth:`_p2p`): what :meth:`send` does where no lane may take it."""
+        inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
+        inst.p2p("send", t, dst, tag, budget, async_op=False)
+
+    def _recv(self, tensor: torch.Tensor, src: int | None, tag: int, *, timeout: float | timedelta | None) -> int:
         """A blocking receive by the full path (:meth:`_p2p`): what :meth:`recv` does where no lane may take it."""
         if src is None:
             inst, t, st, budget = self._p2p_any_source(tensor, tag, timeout)
@@ -1123,7 +1113,7 @@ class ProcessGroup:
         """Start sending ``tensor`` to ``dst``; do not modify it until the ``Work`` completes."""
         lane = self._p2p_lane("send", tensor, dst, tag, timeout)
         if lane is not None and lane.starts:  # the backend's own isend, past the checks that can change
-            return lane.start(tensor, dst, tag, self._timeout)
+            return lane.start(tensor, dst, tag)
         inst, t, _, budget = self._p2p("send", tensor, dst, tag, timeout)
         return inst.p2p("send", t, dst, tag, budget, async_op=True)  # type: ignore[no-any-return]
 
@@ -1139,7 +1129,7 @@ class ProcessGroup:
             return then(inner, st.finish) if st.back else inner
         lane = self._p2p_lane("recv", tensor, src, tag, timeout)
         if lane is not None and lane.starts:
-            return lane.start(tensor, src, tag, self._timeout)
+            return lane.start(tensor, src, tag)
         via, t, st, budget = self._p2p("recv", tensor, src, tag, timeout)
         inner = via.p2p("recv", t, src, tag, budget, async_op=True)
         return then(inner, st.finish) if st.back else inner

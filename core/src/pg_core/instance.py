@@ -23,7 +23,7 @@ import inspect
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,6 +32,9 @@ from .errors import GroupClosedError, PluginError
 from .ops import COLLECTIVE_OPS
 from .tags import TagMap
 from .work import Work, mapped, stop_worker
+
+if TYPE_CHECKING:
+    from .recorder import FlightRecorder
 
 __all__ = ["ANY", "Instance", "Lane"]
 
@@ -164,10 +167,18 @@ class Instance:
         else:
             queued.submit(kind, lambda: call(tensor, peer, wire, timeout=timeout)).result()
 
-    def lane(self, kind: str, dtype: torch.dtype) -> Lane:
+    def lane(
+        self,
+        kind: str,
+        dtype: torch.dtype,
+        *,
+        timeout: float,
+        recorder: FlightRecorder | None = None,
+        failed: Callable[[BaseException], None] | None = None,
+    ) -> Lane:
         """The blocking ``send``/``recv`` (``kind``) of tensors of ``dtype`` on this instance's
         device, for a caller that has checked one such call in full (see :class:`Lane`)."""
-        return Lane(self, kind, dtype)
+        return Lane(self, kind, dtype, timeout=timeout, recorder=recorder, failed=failed)
 
     def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float) -> int:
         """The user's blocking receive from any source with user ``tag`` (mapped as for
@@ -230,14 +241,25 @@ class Lane:
     :meth:`run` maps the user tag as :meth:`TagMap.user <pg_core.tags.TagMap.user>` does
     (the caller checked it is below :attr:`limit`) and calls the backend here, or, once the
     instance has helper threads, through :meth:`Instance.blocking`, which keeps the
-    stream's order."""
+    stream's order; with the group's flight recorder, recorded around that call
+    (:meth:`FlightRecorder.point_to_point <pg_core.recorder.FlightRecorder.point_to_point>`),
+    a failure told to ``failed`` (the group's tracer) before it is raised."""
 
     __slots__ = (
-        "_call", "_first", "_icall", "_instance", "_step", "_streams", "device", "dtype", "kind", "limit", "plain",
-        "starts",
+        "_call", "_failed", "_first", "_icall", "_instance", "_recorded", "_step", "_streams", "device", "dtype",
+        "kind", "limit", "plain", "starts", "timeout",
     )  # fmt: skip
 
-    def __init__(self, instance: Instance, kind: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        instance: Instance,
+        kind: str,
+        dtype: torch.dtype,
+        *,
+        timeout: float,
+        recorder: FlightRecorder | None = None,
+        failed: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._instance = instance
         self._streams = instance._streams
         self._call = instance.backend.send if kind == "send" else instance.backend.recv
@@ -246,6 +268,10 @@ class Lane:
         self.kind = kind
         self.device = instance.device
         self.dtype = dtype
+        #: the group's timeout, in seconds: the only one a call on the lane has
+        self.timeout = timeout
+        self._recorded = None if recorder is None else recorder.point_to_point
+        self._failed = failed
         #: user tags below it are carried
         self.limit = tags.limit
         #: the dtype has no lazy conjugation to check (it is not complex)
@@ -255,18 +281,28 @@ class Lane:
         self.starts = instance.native_isend if kind == "send" else instance.native_irecv
         self._icall = instance.backend.isend if kind == "send" else instance.backend.irecv
 
-    def run(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> None:
-        """The blocking call with user ``tag`` (``0 <= tag <`` :attr:`limit`)."""
+    def run(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """The blocking call with user ``tag`` (``0 <= tag <`` :attr:`limit`), recorded."""
         wire = self._first + self._step * tag
-        if self._streams.helpers:  # helper threads exist: the stream's order decides where it runs
-            self._instance.blocking(self.kind, tensor, peer, wire, timeout)
-        else:
-            self._call(tensor, peer, wire, timeout=timeout)
+        call = self._queued if self._streams.helpers else self._call  # helper threads: the stream's order decides
+        recorded = self._recorded
+        if recorded is None:
+            call(tensor, peer, wire, timeout=self.timeout)
+            return
+        try:
+            recorded(self.kind, tensor.shape, self.dtype, self.device, peer, call, tensor, wire, self.timeout)
+        except BaseException as exc:
+            if self._failed is not None:
+                self._failed(exc)
+            raise
 
-    def start(self, tensor: torch.Tensor, peer: int, tag: int, timeout: float) -> Work:
+    def _queued(self, tensor: torch.Tensor, peer: int, wire: int, *, timeout: float) -> None:
+        self._instance.blocking(self.kind, tensor, peer, wire, timeout)
+
+    def start(self, tensor: torch.Tensor, peer: int, tag: int) -> Work:
         """The backend's own ``isend``/``irecv`` with user ``tag``, where :attr:`starts`: called
         straight, as :meth:`Instance.p2p` calls it for ``async_op=True``."""
-        return self._icall(tensor, peer, self._first + self._step * tag, timeout=timeout)  # type: ignore[no-any-return]
+        return self._icall(tensor, peer, self._first + self._step * tag, timeout=self.timeout)  # type: ignore[no-any-return]
 
 
 def _check_sends_can_wait(spec: BackendSpec, device: str, cls: type[Backend]) -> None:

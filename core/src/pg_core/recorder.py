@@ -51,6 +51,7 @@ __all__ = [
     "Tracer",
     "buffer_size",
     "head_of",
+    "shape_of",
     "trace_dir",
     "where",
 ]
@@ -128,6 +129,14 @@ def _meta(items: Iterable[Any]) -> _Meta:
     return tuple(out)
 
 
+def shape_of(tensor: torch.Tensor) -> torch.Size | None:
+    """``tensor``'s shape, or ``None`` where it has no one shape (a nested tensor)."""
+    try:
+        return tensor.shape
+    except RuntimeError:
+        return None
+
+
 def describe_args(op: str, args: Sequence[Any]) -> tuple[_Meta, _Meta | None, int]:
     """``(inputs, outputs, root)`` of collective ``op`` called with the backend's ``args``:
     shapes and dtypes (``outputs`` ``None``: the inputs, written in place) and the root
@@ -170,11 +179,11 @@ class FlightRecorder:
     """One group's ring of its last ``capacity`` operations (``capacity`` > 0).
 
     The executor calls :meth:`collective` when a collective takes its sequence number and
-    :meth:`finished` when it ends; the group does the same for a blocking ``send``/``recv``
-    with :meth:`point_to_point`. Each returns a record number, which :meth:`finished` takes,
-    and which is ignored once the ring has reused its slot. Collectives of a group record
-    one at a time; point to point operations may record from several threads (record
-    numbers come from an atomic counter)."""
+    :meth:`finished` when it ends: :meth:`collective` returns a record number, which
+    :meth:`finished` takes, and which is ignored once the ring has reused its slot. A blocking
+    ``send``/``recv`` is recorded around its call, start and end in one go
+    (:meth:`point_to_point`). Collectives of a group record one at a time; point to point
+    operations may record from several threads (record numbers come from an atomic counter)."""
 
     __slots__ = ("_ids", "_last", "_p2p_ids", "_slots", "capacity", "epoch_ns")
 
@@ -236,19 +245,23 @@ class FlightRecorder:
         s.start = _now()
         return record
 
-    def point_to_point(self, op: str, tensor: torch.Tensor, peer: int) -> int:
-        """A ``send`` or ``recv`` (``op``) of ``tensor`` with ``peer`` starts."""
-        try:
-            shape = tensor.shape
-        except RuntimeError:  # a nested tensor has no one shape (the call itself refuses it)
-            shape = None
-        return self.tensor_point_to_point(op, shape, tensor.dtype, tensor.device, peer)
-
-    def tensor_point_to_point(
-        self, op: str, shape: torch.Size | None, dtype: torch.dtype, device: torch.device, peer: int
-    ) -> int:
-        """:meth:`point_to_point` of a tensor whose ``shape`` (``None``: it has none), ``dtype``
-        and ``device`` the caller has read already (the blocking send/recv's fast path)."""
+    def point_to_point(  # noqa: PLR0917  (the lane's every call: positional arguments cost least)
+        self,
+        op: str,
+        shape: torch.Size | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        peer: int,
+        call: Callable[..., object],
+        tensor: torch.Tensor,
+        tag: int,
+        timeout: Any,
+    ) -> None:
+        """A blocking ``send`` or ``recv`` (``op``) of a tensor of ``shape`` (``None``: it has
+        none, so none is shown; :func:`shape_of`), ``dtype`` and ``device`` with ``peer``,
+        recorded around its call, ``call(tensor, peer, tag, timeout=timeout)``: started, then
+        completed, or failed with the call's error, which is re-raised. One frame: the
+        point-to-point lane's every call comes here (:class:`pg_core.instance.Lane`)."""
         record = next(self._ids)
         s = self._slots[record % self.capacity]
         # what a point to point entry shows, and no more: a reused slot's seq and outputs are not
@@ -262,7 +275,14 @@ class FlightRecorder:
         s.device = device  # (its .type when shown: reading it costs more than keeping the device)
         s.state = STARTED
         s.start = _now()
-        return record
+        try:
+            call(tensor, peer, tag, timeout=timeout)
+        except BaseException as exc:
+            self.finished(record, exc)
+            raise
+        if s.id == record:  # (finished's, inline)
+            s.end = _now()
+            s.state = COMPLETED
 
     def finished(self, record: int, error: BaseException | None = None) -> None:
         """Operation ``record`` ended: completed, or failed with ``error``."""

@@ -92,7 +92,7 @@ def _nothing(tensor: torch.Tensor) -> None:
 class LaunchingNullBackend(NullBackend):
     """:class:`NullBackend` that launches (API 1.2): every collective called with
     ``async_op=True`` returns a :class:`~pg_core.work.Work` that is already complete, so what
-    the group adds around a launch is what is left."""
+    the group adds around a launch is what is left; so do its own ``isend`` and ``irecv``."""
 
     launches = True
 
@@ -119,3 +119,9 @@ class LaunchingNullBackend(NullBackend):
 
     def barrier(self, *, timeout: float, async_op: bool = False) -> Work | None:
         return Work.completed("barrier") if async_op else None
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, *, timeout: float) -> Work:
+        return Work.completed("isend")  # its own isend, as every shipped backend has: no helper thread
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int, *, timeout: float) -> Work:
+        return Work.completed("irecv")

@@ -22,7 +22,12 @@ one element is timed three ways:
 ``send`` and ``recv`` need a peer: they go to rank 1 of a group of size 2 formed on a
 :class:`~pg_core.HashStore` in which rank 1 never appears (NullBackend's ``send``/``recv``
 return at once, and forming a group on it asks the peer nothing); their ``direct`` is the
-backend's ``send``/``recv`` with the wire tag of user tag 0.
+backend's ``send``/``recv`` with the wire tag of user tag 0. Their ``blocking`` and
+``launched`` modes run on such a group of :class:`LaunchingNullBackend`, which has its own
+``isend``/``irecv`` as every shipped backend has, so no helper thread ever exists there
+(once one does, every blocking call asks whether its stream's helper has work queued);
+``async`` runs on one of :class:`NullBackend`, whose ``isend``/``irecv`` are the core's
+default: the blocking call on a helper thread.
 
 ``blocking - direct`` is the **core overhead per call**, the figure the project's target
 (at most 3 us per blocking collective) is judged by; ``async - direct`` the same for an
@@ -126,28 +131,36 @@ class OverheadRow:
 
 
 def _calls(
-    op: str, backend: Backend, group: Any, launching: Any, dtype: torch.dtype, *, pair: Any = None
+    op: str,
+    backend: Backend,
+    group: Any,
+    launching: Any,
+    dtype: torch.dtype,
+    *,
+    pair: Any = None,
+    launching_pair: Any = None,
 ) -> dict[str, Callable[[], Any]]:
     """The calls of ``op`` in every mode, as closures of one shape (see the module docstring);
     ``launching`` is the group on :class:`LaunchingNullBackend`; ``pair`` the group of size 2
-    of ``send``/``recv``."""
+    of ``send``/``recv``'s ``async`` mode, ``launching_pair`` that of its others (see the
+    module docstring)."""
     t = torch.ones(1, dtype=dtype)
     out = torch.empty(1, dtype=dtype)
     s = ReduceOp.SUM
-    b, g, lg, p = backend, group, launching, pair
+    b, g, lg, p, lp = backend, group, launching, pair, launching_pair
     if op == "send":
         return {
             "direct": lambda: b.send(t, 1, _USER_TAG_0, timeout=_TIMEOUT_S),
-            "blocking": lambda: p.send(t, 1),
+            "blocking": lambda: lp.send(t, 1),
             "async": lambda: p.isend(t, 1).wait(),
-            "launched": lambda: p.isend(t, 1).wait(),  # (NullBackend has no isend of its own: the same)
+            "launched": lambda: lp.isend(t, 1).wait(),
         }
     if op == "recv":
         return {
             "direct": lambda: b.recv(t, 1, _USER_TAG_0, timeout=_TIMEOUT_S),
-            "blocking": lambda: p.recv(t, 1),
+            "blocking": lambda: lp.recv(t, 1),
             "async": lambda: p.irecv(t, 1).wait(),
-            "launched": lambda: p.irecv(t, 1).wait(),
+            "launched": lambda: lp.irecv(t, 1).wait(),
         }
     if op == "all_reduce":
         return {
@@ -237,10 +250,13 @@ def measure(
         store, 0, 1, backends=LaunchingNullBackend, name="overhead-launching", timeout=timedelta(seconds=_TIMEOUT_S)
     )
     pair = ProcessGroup(HashStore(), 0, 2, backends=NullBackend, name="overhead-p2p", timeout=_TIMEOUT_S)
+    launching_pair = ProcessGroup(
+        HashStore(), 0, 2, backends=LaunchingNullBackend, name="overhead-p2p-launching", timeout=_TIMEOUT_S
+    )
     rows: list[OverheadRow] = []
     try:
         for op in ops:
-            calls = _calls(op, backend, group, launching, dtype, pair=pair)
+            calls = _calls(op, backend, group, launching, dtype, pair=pair, launching_pair=launching_pair)
             for call in calls.values():  # warm up: caches, the progress thread, branch predictors
                 _batch(call, max(100, iters // 10))
             samples: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -280,6 +296,7 @@ def measure(
         group.shutdown()
         launching.shutdown()
         pair.shutdown()
+        launching_pair.shutdown()
         backend.shutdown()
     return rows
 
