@@ -417,9 +417,17 @@ def _blocked_ops(backend: ShmBackend) -> list[tuple[str, Callable[[], object]]]:
     """Rank 0's operations that block on rank 1 (which takes nothing and joins nothing), called
     on the backend itself so that all of them are inside it at once: a large send streaming
     through a full ring, small sends queued behind it, an isend being waited, receives of a
-    tensor and of bytes, and an all_reduce."""
+    tensor and of bytes, and an all_reduce; and tiny sends one after another on a stream of
+    their own (rank 1's drainer takes them in), each entering and leaving the backend, so the
+    close lands between a send's entering and its leaving as often as anywhere."""
     large = torch.ones((rings.EAGER_LIMIT * 3) // 4)  # 3 MiB: more than the ring, so it streams
     small = torch.ones(16384)  # 64 KiB: eager, queued behind the large one
+    tiny = torch.ones(1)
+
+    def sends_until_closed() -> None:
+        while True:
+            backend.send(tiny, 1, 20, timeout=20)
+
     ops: list[tuple[str, Callable[[], object]]] = [
         ("large send", lambda: backend.send(large, 1, 1, timeout=20)),
         ("isend wait", lambda: backend.isend(large.clone(), 1, 2, timeout=20).wait(20)),
@@ -427,6 +435,7 @@ def _blocked_ops(backend: ShmBackend) -> list[tuple[str, Callable[[], object]]]:
         ("recv_bytes", lambda: backend.recv_bytes(1, 4, timeout=20)),
         ("send_bytes", lambda: backend.send_bytes(bytes(2 << 20), 1, 5, timeout=20)),
         ("all_reduce", lambda: backend.all_reduce(torch.ones(4), ReduceOp.SUM, timeout=20)),
+        ("tiny sends", sends_until_closed),
     ]
     for i in range(3):
         ops.append((f"small send {i}", lambda i=i: backend.send(small, 1, 10 + i, timeout=20)))  # type: ignore[misc]

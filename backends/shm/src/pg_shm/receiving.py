@@ -23,7 +23,7 @@ from pg_core.errors import CollectiveMismatchError, CollectiveTimeout, GroupClos
 from pg_core.work import Work
 
 from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
-from .rings import CODES, EAGER_LIMIT, STREAM_CHUNK, Ring
+from .rings import CODES, EAGER_LIMIT, STREAM_CHUNK, Ring, TensorViews
 from .segment import futex_wake
 from .waiting import SPINS, Flag, Liveness, wait_until
 
@@ -111,6 +111,7 @@ class Inbox:
         # what receive_tensor's common case reads, looked up once
         self._head, self._tail, self._sender_sleeps = ring.head.cell, ring.tail.cell, ring.sender_sleeps.cell
         self._tail_address, self._cap, self._data, self._base = ring.tail.address, ring.capacity, ring.data, ring.base
+        self._views = TensorViews()  # of the tensors the common case copies into
 
     def receive_tensor(self, into: torch.Tensor, tag: int, timeout: float, op: str) -> None:
         """:meth:`receive` of a tensor message (deadline ``timeout`` seconds from now): the
@@ -143,7 +144,8 @@ class Inbox:
         posted) or for the wait of the only receive posted (``posted=1``): nothing kept, none
         streamed, the peer not broken, and the next message in the ring (written up to
         ``seen``) a tensor message of ``tag`` for ``into``, whole, not wrapping, the tensor's
-        size and dtype. Then it is copied straight into ``into`` from cells looked up once, the
+        size and dtype. Then it is copied straight into ``into`` (through a
+        :class:`~pg_shm.rings.TensorViews` view where it has one) from cells looked up once, the
         ring moved on, and this returns True."""
         if self.posted != posted or self._kept or self._stream is not None or self.broken is not None:
             return False
@@ -158,7 +160,13 @@ class Inbox:
         if k != KIND_TENSOR or t != tag or n != nbytes or code != CODES.get(into.dtype, 0) or off + span > cap:
             return False
         if nbytes:
-            memmove(into.data_ptr(), self._base + off + _HEADER_BYTES, nbytes)
+            address = into.data_ptr()
+            view = self._views.get((address, nbytes))
+            if view is not None:
+                view[:] = self._data[off + _HEADER_BYTES : off + _HEADER_BYTES + nbytes]
+            else:
+                memmove(address, self._base + off + _HEADER_BYTES, nbytes)
+                self._views.note(address, nbytes)
         tail.value = start + span
         if self._sender_sleeps.value:
             futex_wake(self._tail_address)

@@ -26,6 +26,7 @@ __all__ = [
     "STREAM_CHUNK",
     "Payload",
     "Ring",
+    "TensorViews",
     "parts_bytes",
     "parts_of",
     "tensor_parts",
@@ -86,6 +87,38 @@ class Ring:
 
     def release(self) -> None:
         self.data.release()
+
+
+class TensorViews(dict[tuple[int, int], "memoryview | None"]):
+    """Byte views of the memory that one end of a ring copies tensors from or into, by
+    (address, bytes), for the common case's copy: assigning a view costs 0.06-0.12 us up to
+    4 KiB, where ``ctypes.memmove`` costs about 0.4 us for its call alone (2026-12-07, this
+    project's machine); a program sends from and receives into the same few tensors, so both
+    ends of a 4-byte one way saved about 0.6 us.
+
+    A view is made the second time an (address, bytes) is copied (the first is noted, as
+    ``None``): a program that never copies from one place twice pays a dictionary entry, not a
+    view, per call. At most :data:`VIEWS_KEPT` are kept, then all are forgotten.
+
+    A view is used only for a tensor whose memory starts at its address and spans its bytes
+    now, so it never reaches memory that tensor does not hold (the tensor it was made for may
+    be long gone)."""
+
+    __slots__ = ()
+
+    def note(self, address: int, nbytes: int) -> None:
+        """A copy of ``nbytes`` at ``address`` found no view: make one if it was noted before."""
+        key = (address, nbytes)
+        if key in self:
+            self[key] = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+            return
+        if len(self) >= VIEWS_KEPT:
+            self.clear()
+        self[key] = None
+
+
+#: The most (address, bytes) a :class:`TensorViews` keeps.
+VIEWS_KEPT: Final = 64
 
 
 def parts_of(data: object) -> Payload:

@@ -26,7 +26,7 @@ from pg_core.errors import CollectiveTimeout, PeerFailureError
 from pg_core.work import Work
 
 from .layout import ALIGN, HEADER, KIND_TENSOR, message_span
-from .rings import CODES, EAGER_LIMIT, STREAM_CHUNK, Payload, Ring, parts_bytes, tensor_parts
+from .rings import CODES, EAGER_LIMIT, STREAM_CHUNK, Payload, Ring, TensorViews, parts_bytes, tensor_parts
 from .segment import Word, futex_wake
 from .waiting import Flag, Liveness, wait_until
 
@@ -79,12 +79,14 @@ class Outbox:
         # what post_tensor's common case reads, looked up once
         self._head, self._tail, self._recv_sleeps = ring.head.cell, ring.tail.cell, ring.recv_sleeps.cell
         self._head_address, self._cap, self._data, self._base = ring.head.address, ring.capacity, ring.data, ring.base
+        self._views = TensorViews()  # of the tensors the common case copies from
 
     # -- the caller's side -----------------------------------------------------------
     def post_tensor(self, tensor: torch.Tensor, tag: int, timeout: float, op: str) -> Work | None:
         """:meth:`post` of a tensor (deadline ``timeout`` seconds from now): the common case (it
-        fits now, without wrapping) copied straight from its memory, its words read from
-        cells looked up once (about 2 us of Python)."""
+        fits now, without wrapping) copied straight from its memory (through a
+        :class:`~pg_shm.rings.TensorViews` view where it has one), its words read from cells
+        looked up once (about 1.3 us of Python)."""
         nbytes = tensor.nbytes
         span = (_HEADER_BYTES + nbytes + _ALIGN - 1) & _ALIGN_MASK  # message_span, inlined
         code = CODES.get(tensor.dtype, 0)
@@ -99,7 +101,13 @@ class Outbox:
             ):
                 _pack_header(self._data, pos, KIND_TENSOR, code, tag, nbytes)
                 if nbytes:
-                    memmove(self._base + pos + _HEADER_BYTES, tensor.data_ptr(), nbytes)
+                    address = tensor.data_ptr()
+                    view = self._views.get((address, nbytes))
+                    if view is not None:
+                        self._data[pos + _HEADER_BYTES : pos + _HEADER_BYTES + nbytes] = view
+                    else:
+                        memmove(self._base + pos + _HEADER_BYTES, address, nbytes)
+                        self._views.note(address, nbytes)
                 self._head.value = head + span
                 if self._recv_sleeps.value:
                     futex_wake(self._head_address)
