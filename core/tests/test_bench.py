@@ -108,12 +108,15 @@ class ManglingBackend(StoreBackend):
 
 class LoggedA(StoreBackend):
     """Correct; each all_reduce appends the class's name to ``calls-<rank>.log`` in the
-    working directory, so a test can see the order in which the benchmark ran two backends."""
+    working directory (with ``-async`` where the group's progress thread runs it: an
+    ``async_op=True`` call, on this backend that does not launch), so a test can see the order
+    in which the benchmark ran two backends and the two forms of an op."""
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, *, timeout: float) -> None:
         super().all_reduce(tensor, op, timeout=timeout)
+        form = "" if threading.current_thread() is threading.main_thread() else "-async"
         with open(f"calls-{self.rank}.log", "a") as log:
-            log.write(type(self).__name__ + "\n")
+            log.write(type(self).__name__ + form + "\n")
 
 
 class LoggedB(LoggedA):
@@ -825,13 +828,15 @@ def _commands(tmp: Path) -> dict[str, list[str]]:
             *TINY,
         ],
     }
-    # two backends timed in 3 interleaved rounds; the only run here whose backends log their calls
+    # two backends, all_reduce and its asynchronous form, timed in 3 interleaved rounds; the only
+    # run here whose backends log their calls
     commands["rounds"] = [
         "--backends",
         "test_bench:LoggedA,test_bench:LoggedB",
         "--no-baseline",
         "--ops",
         "all_reduce",
+        "--async",
         "--sizes",
         "4",
         "--iters",
@@ -1101,29 +1106,32 @@ def test_a_failing_rank_shows_its_traceback_and_no_rank_is_left(
 
 
 @pytest.mark.slow
-def test_rounds_interleave_the_backends_timed_iterations(
+def test_rounds_interleave_the_backends_timed_iterations_and_an_ops_two_forms(
     runs: dict[str, subprocess.CompletedProcess[str]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     run = runs["rounds"]
     assert run.returncode == 0, run.stderr
     assert "# all_reduce (world size 2, float32, sum, interleaved in 3 rounds)" in run.stdout
+    assert "# all_reduce_async (world size 2, float32, sum, async_op=True then wait(), interleaved in 3 rounds)" in (
+        run.stdout
+    )
     rows = [line.split() for line in run.stdout.splitlines() if line.strip().startswith("4 ")]
-    assert [r[2] for r in rows] == ["LoggedA", "LoggedB"] and all(r[-1] == "ok" for r in rows)
-    iters = {r[2]: int(r[3]) for r in rows}
-    assert len(set(iters.values())) == 1 and 5 <= iters["LoggedA"] <= 6, rows  # one plan for the rows compared
+    assert [r[2] for r in rows] == ["LoggedA", "LoggedB"] * 2 and all(r[-1] == "ok" for r in rows)
+    planned = {int(r[3]) for r in rows}
+    assert len(planned) == 1 and 5 <= min(planned) <= 6, rows  # one plan for the rows compared
+    (n,) = planned
     logs = {log.resolve() for log in tmp_path_factory.getbasetemp().glob("bench*/calls-0.log")}  # benchcurrent: a link
     assert len(logs) == 1
     calls = logs.pop().read_text().split()
-    # rank 0's all_reduce calls, run by run: each backend's warmup, then three rounds of
-    # (one untimed iteration and a third of the timed ones) for each backend in turn, each
-    # round starting one further along: A B, then B A, then A B
+    # rank 0's all_reduce calls, run by run: each row's warmup, then three rounds of (one
+    # untimed iteration and a third of the timed ones) for each row in turn, the blocking and the
+    # asynchronous form in the same rounds, each round starting one further along
     turns = [name for name, _ in itertools.groupby(calls)]
-    order = ["LoggedA", "LoggedB"] + [
-        name for turn in range(3) for name in sizing.rotated(["LoggedA", "LoggedB"], turn)
-    ]
-    assert order == ["LoggedA", "LoggedB", "LoggedA", "LoggedB", "LoggedB", "LoggedA", "LoggedA", "LoggedB"]
+    slots = ["LoggedA", "LoggedB", "LoggedA-async", "LoggedB-async"]
+    order = slots + [name for turn in range(3) for name in sizing.rotated(slots, turn)]
+    assert order[4:8] == slots and order[8:12] == ["LoggedB", "LoggedA-async", "LoggedB-async", "LoggedA"]
     assert turns == [name for name, _ in itertools.groupby(order)], turns
-    for name, n in iters.items():
+    for name in slots:
         assert calls.count(name) == 1 + 3 + n  # --warmup 1, one per round, the timed ones
 
 
@@ -1136,24 +1144,24 @@ def test_plot_is_written(
     assert pngs and pngs[0].read_bytes().startswith(b"\x89PNG")
 
 
-def test_a_reference_op_is_measured_right_after_its_op() -> None:
-    from pg_core.bench.sizing import sweep_order
+def test_a_reference_op_is_measured_in_the_batch_of_its_op() -> None:
+    from pg_core.bench.sizing import sweep_batches
 
-    assert sweep_order(["send_tensor", "all_reduce", "send_recv"], [4, 8]) == [
-        ("send_tensor", 4),
-        ("send_recv", 4),
-        ("send_tensor", 8),
-        ("send_recv", 8),
-        ("all_reduce", 4),
-        ("all_reduce", 8),
+    assert sweep_batches(["send_tensor", "all_reduce", "send_recv"], [4, 8]) == [
+        [("send_tensor", 4), ("send_recv", 4)],
+        [("send_tensor", 8), ("send_recv", 8)],
+        [("all_reduce", 4)],
+        [("all_reduce", 8)],
     ]
-    assert sweep_order(["send_tensor", "all_reduce"], [4]) == [("send_tensor", 4), ("all_reduce", 4)]
-    # an asynchronous form right after its blocking op, size by size, whichever comes first in the list
-    assert sweep_order(["all_reduce", "all_reduce_async"], [4, 8]) == [
-        ("all_reduce", 4),
-        ("all_reduce_async", 4),
-        ("all_reduce", 8),
-        ("all_reduce_async", 8),
+    assert sweep_batches(["send_tensor", "all_reduce"], [4]) == [[("send_tensor", 4)], [("all_reduce", 4)]]
+    # an asynchronous form with its blocking op, size by size, whichever comes first in the list
+    assert sweep_batches(["all_reduce_async", "all_reduce"], [4, 8]) == [
+        [("all_reduce_async", 4), ("all_reduce", 4)],
+        [("all_reduce_async", 8), ("all_reduce", 8)],
+    ]
+    assert sweep_batches(["all_reduce", "all_reduce_async", "send_recv", "isend_irecv"], [4]) == [
+        [("all_reduce", 4), ("all_reduce_async", 4)],
+        [("send_recv", 4), ("isend_irecv", 4)],
     ]
 
 

@@ -331,7 +331,7 @@ class ShmBackend(Backend):
         """Take a reference for an operation, or raise ``GroupClosedError`` once closed.
 
         Without a lock, since every operation pays for it twice (a lock taken and released
-        here and in :meth:`_leave` cost a 4-byte send about 0.6 us): a reference is an entry
+        here and in :meth:`_leave` cost a 4-byte send about 0.4 us): a reference is an entry
         of ``_users``, appended or popped in one step under the GIL. A caller looks at
         ``live.closed`` only after its entry is in, and the close marks the member closed
         before anyone looks at ``_users`` for the release; so either the caller sees the

@@ -41,7 +41,8 @@ data). Its table has a ``vs send_recv`` column, its median over the plain
 :class:`~pg_core.bench.baselines.TorchGlooRunner`).
 
 **Asynchronous calls.** ``--async`` measures each selected op that has an asynchronous form
-(:data:`~pg_core.bench.catalog.ASYNC_OPS`) in that form too, right after it at each size: ``all_reduce_async`` and
+(:data:`~pg_core.bench.catalog.ASYNC_OPS`) in that form too, beside it at each size (with ``--rounds``, in
+the same rounds: :func:`~pg_core.bench.sizing.sweep_batches`): ``all_reduce_async`` and
 ``broadcast_async`` call the group with ``async_op=True`` and ``wait()`` at once,
 ``isend_irecv`` is ``send_recv``'s echo with ``isend(...).wait()`` and ``irecv(...).wait()``
 (raw mpi4py: ``Iallreduce``, ``Ibcast``, ``Isend``, ``Irecv``; torch's Gloo returns a work

@@ -91,7 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--async",
         dest="async_forms",
         action="store_true",
-        help="also measure each selected op that has one in its asynchronous form, right after it at each size "
+        help="also measure each selected op that has one in its asynchronous form, beside it at each size (with "
+        "--rounds, in the same rounds) "
         f"({', '.join(f'{a} after {b}' for b, a in ASYNC_OPS.items())}: async_op=True, or isend/irecv, then "
         "wait()); the 'vs' column gives the cost over the blocking call, as a ratio and in microseconds",
     )

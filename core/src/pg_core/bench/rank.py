@@ -24,7 +24,7 @@ from .config import Config
 from .inputs import check_object, check_output, object_size
 from .report import Row
 from .runners import PgCoreRunner, Runner, ToTorchRunner
-from .sizing import busbw_factor, element_count, plan_iterations, rotated, sweep_order
+from .sizing import busbw_factor, element_count, plan_iterations, rotated, sweep_batches
 
 __all__ = ["WORKER_FLAG", "Rank", "worker_main"]
 
@@ -79,13 +79,15 @@ class Rank:
         cfg = self.cfg
         self.emit("start")
         index = 0
-        for op, requested in sweep_order(cfg.ops, cfg.sizes):
-            count = element_count(op, requested, cfg.world_size, self.dtype.itemsize)
-            # one runner after the other; with --rounds R > 1, every runner's iterations interleaved
-            batches = [[runner] for runner in self.runners] if cfg.rounds == 1 else [self.runners]
+        for items in sweep_batches(cfg.ops, cfg.sizes):
+            # one (op, size, runner) after the other; with --rounds R > 1, the iterations of every
+            # runner and every op of the batch (an op and its asynchronous form) interleaved
+            rows = [(op, requested, runner) for op, requested in items for runner in self.runners]
+            batches = [[row] for row in rows] if cfg.rounds == 1 else [rows]
             for batch in batches:
                 slots: list[_Slot] = []
-                for runner in batch:
+                for op, requested, runner in batch:
+                    count = element_count(op, requested, cfg.world_size, self.dtype.itemsize)
                     index += 1
                     ready = self._ready(index, op, requested, count, runner)
                     if isinstance(ready, _Slot):

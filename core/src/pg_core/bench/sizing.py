@@ -27,7 +27,7 @@ __all__ = [
     "plan_iterations",
     "requested_sizes",
     "rotated",
-    "sweep_order",
+    "sweep_batches",
     "sweep_sizes",
 ]
 
@@ -50,22 +50,25 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
-def sweep_order(ops: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int]]:
-    """(op, size) in the order they are measured: op by op, size by size, except that an
-    op's reference op (:data:`~pg_core.bench.catalog.REFERENCE_OPS`), when selected too, is measured right after it
-    at each size, and the ops that refer to it (its asynchronous form) right after it, so the
-    ``vs`` ratio compares rows taken moments apart."""
-    order: list[tuple[str, int]] = []
+def sweep_batches(ops: Sequence[str], sizes: Sequence[int]) -> list[list[tuple[str, int]]]:
+    """(op, size) in the order they are measured, in batches: op by op, size by size, except
+    that an op's reference op (:data:`~pg_core.bench.catalog.REFERENCE_OPS`), when selected
+    too, and the ops that refer to it (its asynchronous form) are in its batch at each size.
+    With ``--rounds``, a batch's rows are timed in the same rounds, so the ``vs`` ratio and
+    difference compare blocks taken side by side, whatever the machine's speed drifts to from
+    one batch to the next (the same calls timed in two batches one after the other have
+    differed by 8% at 4 B)."""
+    batches: list[list[tuple[str, int]]] = []
     seen: set[tuple[str, int]] = set()
     for op in ops:
         ref = REFERENCE_OPS.get(op)
         others = ([ref] if ref is not None and ref in ops else []) + [o for o in ops if REFERENCE_OPS.get(o) == op]
         for size in sizes:
-            for item in [(op, size)] + [(o, size) for o in others]:
-                if item not in seen:
-                    seen.add(item)
-                    order.append(item)
-    return order
+            batch = [item for item in [(op, size)] + [(o, size) for o in others] if item not in seen]
+            seen.update(batch)
+            if batch:
+                batches.append(batch)
+    return batches
 
 
 def sweep_sizes(min_bytes: int, max_bytes: int, factor: float) -> list[int]:
