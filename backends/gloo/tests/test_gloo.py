@@ -10,6 +10,7 @@ The rank pool fails a call whose ranks leave threads, sockets or processes behin
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,7 +27,7 @@ from pg_core.store import HashStore, PrefixStore, wait_for
 from pg_core.testing.pool import RankContext, RankPool
 from pg_gloo.messages import _HEAD, _INLINE, _message
 from pg_gloo.plugin import CAPABILITIES, MAX_TAG
-from pg_gloo.waiting import SLICE, SLICE_EXPIRED, SlicedWaits, slice_ended
+from pg_gloo.waiting import SLICE, SLICE_EXPIRED, SlicedWaits, confined_to_one_cpu, slice_ended
 
 pytestmark = pytest.mark.requires_backend("gloo")
 
@@ -426,7 +427,7 @@ class _EndsAsTheSliceExpires:
 class _Waits(SlicedWaits):
     """The waiting rules alone, with nothing alarming and errors passed through as they are."""
 
-    rank, _pg, _broken, _aborted, _everyone = 0, None, None, False, (0, 1)
+    rank, _pg, _broken, _aborted, _everyone, _one_cpu = 0, None, None, False, (0, 1), False
 
     def __init__(self) -> None:
         self._closing = threading.Lock()
@@ -456,3 +457,31 @@ def test_a_collective_that_ends_as_its_slice_expires_succeeds(how: str) -> None:
         assert waits._launched(_EndsAsTheSliceExpires(), "all_reduce", 10.0, (0, 1)).wait() is True
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         waits._finish(_EndsAsTheSliceExpires("Connection closed by peer"), "all_reduce", 10.0, (0, 1))
+
+
+@pytest.mark.parametrize("one_cpu", [True, False])
+def test_an_asynchronous_post_yields_the_cpu_where_the_process_has_one(
+    one_cpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo's threads run a collective; on a process pinned to one CPU they start only once the
+    caller lets go of it, so an asynchronous post yields it before the Python that follows."""
+    import pg_gloo.waiting
+
+    yields: list[None] = []
+    monkeypatch.setattr(pg_gloo.waiting.os, "sched_yield", lambda: yields.append(None))
+    waits = _Waits()
+    waits._one_cpu = one_cpu
+    work = waits._launched(_EndsAsTheSliceExpires(), "all_reduce", 10.0, (0, 1))
+    assert len(yields) == (1 if one_cpu else 0)
+    assert work.wait() is True
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_a_process_pinned_to_one_cpu_is_confined_to_it() -> None:
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert confined_to_one_cpu() is True
+    finally:
+        os.sched_setaffinity(0, before)
+    assert confined_to_one_cpu() is (len(before) == 1)

@@ -74,7 +74,7 @@ from pg_core.work import Work, then
 from torch.distributed import ProcessGroupGloo
 
 from .messages import MAX_BUFFERED_SEND_BYTES, Messages, Sent, _Receive
-from .waiting import SLICE, SlicedWaits, Ticket, Waiters, slice_ended
+from .waiting import SLICE, SlicedWaits, Ticket, Waiters, confined_to_one_cpu, slice_ended
 from .watch import ABORTED, DIED, SHUT_DOWN, PeerWatch
 
 __all__ = ["GlooBackend"]
@@ -125,6 +125,8 @@ class GlooBackend(SlicedWaits, Messages, C10dBackend):
         self._send_errors: dict[int, BaseException] = {}
         #: set once ``abort()`` has closed Gloo's connections: blocked operations raise
         self._aborted = False
+        #: this process may run on one CPU only: an asynchronous post yields it (SlicedWaits._launched)
+        self._one_cpu = confined_to_one_cpu()
         #: bytes of sends copied and not yet taken by their receivers, bounded by ``_budget``
         self._buffered = 0
         self._buffered_cond = threading.Condition(self._lock)
