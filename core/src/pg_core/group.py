@@ -36,6 +36,7 @@ from .dispatch import (
 )
 from .errors import CollectiveTimeout, NotSupportedError, PeerFailureError, warn_user
 from .executor import Executor
+from .instance import Lane
 from .interop import to_torch
 from .membership import ROOT_NAMESPACE, Formation, Subgroups, await_leaving, check_name, form, leave, never_joined
 from .messages import ObjectsArg
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .backend import Backend, BackendSpec
-    from .instance import Instance, Lane
+    from .instance import Instance
     from .registry import Registry
 
 __all__ = ["DEFAULT_TIMEOUT", "P2POp", "ProcessGroup", "rendezvous"]
@@ -1025,8 +1026,13 @@ class ProcessGroup:
         :meth:`_p2p`'s checks."""
         key = (kind, device, dtype)
         if key not in self._p2p_lanes:
-            lane = self._p2p_lanes[key] = inst.lane(
-                kind, dtype, timeout=self._timeout, recorder=self._recorder, failed=self._tracer.point_to_point_failed
+            lane = self._p2p_lanes[key] = Lane(
+                inst,
+                kind,
+                dtype,
+                timeout=self._timeout,
+                recorder=self._recorder,
+                failed=self._tracer.point_to_point_failed,
             )
             if device.type == "cpu":
                 self._cpu_lanes[kind][dtype] = lane
@@ -1044,7 +1050,7 @@ class ProcessGroup:
         if lane is not None:
             lane.run(tensor, dst, tag)
         else:
-            self._full_p2p("send", self._send, tensor, dst, tag, timeout=timeout)
+            self._full_p2p("send", tensor, dst, tag, timeout=timeout)
 
     def recv(
         self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *, timeout: float | timedelta | None = None
@@ -1063,22 +1069,16 @@ class ProcessGroup:
         if lane is not None:
             lane.run(tensor, src, tag)
         else:
-            self._full_p2p("recv", self._recv, tensor, src, tag, timeout=timeout)
+            self._full_p2p("recv", tensor, src, tag, timeout=timeout)
         return src
 
     def _full_p2p(
-        self,
-        kind: str,
-        call: Callable[..., object],
-        tensor: torch.Tensor,
-        peer: int,
-        tag: int,
-        *,
-        timeout: float | timedelta | None,
+        self, kind: str, tensor: torch.Tensor, peer: int, tag: int, *, timeout: float | timedelta | None
     ) -> None:
-        """A blocking ``send``/``recv`` (``kind``) that its lane may not take: ``call`` (:meth:`_send`,
-        :meth:`_recv`), its checks included, recorded as the lane records its calls (a coalescing
+        """A blocking ``send``/``recv`` (``kind``) that its lane may not take: :meth:`_send` or
+        :meth:`_recv`, their checks included, recorded as the lane records its calls (a coalescing
         block's calls are its batch's, recorded with it)."""
+        call = self._send if kind == "send" else self._recv
         recorder = self._recorder
         if recorder is None or type(tensor) is not _Tensor or self._coalescing:
             call(tensor, peer, tag, timeout=timeout)

@@ -167,19 +167,6 @@ class Instance:
         else:
             queued.submit(kind, lambda: call(tensor, peer, wire, timeout=timeout)).result()
 
-    def lane(
-        self,
-        kind: str,
-        dtype: torch.dtype,
-        *,
-        timeout: float,
-        recorder: FlightRecorder | None = None,
-        failed: Callable[[BaseException], None] | None = None,
-    ) -> Lane:
-        """The blocking ``send``/``recv`` (``kind``) of tensors of ``dtype`` on this instance's
-        device, for a caller that has checked one such call in full (see :class:`Lane`)."""
-        return Lane(self, kind, dtype, timeout=timeout, recorder=recorder, failed=failed)
-
     def recv_any(self, tensor: torch.Tensor, tag: int, timeout: float) -> int:
         """The user's blocking receive from any source with user ``tag`` (mapped as for
         ``recv``), in the order of the tag's any-source stream: the sender's group rank, as the
@@ -236,7 +223,8 @@ class Lane:
     what its caller's full checks established once (the instance, the tag range, the wire
     tags), kept so that a later call of that kind with the group's timeout pays only the
     checks that can change from call to call. The group keeps one per (kind, device, dtype)
-    and decides, per call, whether the call may take it (``ProcessGroup._p2p_lane``).
+    and decides, per call, whether the call may take it (``ProcessGroup._p2p_lane``), making
+    it for a caller that has checked one such call in full.
 
     :meth:`run` maps the user tag as :meth:`TagMap.user <pg_core.tags.TagMap.user>` does
     (the caller checked it is below :attr:`limit`) and calls the backend here, or, once the
@@ -257,8 +245,8 @@ class Lane:
         dtype: torch.dtype,
         *,
         timeout: float,
-        recorder: FlightRecorder | None = None,
-        failed: Callable[[BaseException], None] | None = None,
+        recorder: FlightRecorder | None,
+        failed: Callable[[BaseException], None],
     ) -> None:
         self._instance = instance
         self._streams = instance._streams
@@ -292,8 +280,7 @@ class Lane:
         try:
             recorded(self.kind, tensor.shape, self.dtype, self.device, peer, call, tensor, wire, self.timeout)
         except BaseException as exc:
-            if self._failed is not None:
-                self._failed(exc)
+            self._failed(exc)
             raise
 
     def _queued(self, tensor: torch.Tensor, peer: int, wire: int, *, timeout: float) -> None:
